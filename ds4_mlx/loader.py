@@ -11,7 +11,7 @@ from ds4_mlx.models import deepseek_v4 as dsv4
 def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool):
     model = dsv4.Model(args, quant_sim=quant_sim)
     model.apply_quantization(quantization)
-    model.load_weights(list(weights.items()), strict=True)
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
     return model
 

@@ -175,9 +175,479 @@ def expected_gguf_names(args: ModelArgs) -> list:
                 continue
             if k.startswith("indexer") and t != CSA:
                 continue
-            if k == "exp_probs_b" and i < args.num_hash_layers:
+            if k == "exp_probs_b":  # optional: a zero bias when absent
                 continue
             if k == "ffn_gate_tid2eid" and i >= args.num_hash_layers:
                 continue
             names.append(f"blk.{i}.{k}")
     return names
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics shared by the layers
+
+
+def rms_norm(x, weight, eps):
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def yarn_inv_freq(dim, base, scaling):
+    """Inverse frequencies of the rotary pairs; YaRN blends interpolated and original frequencies
+    (magnitude scaling is cancelled, as in the official model)."""
+    inv = 1.0 / (base ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim))
+    if not scaling:
+        return inv
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(scaling.get("beta_fast", 32.0))), 0)
+    high = min(math.ceil(correction_dim(scaling.get("beta_slow", 1.0))), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dim // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: original frequency, 0: interpolated by `factor`
+    return inv / factor * (1 - keep) + inv * keep
+
+
+class Rope:
+    """Interleaved-pair rotary embedding on the last `dim` features of each head."""
+
+    def __init__(self, dim, base, scaling=None):
+        self.dim = dim
+        self.inv_freq = yarn_inv_freq(dim, base, scaling)
+
+    def __call__(self, x, positions, inverse=False):
+        # x [T, ..., D], positions [T]
+        angles = positions.astype(mx.float32)[:, None] * self.inv_freq
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        if inverse:
+            sin = -sin
+        extra = x.ndim - 2
+        cos = cos.reshape(cos.shape[:1] + (1,) * extra + cos.shape[1:])
+        sin = sin.reshape(cos.shape)
+        head, tail = x[..., : -self.dim], x[..., -self.dim :]
+        pairs = tail.reshape(tail.shape[:-1] + (self.dim // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(tail.shape)
+        return mx.concatenate([head, rotated.astype(x.dtype)], axis=-1)
+
+
+def fp8_e4m3_sim(x, block=64):
+    """Round trip through FP8 E4M3 with a power-of-two scale per `block` values (ds4's KV rows)."""
+    shape = x.shape
+    block = min(block, shape[-1])  # tiny test models have narrower heads
+    x = x.reshape(shape[:-1] + (shape[-1] // block, block)).astype(mx.float32)
+    amax = mx.maximum(mx.max(mx.abs(x), axis=-1, keepdims=True), 1e-4)
+    scale = mx.power(2.0, mx.ceil(mx.log2(amax / 448.0)))
+    v = mx.clip(x / scale, -448.0, 448.0)
+    v = mx.from_fp8(mx.to_fp8(v), dtype=mx.float32)
+    return (v * scale).reshape(shape)
+
+
+_FP4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fp4_e2m1_round(v):
+    """Nearest E2M1 value to v (|v| <= 6), ties to the even grid index."""
+    a = mx.abs(v)
+    index = sum(((a >= t) if inclusive else (a > t)).astype(mx.int32) for t, inclusive in _FP4_STEPS)
+    return mx.sign(v) * mx.array(_FP4_GRID)[index]
+
+
+def fp4_e2m1_sim(x, block=32):
+    shape = x.shape
+    block = min(block, shape[-1])
+    x = x.reshape(shape[:-1] + (shape[-1] // block, block)).astype(mx.float32)
+    amax = mx.maximum(mx.max(mx.abs(x), axis=-1, keepdims=True), 7.052966e-38)
+    scale = mx.power(2.0, mx.ceil(mx.log2(amax / 6.0)))
+    v = fp4_e2m1_round(mx.clip(x / scale, -6.0, 6.0))
+    return (v * scale).reshape(shape)
+
+
+def f16_round(x):
+    return x.astype(mx.float16).astype(x.dtype)
+
+
+def hadamard_fp4_sim(x):
+    x = mx.hadamard_transform(x.astype(mx.float32), scale=1.0 / math.sqrt(x.shape[-1]))
+    return f16_round(fp4_e2m1_sim(x))
+
+
+def clamped_swiglu(gate, up, limit):
+    gate = mx.minimum(gate, limit)
+    up = mx.clip(up, -limit, limit)
+    return nn.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+
+
+class SwitchLinear(nn.Module):
+    """A stack of linear maps [n, out, in]; each token row picks its own (experts, output groups)."""
+
+    def __init__(self, n, input_dims, output_dims):
+        super().__init__()
+        self.weight = mx.zeros((n, output_dims, input_dims))
+
+    def __call__(self, x, indices, sorted_indices=False):
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        n, out, inp = self.weight.shape
+        return QuantizedSwitchLinear(n, inp, out, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    def __init__(self, n, input_dims, output_dims, group_size, bits, mode="affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        w, scales, *biases = mx.quantize(mx.zeros((n, output_dims, input_dims)), group_size, bits, mode=mode)
+        self.weight, self.scales = w, scales
+        if biases:
+            self.biases = biases[0]
+        self.freeze()
+
+    def __call__(self, x, indices, sorted_indices=False):
+        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             sorted_indices=sorted_indices)
+
+
+class HyperConnection(nn.Module):
+    """Mixes the `hc` residual streams into one sub-layer input, and back (pre / post / comb)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hc = args.hc_mult
+        self.fn = mx.zeros(((2 + hc) * hc, hc * args.hidden_size))
+        self.base = mx.zeros(((2 + hc) * hc,))
+        self.scale = mx.ones((3,))
+        self.hc, self.iters, self.eps, self.norm_eps = hc, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
+
+    def pre(self, streams):
+        """streams [T, hc, H] -> (sub-layer input [T, H], post [T, hc], comb [T, hc, hc])."""
+        T, hc, H = streams.shape
+        flat = rms_norm(streams.reshape(T, hc * H), None, self.norm_eps)
+        mix = flat @ self.fn.T
+        s = self.scale
+        pre = mx.sigmoid(mix[:, :hc] * s[0] + self.base[:hc]) + self.eps
+        post = 2 * mx.sigmoid(mix[:, hc : 2 * hc] * s[1] + self.base[hc : 2 * hc])
+        comb = (mix[:, 2 * hc :] * s[2] + self.base[2 * hc :]).reshape(T, hc, hc)  # [source, destination]
+        comb = mx.softmax(comb, axis=-1) + self.eps
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(axis=-1, keepdims=True) + self.eps)
+            comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
+        x = (pre[:, :, None] * streams).sum(axis=1)
+        return x, post, comb
+
+    @staticmethod
+    def post(out, streams, post, comb):
+        return post[:, :, None] * out[:, None, :] + comb.swapaxes(1, 2) @ streams
+
+
+class HyperHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hc = args.hc_mult
+        self.fn = mx.zeros((hc, hc * args.hidden_size))
+        self.base = mx.zeros((hc,))
+        self.scale = mx.ones((1,))
+        self.eps, self.norm_eps = args.hc_eps, args.rms_norm_eps
+
+    def __call__(self, streams):
+        T, hc, H = streams.shape
+        flat = rms_norm(streams.reshape(T, hc * H), None, self.norm_eps)
+        w = mx.sigmoid((flat @ self.fn.T) * self.scale[0] + self.base) + self.eps
+        return (w[:, :, None] * streams).sum(axis=1)
+
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one row: a per-channel softmax over token scores. The ratio-4
+    kind overlaps: each row pools the first half of the previous block's channels and the second half
+    of its own block's."""
+
+    def __init__(self, args: ModelArgs, ratio, head_dim):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        width = head_dim * (2 if self.overlap else 1)
+        self.kv = nn.Linear(args.hidden_size, width, bias=False)
+        self.gate = nn.Linear(args.hidden_size, width, bias=False)
+        self.ape = mx.zeros((ratio, width))
+        self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.width = width
+
+    def __call__(self, xn, p0, ring, first_row, n_rows):
+        """Log this chunk's kv and score rows in `ring`, then return the `n_rows` new pooled rows
+        (before norm and RoPE), starting at row `first_row`."""
+        T = xn.shape[0]
+        positions = mx.arange(p0, p0 + T)
+        kv = self.kv(xn)
+        score = self.gate(xn) + self.ape[positions % self.ratio]
+        ring.write(p0, mx.concatenate([kv, score], axis=-1))
+        if n_rows == 0:
+            return None
+        m, d, W = self.ratio, self.head_dim, self.width
+        tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
+        logged = ring.gather(tokens)
+        kv, score = logged[..., :W], logged[..., W:]
+        if self.overlap:
+            prev = ring.gather(tokens - m)
+            prev_score = mx.where((tokens - m >= 0)[..., None], prev[..., W + 0 : W + d], -mx.inf)
+            kv = mx.concatenate([prev[..., :d], kv[..., d:]], axis=1)
+            score = mx.concatenate([prev_score, score[..., d:]], axis=1)
+        weights = mx.softmax(score.astype(mx.float32), axis=1)
+        return (weights * kv).sum(axis=1)
+
+
+class Indexer(nn.Module):
+    """Scores compressed rows for each query (ReLU per head, weighted over heads)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.q_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(args, 4, self.head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.args = args
+        self.kind = args.layer_type(layer_id)
+        self.ratio = args.compress_ratios[layer_id]
+        H, nh, hd = args.hidden_size, args.num_attention_heads, args.head_dim
+        self.n_heads, self.head_dim = nh, hd
+        self.q_a = nn.Linear(H, args.q_lora_rank, bias=False)
+        self.q_a_norm = nn.RMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
+        self.q_b = nn.Linear(args.q_lora_rank, nh * hd, bias=False)
+        self.kv = nn.Linear(H, hd, bias=False)
+        self.kv_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.sinks = mx.zeros((nh,))
+        self.o_a = SwitchLinear(args.o_groups, nh * hd // args.o_groups, args.o_lora_rank)
+        self.o_b = nn.Linear(args.o_groups * args.o_lora_rank, H, bias=False)
+        if self.kind == SLIDING:
+            self.rope = Rope(args.qk_rope_head_dim, args.rope_theta)
+        else:
+            self.rope = Rope(args.qk_rope_head_dim, args.compress_rope_theta, args.rope_scaling)
+            self.compressor = Compressor(args, self.ratio, hd)
+        if self.kind == CSA:
+            self.indexer = Indexer(args)
+
+    def _store_kv(self, kv, quant_sim):
+        if not quant_sim:
+            return kv
+        nope = self.head_dim - self.args.qk_rope_head_dim
+        return f16_round(mx.concatenate([fp8_e4m3_sim(kv[:, :nope]), kv[:, nope:]], axis=-1))
+
+    def _compress(self, compressor, xn, cache, ring, buffer, quant):
+        """Run a compressor over the chunk and append its finished rows to `buffer`."""
+        p0, T, m = cache.pos, xn.shape[0], compressor.ratio
+        first, last = p0 // m, (p0 + T) // m
+        pooled = compressor(xn, p0, ring, first, last - first)
+        if pooled is not None:
+            rows = compressor.norm(pooled)
+            rows = self.rope(rows, mx.arange(first, last) * m)
+            buffer.append(quant(rows))
+
+    def __call__(self, x, cache, quant_sim):
+        args, nh, hd = self.args, self.n_heads, self.head_dim
+        T, p0 = x.shape[0], cache.pos
+        positions = mx.arange(p0, p0 + T)
+        qr = self.q_a_norm(self.q_a(x))
+        q = self.q_b(qr).reshape(T, nh, hd)
+        q = rms_norm(q, None, args.rms_norm_eps)
+        q = self.rope(q, positions)
+        kv = self.rope(self.kv_norm(self.kv(x)), positions)
+        cache.raw.write(p0, self._store_kv(kv, quant_sim))
+
+        # raw window: the last `window` positions up to and including each query
+        W = args.sliding_window
+        window_pos = positions[:, None] - (W - 1) + mx.arange(W)[None, :]
+        keys = [cache.raw.gather(window_pos)]
+        masks = [window_pos >= 0]
+
+        if self.kind != SLIDING:
+            m = self.ratio
+            self._compress(self.compressor, x, cache, cache.frontier, cache.rows,
+                           lambda r: self._store_kv(r, quant_sim))
+            rows = cache.rows.view()
+            visible = ((positions + 1) // m)[:, None]  # rows visible to each query
+            C = rows.shape[0]
+            selected = None
+            if self.kind == CSA:
+                idx = self.indexer
+                self._compress(idx.compressor, x, cache, cache.index_frontier, cache.index_rows,
+                               (lambda r: hadamard_fp4_sim(r)) if quant_sim else (lambda r: r))
+                if C > args.index_topk:
+                    selected = self._select(qr, x, positions, cache.index_rows.view(), visible, quant_sim)
+            if selected is None:
+                if C:
+                    keys.append(mx.broadcast_to(rows[None], (T, C, hd)))
+                    masks.append(mx.arange(C)[None, :] < visible)
+            else:
+                keys.append(rows[selected])
+                masks.append(selected < visible)
+
+        keys = mx.concatenate(keys, axis=1)[:, None]  # [T, 1, K, hd]: one KV head, K = V
+        mask = mx.concatenate(masks, axis=1)[:, None, None, :]
+        out = mx.fast.scaled_dot_product_attention(
+            q[:, :, None, :], keys, keys, scale=hd ** -0.5, mask=mask, sinks=self.sinks.astype(q.dtype))
+        out = self.rope(out[:, :, 0, :], positions, inverse=True)  # [T, nh, hd]
+        G = args.o_groups
+        groups = out.reshape(T, G, 1, nh * hd // G)
+        low = self.o_a(groups, mx.arange(G)).reshape(T, G * args.o_lora_rank)
+        return self.o_b(low)
+
+    def _select(self, qr, x, positions, index_rows, visible, quant_sim):
+        """Top-k compressed rows for each query, by the indexer's scores (future rows excluded)."""
+        idx, args = self.indexer, self.args
+        T = qr.shape[0]
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), positions)
+        if quant_sim:
+            qi = hadamard_fp4_sim(qi)
+        w = idx.proj(x) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
+        per_head = mx.maximum(qi @ index_rows.T, 0)  # [T, nih, C]
+        scores = (w[:, :, None] * per_head).sum(axis=1)
+        C = index_rows.shape[0]
+        scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
+        k = args.index_topk
+        return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        E, H, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        self.args = args
+        self.hashed = layer_id < args.num_hash_layers
+        self.gate = nn.Linear(H, E, bias=False)
+        if self.hashed:
+            self.tid2eid = mx.zeros((args.vocab_size, args.num_experts_per_tok), mx.int32)
+        else:
+            self.bias = mx.zeros((E,))
+        self.experts = {"gate": SwitchLinear(E, H, I), "up": SwitchLinear(E, H, I), "down": SwitchLinear(E, I, H)}
+        shared = I * args.n_shared_experts
+        self.shared = {"gate": nn.Linear(H, shared, bias=False), "up": nn.Linear(H, shared, bias=False),
+                       "down": nn.Linear(shared, H, bias=False)}
+
+    def __call__(self, x, ids):
+        args, k = self.args, self.args.num_experts_per_tok
+        scores = mx.sqrt(mx.logaddexp(self.gate(x).astype(mx.float32), 0.0))  # sqrt(softplus)
+        if self.hashed:
+            chosen = self.tid2eid[ids]
+        else:
+            chosen = mx.argpartition(-(scores + self.bias), k - 1, axis=-1)[:, :k]
+        weights = mx.take_along_axis(scores, chosen, axis=-1)
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * args.routed_scaling_factor
+        routed = self._experts(x, chosen)
+        y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
+        s = self.shared
+        return y + s["down"](clamped_swiglu(s["gate"](x), s["up"](x), args.swiglu_limit))
+
+    def _experts(self, x, chosen):
+        """[T, H] with chosen experts [T, k] -> [T, k, H]; sorted by expert for big batches."""
+        e, (T, k) = self.experts, chosen.shape
+        limit = self.args.swiglu_limit
+        if T * k < 64:
+            xs, idx, order = x[:, None, None, :], chosen, None
+        else:
+            flat = chosen.flatten()
+            order = mx.argsort(flat)
+            xs, idx = x[order // k][:, None, :], flat[order]
+        sorted_ = order is not None
+        h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
+        y = e["down"](h, idx, sorted_)
+        if order is None:
+            return y[:, :, 0, :]
+        return y[mx.argsort(order)].reshape(T, k, -1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.hc_attn = HyperConnection(args)
+        self.hc_ffn = HyperConnection(args)
+        self.attn = Attention(args, layer_id)
+        self.ffn = MoE(args, layer_id)
+
+    def __call__(self, streams, ids, cache, quant_sim):
+        x, post, comb = self.hc_attn.pre(streams)
+        out = self.attn(self.attn_norm(x), cache, quant_sim)
+        cache.advance(x.shape[0])
+        streams = HyperConnection.post(out, streams, post, comb)
+        x, post, comb = self.hc_ffn.pre(streams)
+        out = self.ffn(self.ffn_norm(x), ids)
+        return HyperConnection.post(out, streams, post, comb)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs, quant_sim: bool = True):
+        super().__init__()
+        self.args, self.quant_sim = args, quant_sim
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.hc_head = HyperHead(args)
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def make_cache(self, *, max_chunk=512, history=0):
+        """Per-layer caches; `history` extra positions kept so rewinds of that many tokens are free."""
+        from ds4_mlx.cache.layers import LayerCache
+
+        a = self.args
+        caches = []
+        for i in range(a.num_hidden_layers):
+            kind, ratio = a.layer_type(i), a.compress_ratios[i]
+            caches.append(LayerCache(
+                window=a.sliding_window, head_dim=a.head_dim, ratio=ratio,
+                comp_width=a.head_dim * (2 if kind == CSA else 1) if ratio else 0,
+                index_dim=a.index_head_dim if kind == CSA else 0,
+                index_width=2 * a.index_head_dim if kind == CSA else 0,
+                max_chunk=max_chunk, history=history))
+        return caches
+
+    def __call__(self, inputs, cache=None, *, last_only=False):
+        """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""
+        ids = inputs.reshape(-1)
+        T = ids.shape[0]
+        if cache is None:
+            cache = self.make_cache(max_chunk=T)
+        chunk = cache[0].max_chunk
+        if T > chunk:  # the rings hold one chunk at a time
+            outs = [self(inputs[:, i : i + chunk], cache, last_only=last_only) for i in range(0, T, chunk)]
+            return outs[-1] if last_only else mx.concatenate(outs, axis=1)
+        streams = mx.broadcast_to(self.embed(ids)[:, None, :], (T, self.args.hc_mult, self.args.hidden_size))
+        for layer, c in zip(self.layers, cache):
+            streams = layer(streams, ids, c, self.quant_sim)
+        if last_only:
+            streams = streams[-1:]
+        x = self.norm(self.hc_head(streams))
+        return self.lm_head(x)[None]
+
+    # Weights -------------------------------------------------------------------------------
+    def apply_quantization(self, quantization: dict):
+        """Swap the modules named in `quantization` ({path: {group_size, bits, mode}}) for quantized ones."""
+        if quantization:
+            nn.quantize(self, class_predicate=lambda path, m: quantization.get(path, False))
+
+    def sanitize(self, weights: dict) -> dict:
+        """Reshape the grouped output projection to [groups, rank, in]; default the optional router bias."""
+        a = self.args
+        out = dict(weights)
+        for name, w in weights.items():
+            if ".attn.o_a." in name and w.ndim == 2:
+                out[name] = w.reshape(a.o_groups, -1, w.shape[-1])
+        for i in range(a.num_hash_layers, a.num_hidden_layers):
+            out.setdefault(f"layers.{i}.ffn.bias", mx.zeros((a.n_routed_experts,)))
+        for name in list(out):
+            if name.endswith("tid2eid"):
+                out[name] = out[name].astype(mx.int32)
+        return out
