@@ -1,0 +1,368 @@
+"""Sampling, stop conditions and streaming text on top of a `ds4_mlx.Session`.
+
+The one entry point for callers (the server's worker thread, the REPL, `ds4-mlx generate`) is
+`stream_generate`:
+
+    sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=1)
+    for chunk in stream_generate(session, tokenizer, prompt_ids, max_tokens=256, sampling=sampling,
+                                 stop_strings=["\\n\\n"], should_abort=client_gone):
+        send(chunk.text)
+        if chunk.finish_reason:
+            usage = chunk.stats
+
+The cache contract, which makes a follow-up request reuse the cache: when the generator ends (any
+finish reason, and also when the caller stops iterating), `session.tokens` is a prefix of
+`prompt_ids + stats.output_ids`, and it is exactly that whenever generation got past the prefill.
+`output_ids` are the answer's tokens: the stop token (EOS) is not part of them and is never fed to
+the model, so the next prompt, which renders EOS after the answer, computes it along with the new
+turn. A stop string drops the tokens from the one where the stop string begins, and the session is
+trimmed to match. On "length" the last sampled token is fed (one extra decode step) so that the
+cache holds the whole answer.
+"""
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+
+
+@dataclass
+class SamplingParams:
+    """Sampling knobs. Defaults are ds4's (temperature 1, top_p 1, min_p 0.05, no top_k).
+
+    temperature <= 0 means greedy (argmax). top_k <= 0, top_p >= 1 and min_p <= 0 switch that
+    filter off. The filters apply to the temperature-scaled distribution in the order top_k, top_p,
+    min_p. seed=None draws a random seed; a given seed makes a run reproducible."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.05
+    seed: Optional[int] = None
+
+
+def filter_logits(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Temperature-scaled float32 logits with the tokens removed by top_k/top_p/min_p set to -inf."""
+    logits = logits.astype(mx.float32) / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth_largest = mx.sort(logits)[-params.top_k]
+        logits = mx.where(logits < kth_largest, -mx.inf, logits)
+    if params.top_p < 1.0:
+        probs = mx.softmax(logits)
+        sorted_probs = mx.sort(probs)[::-1]
+        mass_before = mx.cumsum(sorted_probs) - sorted_probs
+        kept = mass_before < params.top_p  # the smallest set whose mass reaches top_p
+        smallest_kept = mx.min(mx.where(kept, sorted_probs, mx.inf))
+        logits = mx.where(probs < smallest_kept, -mx.inf, logits)
+    if params.min_p > 0.0:
+        probs = mx.softmax(logits)
+        logits = mx.where(probs < params.min_p * mx.max(probs), -mx.inf, logits)
+    return logits
+
+
+class Sampler:
+    """Draws token ids from next-token logits ([vocab]) with one `SamplingParams`; keeps its own
+    random key, so two samplers with the same seed draw the same sequence."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.key = mx.random.key(seed)
+
+    def __call__(self, logits: mx.array) -> int:
+        if self.params.temperature <= 0:
+            return int(mx.argmax(logits).item())
+        self.key, draw_key = mx.random.split(self.key)
+        return int(mx.random.categorical(filter_logits(logits, self.params), key=draw_key).item())
+
+
+class Detokenizer:
+    """Turns token ids into text incrementally without ever emitting broken UTF-8: tokens whose
+    bytes end inside a character are held until the character completes.
+
+    `add(token) -> str` returns the text released by this token (often "", sometimes the text of
+    several held tokens). `token_ends[i]` is the length of the released text once token i's text was
+    released (None while held)."""
+
+    REPLACEMENT = "\ufffd"
+    MAX_HELD = 8  # a character is at most 4 bytes: past this, the bytes really are invalid
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.held = []
+        self.released_len = 0
+        self.token_ends = []
+
+    def add(self, token: int) -> str:
+        self.held.append(token)
+        self.token_ends.append(None)
+        text = self.tokenizer.decode(self.held)
+        if text.endswith(self.REPLACEMENT) and len(self.held) < self.MAX_HELD:
+            return ""
+        return self._release(text)
+
+    def flush(self) -> str:
+        return self._release(self.tokenizer.decode(self.held)) if self.held else ""
+
+    def _release(self, text: str) -> str:
+        self.released_len += len(text)
+        for i in range(len(self.token_ends) - len(self.held), len(self.token_ends)):
+            self.token_ends[i] = self.released_len
+        self.held = []
+        return text
+
+
+class StopStringWatcher:
+    """Finds stop strings in streamed text, also across token boundaries, and withholds the tail
+    of the text that could still become a stop string."""
+
+    def __init__(self, stop_strings: Sequence[str]):
+        self.stops = [s for s in stop_strings if s]
+        self.text = ""
+        self.emitted = 0
+        self.stop_at = None  # index in `text` where the first stop string begins
+
+    def add(self, text: str) -> str:
+        """Append text; return the part that is now safe to show."""
+        search_from = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) + 1)
+        self.text += text
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        if hits:
+            self.stop_at = min(hits)
+            return self._emit_until(self.stop_at)
+        return self._emit_until(len(self.text) - self._possible_stop_prefix_len())
+
+    def flush(self) -> str:
+        return self._emit_until(len(self.text))
+
+    def _possible_stop_prefix_len(self) -> int:
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.text) - self.emitted), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _emit_until(self, end: int) -> str:
+        out = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out
+
+
+@dataclass
+class GenerationStats:
+    """Counts and speeds of one `stream_generate` call.
+
+    prompt_tokens: len(prompt_ids). reused/replayed/computed: from `session.last_sync` (cache hit,
+    tokens re-run to rebuild state after a trim, new prompt tokens). completion_tokens: tokens
+    sampled, a stop token included. output_ids: the answer's tokens (see the module docstring)."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    replayed_tokens: int = 0
+    computed_tokens: int = 0
+    completion_tokens: int = 0
+    output_ids: list = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        work = self.computed_tokens + self.replayed_tokens
+        return work / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.completion_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationChunk:
+    """One step of the stream. `token`: the id sampled at this step (None when the step sampled
+    nothing: an abort, or max_tokens=0). `text`: newly released text (may be ""); the texts of all
+    chunks concatenate to the answer, stop strings excluded. The last chunk, and only it, has
+    `finish_reason` ("stop", "length" or "abort") and `stats`."""
+
+    text: str
+    token: Optional[int] = None
+    finish_reason: Optional[str] = None
+    stats: Optional[GenerationStats] = None
+
+
+def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,
+                    sampling: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
+                    stop_ids: Optional[Sequence[int]] = None,
+                    should_abort: Optional[Callable[[], bool]] = None,
+                    on_prefill: Optional[Callable[[int, int], object]] = None
+                    ) -> Iterator[GenerationChunk]:
+    """Generate from `prompt_ids` with `session`, yielding a `GenerationChunk` per sampled token.
+
+    The session is synced to `prompt_ids` (reusing its longest common prefix), then tokens are
+    sampled until a stop id (default: the tokenizer's EOS), a stop string, `max_tokens`, or
+    `should_abort()` returning True (checked before each token and after each prefill chunk).
+    `on_prefill(done, total)` is called after each prefill chunk; returning True aborts too.
+    Runs on the calling thread; nothing here is shared, so one generator per session at a time.
+    See the module docstring for what `session.tokens` holds afterwards."""
+    stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
+    should_abort = should_abort or (lambda: False)
+    sample = Sampler(sampling)
+    detok = Detokenizer(tokenizer)
+    watcher = StopStringWatcher(stop_strings)
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    prompt_ids = list(prompt_ids)
+    sampled = []
+
+    def finish(reason, token=None, text=""):
+        if reason == FINISH_STOP and watcher.stop_at is not None:
+            kept = sum(1 for end in detok.token_ends if end is not None and end <= watcher.stop_at)
+            stats.output_ids = sampled[:kept]
+            if len(session.tokens) > len(prompt_ids) + kept:
+                session.trim(len(prompt_ids) + kept)
+        else:
+            stats.output_ids = [t for t in sampled if t not in stop_ids]
+            text += watcher.add(detok.flush()) + watcher.flush()
+        stats.completion_tokens = len(sampled)
+        stats.decode_seconds = time.perf_counter() - decode_start
+        return GenerationChunk(text=text, token=token, finish_reason=reason, stats=stats)
+
+    def prefill_callback(done, total):
+        stop = on_prefill(done, total) if on_prefill else False
+        return bool(stop) or should_abort()
+
+    from ds4_mlx import SyncInterrupted
+
+    start = time.perf_counter()
+    try:
+        logits = session.sync(prompt_ids, on_chunk=prefill_callback)
+        mx.eval(logits)
+    except SyncInterrupted:
+        logits = None
+    sync_info = session.last_sync or {}
+    stats.reused_tokens = sync_info.get("reused", 0)
+    stats.replayed_tokens = sync_info.get("replayed", 0)
+    stats.computed_tokens = sync_info.get("computed", 0)
+    stats.prefill_seconds = time.perf_counter() - start
+    decode_start = time.perf_counter()
+    if logits is None:
+        yield finish(FINISH_ABORT)
+        return
+    if max_tokens <= 0:
+        yield finish(FINISH_LENGTH)
+        return
+
+    while True:
+        if should_abort():
+            yield finish(FINISH_ABORT)
+            return
+        token = sample(logits)
+        sampled.append(token)
+        if token in stop_ids:
+            yield finish(FINISH_STOP, token)
+            return
+        text = watcher.add(detok.add(token))
+        if watcher.stop_at is not None:
+            yield finish(FINISH_STOP, token, text)
+            return
+        if len(sampled) >= max_tokens:
+            session.step(token)
+            yield finish(FINISH_LENGTH, token, text)
+            return
+        yield GenerationChunk(text=text, token=token)
+        logits = session.step(token)
+
+
+# ---------------------------------------------------------------- `ds4-mlx generate`
+
+
+def add_sampling_arguments(parser):
+    """The sampling flags shared by `generate` and `chat`."""
+    defaults = SamplingParams()
+    parser.add_argument("-m", "--model", help="a .gguf file or converted MLX folder "
+                        "(default: the built-in demo model, random weights: gibberish text)")
+    parser.add_argument("-n", "--max-tokens", type=int, default=1024, help="most tokens to generate")
+    parser.add_argument("--temp", type=float, default=defaults.temperature,
+                        help="temperature, 0 = greedy (default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=defaults.top_p)
+    parser.add_argument("--top-k", type=int, default=defaults.top_k)
+    parser.add_argument("--min-p", type=float, default=defaults.min_p)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--system", default="You are a helpful assistant",
+                        help="system prompt (an empty string for none)")
+    think = parser.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_true", default=True,
+                       help="thinking mode (the default)")
+    think.add_argument("--nothink", dest="think", action="store_false", help="answer directly")
+
+
+def sampling_from_args(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, seed=args.seed)
+
+
+def load_for_cli(model_path):
+    """(model, tokenizer, is_demo) for a CLI command; no path means the built-in demo model."""
+    import ds4_mlx
+
+    is_demo = model_path is None
+    if is_demo:
+        from ds4_mlx.demo import demo_model_path
+
+        model_path = demo_model_path()
+    model, tokenizer = ds4_mlx.load(model_path)
+    if tokenizer is None:
+        raise ValueError(f"{model_path}: the model has no tokenizer")
+    return model, tokenizer, is_demo
+
+
+DEMO_NOTE = "(demo model: tiny random weights with the real tokenizer, so its text is gibberish; " \
+            "pass -m MODEL for a real one)"
+
+
+def run_generate(args):
+    from ds4_mlx import Session
+    from ds4_mlx.chat import OutputParser, ReasoningDelta, ContentDelta, render
+
+    model, tokenizer, is_demo = load_for_cli(args.model)
+    if is_demo:
+        print(DEMO_NOTE, file=sys.stderr)
+    if args.prompt.startswith("<｜begin▁of▁sentence｜>"):
+        prompt_text = args.prompt  # already rendered
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt_text = render(messages + [{"role": "user", "content": args.prompt}], thinking=args.think)
+    parser = OutputParser(thinking=args.think and prompt_text.endswith("<think>"))
+    dim = ("\x1b[2m", "\x1b[0m") if sys.stderr.isatty() else ("", "")
+    session = Session(model)
+    for chunk in stream_generate(session, tokenizer, tokenizer.encode(prompt_text),
+                                 max_tokens=args.max_tokens, sampling=sampling_from_args(args)):
+        events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
+        for event in events:
+            if isinstance(event, ReasoningDelta):
+                sys.stderr.write(dim[0] + event.text + dim[1])
+                sys.stderr.flush()
+            elif isinstance(event, ContentDelta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        if chunk.finish_reason:
+            s = chunk.stats
+            print(file=sys.stdout)
+            print(f"[{chunk.finish_reason}: prompt {s.prompt_tokens} tokens, "
+                  f"{s.prefill_tokens_per_second:.1f} t/s; generated {s.completion_tokens} tokens, "
+                  f"{s.decode_tokens_per_second:.1f} t/s]", file=sys.stderr)
+    return 0
+
+
+def register(subparsers):
+    p = subparsers.add_parser("generate", help="print a completion for one prompt",
+                              description="Render PROMPT as a one-turn chat (or use it as is when it "
+                                          "starts with BOS) and print the answer; reasoning goes to "
+                                          "stderr.")
+    p.add_argument("-p", "--prompt", required=True)
+    add_sampling_arguments(p)
+    p.set_defaults(func=run_generate)
