@@ -67,7 +67,7 @@ class RowBuffer:
         self.count = need
 
     def view(self):
-        return self.rows[: self.count]
+        return self.rows[: self.count] if self.count else mx.zeros((0, self.width), self.dtype)
 
     @property
     def nbytes(self):

@@ -1,0 +1,140 @@
+"""One conversation's tokens and cache, able to go back to any earlier position exactly.
+
+Rewind policy (see shared/design/rewind.md):
+- within the last `rewind_slack` tokens: every layer trims in place (the rings still hold the raw
+  and compressor rows), nothing is recomputed;
+- deeper: restore the nearest checkpoint at or before the target (taken every `checkpoint_every`
+  tokens, a few rows a layer) and replay at most `checkpoint_every` tokens;
+- the next-token logits come from feeding the last prompt token again, or are kept when the prompt
+  equals the live tokens.
+"""
+
+import mlx.core as mx
+
+from ds4_mlx.cache.layers import LayerCache
+
+
+class SyncInterrupted(Exception):
+    """`on_chunk` asked to stop; the session keeps the prefix computed so far."""
+
+
+def common_prefix(a, b):
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    def __init__(self, model, *, rewind_slack=4096, checkpoint_every=2048, max_chunk=256):
+        if checkpoint_every <= 0 or rewind_slack < 0 or max_chunk <= 0:
+            raise ValueError("checkpoint_every and max_chunk must be positive, rewind_slack >= 0")
+        self.model = model
+        self.rewind_slack, self.checkpoint_every, self.max_chunk = rewind_slack, checkpoint_every, max_chunk
+        self.reset()
+
+    def reset(self):
+        self.cache: list[LayerCache] = self.model.make_cache(max_chunk=self.max_chunk, history=self.rewind_slack)
+        self.tokens: list[int] = []
+        self.checkpoints: dict[int, list] = {}  # position -> per-layer checkpoint, on the live history
+        self.logits = None  # next-token logits after self.tokens, when known
+        self.last_sync = {"reused": 0, "replayed": 0, "computed": 0}
+
+    # Public API ---------------------------------------------------------------------------------
+    def sync(self, prompt_ids, *, on_chunk=None):
+        """Make the session hold exactly `prompt_ids`; return the next-token logits [vocab].
+
+        `on_chunk(done, total)` runs after each prefill chunk; a truthy return stops the prefill and
+        raises SyncInterrupted, the session keeping the tokens computed so far."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        common = common_prefix(self.tokens, prompt)
+        if common == len(prompt) == len(self.tokens) and self.logits is not None:
+            self.last_sync = {"reused": common, "replayed": 0, "computed": 0}
+            return self.logits
+        target = min(common, len(prompt) - 1)
+        reused, replayed = self._rewind(target)
+        self.last_sync = {"reused": reused, "replayed": replayed, "computed": 0}
+        rest = prompt[target:]
+
+        def progress(done):
+            self.last_sync["computed"] = done
+            if on_chunk is not None and on_chunk(done, len(rest)) and done < len(rest):
+                raise SyncInterrupted(f"stopped after {done} of {len(rest)} prompt tokens")
+
+        return self._feed(rest, progress)
+
+    def step(self, token_id):
+        """Append one token; return the next-token logits."""
+        return self._feed([int(token_id)])
+
+    def trim(self, n):
+        """Keep the first n tokens."""
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"cannot trim {len(self.tokens)} tokens to {n}")
+        if n < len(self.tokens):
+            self._rewind(n)
+
+    def snapshot(self):
+        """A handle on the current state: O(1), arrays are shared until either side writes."""
+        return (list(self.tokens), self.logits, dict(self.checkpoints), [c.snapshot() for c in self.cache])
+
+    def restore(self, snapshot):
+        tokens, self.logits, checkpoints, layers = snapshot
+        self.tokens, self.checkpoints = list(tokens), dict(checkpoints)
+        for c, s in zip(self.cache, layers):
+            c.restore(s)
+
+    @property
+    def nbytes(self):
+        layers = sum(c.nbytes for c in self.cache)
+        checkpoints = sum(r.nbytes for cp in self.checkpoints.values() for layer in cp
+                          for r in layer["rows"] if r is not None)
+        return layers + checkpoints
+
+    # Internals ----------------------------------------------------------------------------------
+    def _rewind(self, target):
+        """Go back to `target` tokens; return (reused, replayed) token counts."""
+        if target == len(self.tokens):
+            return target, 0
+        self.logits = None
+        self.checkpoints = {p: cp for p, cp in self.checkpoints.items() if p <= target}
+        if all(c.can_trim(target) for c in self.cache):
+            for c in self.cache:
+                c.trim(target)
+            del self.tokens[target:]
+            return target, 0
+        start = max((p for p in self.checkpoints), default=0)
+        replay = self.tokens[start:target]
+        if start:
+            for c, cp in zip(self.cache, self.checkpoints[start]):
+                c.restore_checkpoint(cp)
+            del self.tokens[start:]
+        else:
+            tokens = self.tokens[:target]
+            self.reset()
+            replay = tokens
+        self._feed(replay)
+        return start, len(replay)
+
+    def _feed(self, ids, progress=None):
+        """Run ids through the model in chunks that end on checkpoint positions."""
+        done = 0
+        while done < len(ids):
+            pos = len(self.tokens)
+            to_checkpoint = self.checkpoint_every - pos % self.checkpoint_every
+            n = min(self.max_chunk, len(ids) - done, to_checkpoint)
+            chunk = ids[done : done + n]
+            logits = self.model(mx.array([chunk], dtype=mx.int32), self.cache, last_only=True)[0, -1]
+            mx.eval(logits, [r.rows for c in self.cache for r in c.rings()],
+                    [b.rows for c in self.cache for b in c.buffers()])
+            self.tokens.extend(chunk)
+            self.logits = logits
+            done += n
+            if len(self.tokens) % self.checkpoint_every == 0:
+                self.checkpoints[len(self.tokens)] = [c.checkpoint() for c in self.cache]
+            if progress is not None:
+                progress(done)
+        return self.logits
