@@ -1,0 +1,421 @@
+"""DeepSeek V4 chat format: render conversations to prompt text, parse model output back.
+
+Rendering follows ds4's server template (architecture notes, section 3.3): BOS, the optional Think Max
+prefix, the system block (tools prompt first, then the system and developer messages joined by a
+blank line), `<｜User｜>` turns, tool results as `<tool_result>` blocks after one `<｜User｜>`, and
+assistant turns `<｜Assistant｜>` + reasoning marker + content + DSML tool calls + EOS. The prompt ends
+with `<｜Assistant｜><think>` (thinking) or `<｜Assistant｜></think>`.
+
+Parsing (`OutputParser`) splits streamed model text into reasoning, content and tool calls. Pure
+Python: no arrays here.
+"""
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+DSML = "｜DSML｜"
+TOOL_CALLS_START = f"<{DSML}tool_calls>"
+PARAMETER_END = f"</{DSML}parameter>"
+TOOL_RESULT_END = "</tool_result>"
+
+DEFAULT_SYSTEM = "You are a helpful assistant"
+
+THINK_MAX_PREFIX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
+    "the root cause, rigorously stress-testing your logic against all potential paths, edge cases, "
+    "and adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+    "unchecked.\n\n")
+
+TOOLS_PROMPT_HEAD = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user question. "
+    f"You can invoke tools by writing a \"{TOOL_CALLS_START}\" block like the following:\n\n"
+    f"{TOOL_CALLS_START}\n"
+    f"<{DSML}invoke name=\"$TOOL_NAME\">\n"
+    f"<{DSML}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE{PARAMETER_END}\n"
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f"<{DSML}invoke name=\"$TOOL_NAME2\">\n"
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f"</{DSML}tool_calls>\n\n"
+    "String parameters should be specified as raw text and set `string=\"true\"`. "
+    "Preserve characters such as `>`, `&`, and `&&` exactly; never replace normal string characters "
+    "with XML or HTML entity escapes. "
+    f"Only if a string value itself contains the exact closing parameter tag `{PARAMETER_END}`, "
+    f"write that tag as `&lt;/{DSML}parameter>` inside the value. "
+    "For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set "
+    "`string=\"false\"`.\n\n"
+    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning "
+    "inside <think>...</think> BEFORE any tool calls or final response.\n\n"
+    "Otherwise, output directly after </think> with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n")
+
+TOOLS_PROMPT_TAIL = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool "
+    "calls. Use the exact parameter names from the schemas.")
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def content_text(content) -> str:
+    """A message's `content` as text: a string, None, or a list of parts (only text parts count)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict) and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+    return "".join(parts)
+
+
+def tools_prompt(tools) -> str:
+    """The "## Tools" system text: instructions, then one compact JSON function object per line
+    (the `function` member of each OpenAI tool, or the object itself when it has none)."""
+    schemas = [json.dumps(t.get("function", t), ensure_ascii=False, separators=(",", ":"))
+               for t in tools]
+    return TOOLS_PROMPT_HEAD + "\n".join(schemas) + TOOLS_PROMPT_TAIL
+
+
+def escape_attribute(text: str) -> str:
+    return (text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace('"', "&quot;"))
+
+
+def unescape_attribute(text: str) -> str:
+    return (text.replace("&quot;", '"').replace("&gt;", ">").replace("&lt;", "<")
+            .replace("&amp;", "&"))
+
+
+def dsml_parameter(name: str, value) -> str:
+    """One `<｜DSML｜parameter>` line: strings raw (only the closing tag escaped), anything else
+    as compact JSON (the `<` of a closing tag inside written as \\u003c)."""
+    if isinstance(value, str):
+        body, is_string = value.replace(PARAMETER_END, "&lt;" + PARAMETER_END[1:]), "true"
+    else:
+        body = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        body, is_string = body.replace(PARAMETER_END, "\\u003c" + PARAMETER_END[1:]), "false"
+    return (f'<{DSML}parameter name="{escape_attribute(name)}" string="{is_string}">'
+            f"{body}{PARAMETER_END}\n")
+
+
+def tool_call_arguments(call) -> tuple:
+    """(name, arguments) of an OpenAI tool call; arguments parsed to a dict when they are a JSON
+    object, else kept as the raw string."""
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    return function.get("name", ""), arguments
+
+
+def render_tool_calls(tool_calls) -> str:
+    """The DSML block for an assistant message's tool calls, exactly as the model writes it."""
+    out = [f"\n\n{TOOL_CALLS_START}\n"]
+    for call in tool_calls:
+        name, arguments = tool_call_arguments(call)
+        out.append(f'<{DSML}invoke name="{escape_attribute(name)}">\n')
+        if isinstance(arguments, dict):
+            out.extend(dsml_parameter(key, value) for key, value in arguments.items())
+        else:
+            out.append(dsml_parameter("arguments", arguments))
+        out.append(f"</{DSML}invoke>\n")
+    out.append(f"</{DSML}tool_calls>")
+    return "".join(out)
+
+
+def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
+           reasoning_effort=None) -> str:
+    """Render OpenAI-style messages to DeepSeek V4 prompt text (tokenize it with the special
+    strings mapped to their ids).
+
+    messages: dicts with `role` (system, developer, user, assistant, tool or function), `content`
+    (str, None or a list of text parts); assistant messages may carry `reasoning_content`,
+    `tool_calls` ([{id, function: {name, arguments}}], arguments a JSON string or an object) and
+    `dsml` (the exact tool-call block the model sampled, replayed verbatim instead of re-rendering).
+    tools: OpenAI tool definitions, or None. thinking: thinking mode. reasoning_effort: "max" adds
+    the Think Max prefix (the caller checks the context is large enough: ds4 asks for 393216),
+    "none" turns thinking off, other values change nothing.
+
+    Assistant turns keep their reasoning (`<think>…</think>`) in thinking mode when tools are in
+    play (tools given, or a tool call or tool result in the history) or when they follow the last
+    user turn; older ones get a bare `</think>`, as the official encoder does."""
+    if reasoning_effort == "none":
+        thinking = False
+    has_tool_context = bool(tools) or any(
+        m.get("role") in ("tool", "function") or (m.get("role") == "assistant" and m.get("tool_calls"))
+        for m in messages)
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") in ("user", "tool", "function")),
+                    default=-1)
+    system_parts = [tools_prompt(tools)] if tools else []
+    system_parts += [content_text(m.get("content")) for m in messages
+                     if m.get("role") in ("system", "developer")]
+
+    out = [BOS, THINK_MAX_PREFIX if thinking and reasoning_effort == "max" else "",
+           "\n\n".join(system_parts)]
+    awaiting_assistant = in_tool_results = False
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        text = content_text(message.get("content"))
+        if role == "user":
+            out += [USER, text]
+            awaiting_assistant, in_tool_results = True, False
+        elif role in ("tool", "function"):
+            if not in_tool_results:
+                out.append(USER)
+            out += ["<tool_result>", text.replace(TOOL_RESULT_END, "&lt;" + TOOL_RESULT_END[1:]),
+                    TOOL_RESULT_END]
+            awaiting_assistant, in_tool_results = True, True
+        elif role == "assistant":
+            if awaiting_assistant:
+                out.append(ASSISTANT)
+                if thinking and (has_tool_context or i > last_user):
+                    out += [THINK_START, content_text(message.get("reasoning_content")), THINK_END]
+                else:
+                    out.append(THINK_END)
+            out.append(text)
+            if message.get("dsml"):
+                out.append(message["dsml"])
+            elif message.get("tool_calls"):
+                out.append(render_tool_calls(message["tool_calls"]))
+            out.append(EOS)
+            awaiting_assistant = in_tool_results = False
+    if add_generation_prompt and awaiting_assistant:
+        out += [ASSISTANT, THINK_START if thinking else THINK_END]
+    return "".join(out)
+
+
+def render_completion(prompt: str, *, thinking=True, reasoning_effort=None) -> str:
+    """The prompt for a plain completion (`/v1/completions`), as ds4 wraps it: the default system
+    prompt and the text as one user turn."""
+    return render([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": prompt}],
+                  thinking=thinking, reasoning_effort=reasoning_effort)
+
+
+def render_next_user_turn(text: str, *, thinking=True) -> str:
+    """What follows a finished assistant answer (whose tokens stop before EOS) to ask the next
+    question: EOS, the user turn and the generation prompt. Tokenized on its own, it gives the same
+    ids as inside a whole rendered conversation, since it starts with a special token."""
+    return EOS + USER + text + ASSISTANT + (THINK_START if thinking else THINK_END)
+
+
+# ---------------------------------------------------------------- parsing
+
+
+@dataclass
+class ContentDelta:
+    text: str
+
+
+@dataclass
+class ReasoningDelta:
+    text: str
+
+
+@dataclass
+class ToolCall:
+    """A complete tool call. `arguments` is a JSON object as a string, keys in call order. `dsml`
+    is the exact text of the whole tool-call block it came from (the same for every call of one
+    block), to pass back as the assistant message's `dsml` for a byte-exact replay."""
+
+    id: str
+    name: str
+    arguments: str
+    dsml: str = ""
+
+
+# The model's tool-call block, and two variants ds4 also accepts: a missing first bar, no DSML at all.
+TAG_PREFIXES = (DSML, "DSML｜", "")
+TOOL_BLOCK_STARTS = {f"<{prefix}tool_calls>": prefix for prefix in TAG_PREFIXES}
+ATTRIBUTE = re.compile(r'([A-Za-z_]+)\s*=\s*"([^"]*)"')
+
+
+def new_tool_call_id() -> str:
+    return "call_" + uuid.uuid4().hex
+
+
+def partial_marker_len(text: str, markers) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
+    longest = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:n]):
+                longest = n
+                break
+    return longest
+
+
+def parse_tool_block(body: str, prefix: str):
+    """The calls in the text between `<…tool_calls>` and `</…tool_calls>` as [(name, arguments
+    dict)], or None when it is not well-formed DSML."""
+    invoke = re.compile(rf"<{re.escape(prefix)}invoke\s+([^>]*)>(.*?)</{re.escape(prefix)}invoke>",
+                        re.S)
+    parameter = re.compile(
+        rf"<{re.escape(prefix)}parameter\s+([^>]*)>(.*?)</{re.escape(prefix)}parameter>", re.S)
+    calls, position = [], 0
+    for match in invoke.finditer(body):
+        if body[position:match.start()].strip():
+            return None
+        position = match.end()
+        name = dict(ATTRIBUTE.findall(match.group(1))).get("name")
+        if not name:
+            return None
+        arguments, inner_position = {}, 0
+        for p in parameter.finditer(match.group(2)):
+            if match.group(2)[inner_position:p.start()].strip():
+                return None
+            inner_position = p.end()
+            attributes = dict(ATTRIBUTE.findall(p.group(1)))
+            if "name" not in attributes:
+                return None
+            arguments[unescape_attribute(attributes["name"])] = parameter_value(
+                p.group(2), attributes.get("string", "true") == "true", prefix)
+        if match.group(2)[inner_position:].strip():
+            return None
+        calls.append((unescape_attribute(name), arguments))
+    if body[position:].strip() or not calls:
+        return None
+    return calls
+
+
+def parameter_value(body: str, is_string: bool, prefix: str):
+    end_tag = f"</{prefix}parameter>"
+    if is_string:
+        return body.replace("&lt;" + end_tag[1:], end_tag)
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body  # not JSON after all: keep the text
+
+
+class OutputParser:
+    """Incremental parser of model output into `ReasoningDelta`, `ContentDelta` and `ToolCall`
+    events. `feed(text)` takes any piece of the stream (chunk boundaries may fall anywhere, even
+    inside a marker) and returns the events it completes; `finish()` flushes the rest.
+
+    thinking=True: the output starts inside the reasoning (the prompt ended with `<think>`) and the
+    first `</think>` switches to content. tools=True: DSML tool-call blocks in the content become
+    `ToolCall`s; a block that is not well-formed, or never closed, stays content. Only text that may
+    be the start of a marker is held back, plus whitespace before a possible tool-call block (the
+    block starts with a blank line that belongs to it, not to the content)."""
+
+    def __init__(self, *, thinking=True, tools=False, make_id=new_tool_call_id):
+        self.state = "reasoning" if thinking else "content"
+        self.tools = tools
+        self.make_id = make_id
+        self.pending = ""  # text not yet turned into events
+        self.at_start = True  # a leading <think> in the reasoning is dropped
+        self.block_prefix = None  # inside a tool-call block: its tag prefix
+
+    def feed(self, text: str) -> list:
+        self.pending += text
+        events = []
+        while True:
+            progressed = {"reasoning": self._reasoning, "content": self._content,
+                          "tool_block": self._tool_block}[self.state](events)
+            if not progressed:
+                return merge_deltas(events)
+
+    def finish(self) -> list:
+        events = []
+        if self.state == "tool_block":
+            self.pending = self.block_text + self.pending
+        if self.state == "reasoning":
+            events.append(ReasoningDelta(self.pending))
+        else:
+            events.append(ContentDelta(self.pending))  # an unclosed tool block stays text
+        self.pending = ""
+        self.state = "content"
+        return merge_deltas(events)
+
+    def _reasoning(self, events) -> bool:
+        if self.at_start:
+            if len(self.pending) < len(THINK_START) and THINK_START.startswith(self.pending):
+                return False
+            self.at_start = False
+            if self.pending.startswith(THINK_START):
+                self.pending = self.pending[len(THINK_START):]
+        end = self.pending.find(THINK_END)
+        if end >= 0:
+            events.append(ReasoningDelta(self.pending[:end]))
+            self.pending = self.pending[end + len(THINK_END):]
+            self.state = "content"
+            return True
+        safe = len(self.pending) - partial_marker_len(self.pending, [THINK_END])
+        events.append(ReasoningDelta(self.pending[:safe]))
+        self.pending = self.pending[safe:]
+        return False
+
+    def _content(self, events) -> bool:
+        if not self.tools:
+            events.append(ContentDelta(self.pending))
+            self.pending = ""
+            return False
+        starts = [(i, marker) for marker in TOOL_BLOCK_STARTS if (i := self.pending.find(marker)) >= 0]
+        if starts:
+            index, marker = min(starts)
+            before = self.pending[:index]
+            content = before.rstrip()
+            events.append(ContentDelta(content))
+            self.block_text = before[len(content):] + marker  # the block keeps its leading blank line
+            self.block_prefix = TOOL_BLOCK_STARTS[marker]
+            self.pending = self.pending[index + len(marker):]
+            self.state = "tool_block"
+            return True
+        held = partial_marker_len(self.pending, TOOL_BLOCK_STARTS)
+        text = self.pending[:len(self.pending) - held]
+        safe = len(text.rstrip())
+        events.append(ContentDelta(self.pending[:safe]))
+        self.pending = self.pending[safe:]
+        return False
+
+    def _tool_block(self, events) -> bool:
+        end_marker = f"</{self.block_prefix}tool_calls>"
+        end = self.pending.find(end_marker)
+        if end < 0:
+            return False
+        body = self.pending[:end]
+        block = self.block_text + body + end_marker
+        self.pending = self.pending[end + len(end_marker):]
+        self.state = "content"
+        calls = parse_tool_block(body, self.block_prefix)
+        if calls is None:
+            events.append(ContentDelta(block))
+        else:
+            events.extend(ToolCall(self.make_id(), name, json.dumps(arguments, ensure_ascii=False), block)
+                          for name, arguments in calls)
+        return True
+
+
+def merge_deltas(events) -> list:
+    """Drop empty deltas and join neighbouring deltas of the same kind."""
+    merged = []
+    for event in events:
+        if isinstance(event, (ContentDelta, ReasoningDelta)):
+            if not event.text:
+                continue
+            if merged and type(merged[-1]) is type(event):
+                merged[-1] = type(event)(merged[-1].text + event.text)
+                continue
+        merged.append(event)
+    return merged

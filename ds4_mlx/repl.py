@@ -1,0 +1,244 @@
+"""`ds4-mlx chat`: an interactive chat in the terminal.
+
+The conversation is kept as the exact token transcript the model saw (its own sampled tokens, the
+reasoning included, as ds4's CLI does), so every turn only computes the new user text and the
+template tokens around it: the session always holds a prefix of the next prompt.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from ds4_mlx.chat import (DEFAULT_SYSTEM, ContentDelta, OutputParser, ReasoningDelta, render,
+                          render_next_user_turn)
+from ds4_mlx.generate import (DEMO_NOTE, FINISH_ABORT, SamplingParams, add_sampling_arguments,
+                              load_for_cli, sampling_from_args, stream_generate)
+
+HELP = """Commands:
+  /help           this help
+  /think          thinking mode: the model reasons (shown dimmed) before answering (default)
+  /nothink        answer directly
+  /system TEXT    set the system prompt and start a new conversation (/system alone: none)
+  /reset          start a new conversation
+  /read FILE      send the contents of FILE as your message
+  /stats          cache and speed figures
+  /quit           leave (also /exit or Ctrl+D)
+Ctrl+C stops an answer; what was written so far stays in the conversation."""
+
+
+class Conversation:
+    """A chat over one `Session`: the token transcript plus the settings of the next turn.
+
+    `transcript` holds the ids of everything so far, ending right after the last answer (its EOS
+    is rendered at the start of the next turn). After each turn the session holds exactly the
+    transcript, so the next turn reuses all of it."""
+
+    def __init__(self, session, tokenizer, *, system=DEFAULT_SYSTEM, thinking=True,
+                 sampling=SamplingParams(), max_tokens=1024):
+        self.session, self.tokenizer = session, tokenizer
+        self.system, self.thinking = system, thinking
+        self.sampling, self.max_tokens = sampling, max_tokens
+        self.transcript = []
+        self.turns = 0
+        self.last_stats = None
+
+    def reset(self, system=None):
+        if system is not None:
+            self.system = system
+        self.transcript = []
+        self.turns = 0
+
+    def prompt_ids(self, user_text: str) -> list:
+        if not self.transcript:
+            system = [{"role": "system", "content": self.system}] if self.system else []
+            text = render(system + [{"role": "user", "content": user_text}], thinking=self.thinking)
+            return self.tokenizer.encode(text)
+        return self.transcript + self.tokenizer.encode(
+            render_next_user_turn(user_text, thinking=self.thinking))
+
+    def ask(self, user_text: str, *, should_abort=None):
+        """Stream the answer to `user_text` as `GenerationChunk`s. An answer stopped by
+        `should_abort` keeps what was written; a turn stopped during the prompt is dropped."""
+        prompt = self.prompt_ids(user_text)
+        for chunk in stream_generate(self.session, self.tokenizer, prompt, max_tokens=self.max_tokens,
+                                     sampling=self.sampling, should_abort=should_abort):
+            if chunk.finish_reason:
+                self.last_stats = chunk.stats
+                if len(self.session.tokens) >= len(prompt):  # else the prompt itself was cut short
+                    self.transcript = prompt + chunk.stats.output_ids
+                    self.turns += 1
+            yield chunk
+
+
+class Terminal:
+    """Terminal input (prompt_toolkit with history on a tty, plain input() otherwise) and output."""
+
+    def __init__(self):
+        self.interactive = sys.stdin.isatty() and sys.stdout.isatty()
+        self.dim, self.plain = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else ("", "")
+        self.prompt_session = None
+        if self.interactive:
+            from prompt_toolkit import PromptSession
+            from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+            history_file = history_path()
+            try:
+                history_file.parent.mkdir(parents=True, exist_ok=True)
+                history = FileHistory(str(history_file))
+            except OSError:
+                history = InMemoryHistory()
+            self.prompt_session = PromptSession(history=history)
+
+    def read_line(self, prompt: str) -> str:
+        """A line from the user; EOFError at the end of input, KeyboardInterrupt on Ctrl+C."""
+        if self.prompt_session is not None:
+            return self.prompt_session.prompt(prompt)
+        if self.interactive:
+            return input(prompt)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    def write(self, text: str, *, dim=False):
+        sys.stdout.write(f"{self.dim}{text}{self.plain}" if dim and text else text)
+        sys.stdout.flush()
+
+
+def history_path() -> Path:
+    home = os.environ.get("DS4_MLX_HOME")
+    return (Path(home) if home else Path.home() / ".cache" / "ds4-mlx") / "chat_history"
+
+
+class StopOnCtrlC:
+    """While active, Ctrl+C sets a flag (read by `should_abort`) instead of raising."""
+
+    def __init__(self):
+        self.pressed = threading.Event()
+
+    def __enter__(self):
+        self.pressed.clear()
+        self.previous = signal.signal(signal.SIGINT, lambda signum, frame: self.pressed.set())
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def stream_answer(conversation, terminal, user_text):
+    """Ask, print the answer as it comes (reasoning dimmed), then a status line."""
+    parser = OutputParser(thinking=conversation.thinking)
+    in_reasoning = False
+    with StopOnCtrlC() as ctrl_c:
+        for chunk in conversation.ask(user_text, should_abort=ctrl_c.pressed.is_set):
+            events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
+            for event in events:
+                if isinstance(event, ReasoningDelta):
+                    in_reasoning = True
+                    terminal.write(event.text, dim=True)
+                elif isinstance(event, ContentDelta):
+                    if in_reasoning:
+                        terminal.write("\n")
+                        in_reasoning = False
+                    terminal.write(event.text)
+            if chunk.finish_reason:
+                if chunk.finish_reason == FINISH_ABORT:
+                    terminal.write("\n[stopped]")
+                terminal.write("\n" + status_line(conversation, chunk.stats) + "\n", dim=True)
+
+
+def status_line(conversation, stats) -> str:
+    return (f"[prompt {stats.prompt_tokens} tokens, {stats.computed_tokens} new, "
+            f"{stats.prefill_tokens_per_second:.1f} t/s | answer {stats.completion_tokens} tokens, "
+            f"{stats.decode_tokens_per_second:.1f} t/s | cached {len(conversation.session.tokens)} tokens]")
+
+
+def stats_report(conversation) -> str:
+    session = conversation.session
+    lines = [f"cached tokens: {len(session.tokens)}",
+             f"cache memory: {session.nbytes / 2**20:.1f} MiB",
+             f"turns: {conversation.turns}, transcript {len(conversation.transcript)} tokens",
+             f"mode: {'thinking' if conversation.thinking else 'no thinking'}"]
+    s = conversation.last_stats
+    if s is not None:
+        lines.append(f"last turn: prompt {s.prompt_tokens} tokens (reused {s.reused_tokens}, "
+                     f"replayed {s.replayed_tokens}, computed {s.computed_tokens}) at "
+                     f"{s.prefill_tokens_per_second:.1f} t/s; answer {s.completion_tokens} tokens "
+                     f"at {s.decode_tokens_per_second:.1f} t/s")
+    return "\n".join(lines)
+
+
+def run_command(line, conversation, terminal) -> bool:
+    """Handle a /command; False means quit."""
+    name, _, argument = line.partition(" ")
+    argument = argument.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/help":
+        terminal.write(HELP + "\n")
+    elif name in ("/think", "/nothink"):
+        conversation.thinking = name == "/think"
+        terminal.write(f"thinking {'on' if conversation.thinking else 'off'}\n")
+    elif name == "/system":
+        conversation.reset(system=argument)
+        terminal.write("system prompt set; new conversation\n" if argument
+                       else "no system prompt; new conversation\n")
+    elif name == "/reset":
+        conversation.reset()
+        terminal.write("new conversation\n")
+    elif name == "/read":
+        if not argument:
+            terminal.write("usage: /read FILE\n")
+            return True
+        try:
+            text = Path(argument).expanduser().read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            terminal.write(f"cannot read {argument}: {e.strerror or e}\n")
+            return True
+        terminal.write(f"[sending {argument}: {len(text)} characters]\n", dim=True)
+        stream_answer(conversation, terminal, text)
+    elif name == "/stats":
+        terminal.write(stats_report(conversation) + "\n")
+    else:
+        terminal.write(f"unknown command {name}; /help lists them\n")
+    return True
+
+
+def run_chat(args):
+    from ds4_mlx import Session
+
+    terminal = Terminal()
+    terminal.write("loading the model...\n", dim=True)
+    model, tokenizer, is_demo = load_for_cli(args.model)
+    if is_demo:
+        terminal.write(DEMO_NOTE + "\n")
+    conversation = Conversation(Session(model), tokenizer, system=args.system, thinking=args.think,
+                                sampling=sampling_from_args(args), max_tokens=args.max_tokens)
+    terminal.write("ds4-mlx chat: type a message, /help for commands, /quit to leave.\n")
+    while True:
+        try:
+            line = terminal.read_line("ds4> ")
+        except KeyboardInterrupt:  # Ctrl+C at the prompt clears the line
+            continue
+        except EOFError:
+            terminal.write("\n")
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not run_command(line, conversation, terminal):
+                return 0
+        else:
+            stream_answer(conversation, terminal, line)
+
+
+def register(subparsers):
+    p = subparsers.add_parser("chat", help="chat with the model in the terminal",
+                              description="An interactive chat with streamed answers.", epilog=HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sampling_arguments(p)
+    p.set_defaults(func=run_chat)
