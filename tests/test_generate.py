@@ -1,0 +1,194 @@
+"""Sampling, stop conditions, streaming text, and the cache contract of stream_generate."""
+
+import mlx.core as mx
+import pytest
+
+from ds4_mlx import SyncInterrupted
+from ds4_mlx.generate import (Sampler, SamplingParams, filter_logits,
+                              stream_generate)
+
+VOCAB = 16
+EOS = 1
+
+
+class ByteTokenizer:
+    """Token i decodes to PIECES[i] (bytes), so a character can be split across tokens."""
+
+    PIECES = {0: b"<s>", 1: b"</s>", 2: b"ab", 3: b"ST", 4: b"OP", 5: b"cd", 6: "é".encode()[:1],
+              7: "é".encode()[1:], 8: b" ", 9: b"S", 10: b"x"}
+    eos_id = EOS
+
+    def decode(self, ids):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class ScriptedSession:
+    """A Session stand-in whose logits make the greedy choice follow `script`."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.tokens = []
+        self.last_sync = {}
+        self.fed = 0  # model positions computed
+
+    def _logits(self):
+        i = len(self.tokens) - self.prompt_len
+        return mx.eye(VOCAB)[self.script[i] if i < len(self.script) else EOS] * 10
+
+    def sync(self, prompt_ids, on_chunk=None):
+        self.prompt_len = len(prompt_ids)
+        for done in range(1, len(prompt_ids) + 1):
+            self.tokens = list(prompt_ids[:done])
+            if on_chunk and on_chunk(done, len(prompt_ids)) and done < len(prompt_ids):
+                raise SyncInterrupted()
+        self.last_sync = {"reused": 0, "replayed": 0, "computed": len(prompt_ids)}
+        return self._logits()
+
+    def step(self, token):
+        self.tokens.append(token)
+        return self._logits()
+
+    def trim(self, n):
+        del self.tokens[n:]
+
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = [0, 10, 10]
+
+
+def run(script, **kwargs):
+    session = ScriptedSession(script)
+    chunks = list(stream_generate(session, ByteTokenizer(), PROMPT, sampling=GREEDY,
+                                  **{"max_tokens": 100, **kwargs}))
+    return session, chunks
+
+
+def check_contract(session, chunks):
+    *body, last = chunks
+    assert all(c.finish_reason is None and c.stats is None for c in body)
+    assert last.finish_reason and last.stats
+    assert session.tokens == PROMPT + last.stats.output_ids
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_filters_mask_the_right_tokens():
+    logits = mx.log(mx.array([0.5, 0.25, 0.15, 0.07, 0.03]))
+    def kept(**knobs):
+        params = SamplingParams(**{"min_p": 0.0, **knobs})
+        return (filter_logits(logits, params) > -mx.inf).tolist()
+
+    assert kept() == [True] * 5
+    assert kept(top_k=2) == [True, True, False, False, False]
+    assert kept(top_p=0.5) == [True, False, False, False, False]
+    assert kept(top_p=0.8) == [True, True, True, False, False]
+    assert kept(min_p=0.2) == [True, True, True, False, False]  # >= 0.1
+    assert kept(top_k=3, top_p=0.6) == [True, True, False, False, False]
+    hot = filter_logits(logits, SamplingParams(temperature=0.5, min_p=0))
+    assert mx.allclose(hot, logits * 2).item()
+
+
+def test_greedy_and_seeded_sampling():
+    logits = mx.random.normal((1000,), key=mx.random.key(0))
+    assert Sampler(GREEDY)(logits) == int(mx.argmax(logits).item())
+
+    def draw(seed):
+        sampler = Sampler(SamplingParams(seed=seed, min_p=0))
+        return [sampler(logits) for _ in range(20)]
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+    top2 = set(mx.argsort(logits)[-2:].tolist())
+    sampler = Sampler(SamplingParams(seed=1, top_k=2))
+    assert {sampler(logits) for _ in range(50)} <= top2
+
+
+# ---------------------------------------------------------------- stream_generate
+
+
+def test_eos_stops_and_is_not_part_of_the_answer():
+    session, chunks = run([2, 5, EOS, 2])
+    assert "".join(c.text for c in chunks) == "abcd"
+    assert [c.token for c in chunks] == [2, 5, EOS]
+    assert chunks[-1].finish_reason == "stop"
+    assert chunks[-1].stats.output_ids == [2, 5]
+    assert chunks[-1].stats.completion_tokens == 3
+    check_contract(session, chunks)
+
+
+def test_stop_string_across_tokens_is_withheld_and_trimmed():
+    # "ST" may begin "STOP": it waits until "x" rules that out
+    session, chunks = run([2, 3, 10, 4, 5, EOS], stop_strings=["STOP"])
+    assert [c.text for c in chunks] == ["ab", "", "STx", "OP", "cd", ""]
+    session, chunks = run([2, 3, 4, 5], stop_strings=["STOP", "zz"])
+    assert [c.text for c in chunks] == ["ab", "", ""]
+    assert chunks[-1].finish_reason == "stop"
+    assert chunks[-1].stats.output_ids == [2]
+    check_contract(session, chunks)  # the session was trimmed back to before "ST"
+
+
+def test_stop_string_inside_one_token_keeps_earlier_tokens():
+    session, chunks = run([2, 9, 10, 5], stop_strings=["Sx"])
+    assert "".join(c.text for c in chunks) == "ab"
+    assert chunks[-1].stats.output_ids == [2]
+    check_contract(session, chunks)
+
+
+def test_split_character_never_emits_broken_utf8():
+    session, chunks = run([2, 6, 7, 8, 6, 7, EOS])
+    assert [c.text for c in chunks] == ["ab", "", "é", " ", "", "é", ""]
+    check_contract(session, chunks)
+
+
+def test_length_feeds_the_last_token():
+    session, chunks = run([2, 5, 2, 5], max_tokens=3)
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].stats.output_ids == [2, 5, 2]
+    check_contract(session, chunks)
+    session, chunks = run([2], max_tokens=0)
+    assert [(c.token, c.finish_reason) for c in chunks] == [(None, "length")]
+
+
+def test_abort_between_tokens_and_during_prefill():
+    session, stop = ScriptedSession([2, 5, 2, 5, 2, 5]), []
+    stream = stream_generate(session, ByteTokenizer(), PROMPT, max_tokens=100, sampling=GREEDY,
+                             should_abort=lambda: bool(stop))
+    chunks = [next(stream), next(stream)]
+    stop.append(True)
+    chunks += list(stream)
+    assert [(c.text, c.token, c.finish_reason) for c in chunks] == [
+        ("ab", 2, None), ("cd", 5, None), ("", None, "abort")]
+    check_contract(session, chunks)
+    seen = []
+    session, chunks = run([2], on_prefill=lambda done, total: seen.append(done) or done == 2)
+    assert seen == [1, 2] and session.tokens == PROMPT[:2]
+    assert [(c.token, c.finish_reason) for c in chunks] == [(None, "abort")]
+
+
+# ---------------------------------------------------------------- with the real Session
+
+
+@pytest.fixture(scope="module")
+def demo():
+    import ds4_mlx
+    from ds4_mlx.demo import demo_model_path
+
+    return ds4_mlx.load(demo_model_path())
+
+
+def test_follow_up_reuses_the_whole_cache(demo):
+    from ds4_mlx import Session
+    from ds4_mlx.chat import render, render_next_user_turn
+
+    model, tokenizer = demo
+    session = Session(model)
+    follow_up = tokenizer.encode(render_next_user_turn("And then?"))
+    prompt = tokenizer.encode(render([{"role": "user", "content": "Tell me a story."}]))
+    for turn in range(2):
+        chunks = list(stream_generate(session, tokenizer, prompt, max_tokens=8, sampling=SamplingParams(seed=3)))
+        stats = chunks[-1].stats
+        assert session.tokens == prompt + stats.output_ids
+        assert "".join(c.text for c in chunks) == tokenizer.decode(stats.output_ids)
+        if turn:
+            assert (stats.computed_tokens, stats.replayed_tokens) == (len(follow_up), 0)
+        prompt = session.tokens + follow_up
