@@ -1,0 +1,228 @@
+"""Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`).
+
+Requests are turned into the OpenAI-style messages `ds4_mlx.chat.render` takes: thinking blocks become
+`reasoning_content`, tool_use blocks `tool_calls`, tool_result blocks `tool` messages. Streams follow
+Anthropic's event sequence: message_start, content_block_start / _delta / _stop per block (thinking,
+text, tool_use), message_delta with the stop reason and usage, message_stop.
+"""
+
+import json
+import uuid
+
+from ds4_mlx.chat import render
+from ds4_mlx.server import protocol
+from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
+from ds4_mlx.server.errors import APIError
+from ds4_mlx.server.fields import field as get, number_in, positive_int, string_list
+from ds4_mlx.server.protocol import Prepared, ServerInfo
+from ds4_mlx.server.sse import sse
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+# ---------------------------------------------------------------- requests
+
+
+def _text_of(blocks, where: str) -> list:
+    """Text parts of a string or an array of blocks (images and documents are skipped)."""
+    if isinstance(blocks, str):
+        return [blocks]
+    if not isinstance(blocks, list):
+        raise APIError(400, f"{where} must be a string or an array of content blocks", param=where)
+    return [b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)]
+
+
+def system_text(system) -> str:
+    """The system prompt; Claude Code's per-request `x-anthropic-` header block is dropped, since it
+    changes on every request and would break the shared prefix."""
+    parts = [t for t in _text_of(system, "system") if not t.startswith("x-anthropic-")]
+    return "\n\n".join(parts)
+
+
+def chat_messages(system, messages: list) -> list[dict]:
+    out = [{"role": "system", "content": system_text(system)}] if system else []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"{where} must be an object", param=where)
+        role = get(message, "role", str, required=True)
+        if role not in ("user", "assistant"):
+            raise APIError(422, f"{where}.role must be user or assistant, not '{role}'", param=f"{where}.role")
+        content = get(message, "content", (str, list), required=True)
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif role == "user":
+            out += _user_blocks(content, where)
+        else:
+            out.append(_assistant_blocks(content, where))
+    return out
+
+
+def _user_blocks(blocks: list, where: str) -> list[dict]:
+    out, texts = [], []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise APIError(400, f"{where}.content[{j}] must be a content block with a type", param=where)
+        if block["type"] == "tool_result":
+            tool_use_id = get(block, "tool_use_id", str, required=True)
+            text = "".join(_text_of(block.get("content") or "", f"{where}.content[{j}].content"))
+            out.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
+        elif block["type"] == "text":
+            texts.append(get(block, "text", str, ""))
+    if texts:
+        out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
+    return out
+
+
+def _assistant_blocks(blocks: list, where: str) -> dict:
+    reasoning, texts, calls = [], [], []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise APIError(400, f"{where}.content[{j}] must be a content block with a type", param=where)
+        kind = block["type"]
+        if kind == "thinking":
+            reasoning.append(get(block, "thinking", str, ""))
+        elif kind == "text":
+            texts.append({"type": "text", "text": get(block, "text", str, "")})
+        elif kind == "tool_use":
+            arguments = json.dumps(get(block, "input", dict, {}), ensure_ascii=False)
+            calls.append({"id": get(block, "id", str, required=True), "type": "function",
+                          "function": {"name": get(block, "name", str, required=True), "arguments": arguments}})
+    message = {"role": "assistant", "content": texts, "reasoning_content": "".join(reasoning)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_tools(tools: list | None) -> list[dict] | None:
+    """Client tools as OpenAI function tools; server tools (web search and the like, which have no
+    input_schema) are left out, since this server cannot run them."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise APIError(400, f"tools[{i}] must be an object with a name", param=f"tools[{i}]")
+        if "input_schema" in tool:
+            out.append({"type": "function", "function": {
+                "name": tool["name"], "description": tool.get("description", ""), "parameters": tool["input_schema"]}})
+    return out or None
+
+
+def tool_choice(choice: dict | None):
+    if choice is None:
+        return None
+    kind = get(choice, "type", str, required=True)
+    if kind == "tool":
+        return {"name": get(choice, "name", str, required=True)}
+    if kind not in ("auto", "any", "none"):
+        raise APIError(422, f"tool_choice.type must be auto, any, tool or none, not '{kind}'", param="tool_choice")
+    return kind
+
+
+def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *, counting=False) -> Prepared:
+    model = info.model_name(body, anthropic=True)
+    max_tokens = positive_int(body, "max_tokens")
+    if max_tokens is None and not counting:
+        raise APIError(400, "missing required field 'max_tokens'", param="max_tokens")
+    messages = chat_messages(get(body, "system", (str, list)), get(body, "messages", list, required=True))
+    tools = protocol.resolve_tool_choice(tool_choice(get(body, "tool_choice", dict)),
+                                         chat_tools(get(body, "tools", list)))
+    effort = get(get(body, "output_config", dict, {}), "effort", str)
+    thinking, effort = protocol.thinking_mode(body, model, info, effort=effort)
+    text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    defaults = protocol.SamplingParams()
+    sampling = protocol.SamplingParams(
+        temperature=number_in(body, "temperature", 0.0, 1.0, defaults.temperature),
+        top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p), top_k=get(body, "top_k", int, defaults.top_k),
+        min_p=defaults.min_p)
+    return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
+                    stream=get(body, "stream", bool, False), max_tokens=max_tokens, sampling=sampling,
+                    stop=string_list(body, "stop_sequences"), model=model, tool_id_prefix="toolu_")
+
+
+# ---------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+class MessagesResponder:
+    keepalive = sse("ping", {"type": "ping"})
+
+    def __init__(self, prepared: Prepared):
+        self.id = "msg_" + uuid.uuid4().hex
+        self.model = prepared.model
+        self.block = None  # type of the open content block
+        self.index = -1
+        self.answered = False  # a text or tool_use block was sent
+
+    def _message(self, content, stop_reason, usage_: dict) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": None, "usage": usage_}
+
+    def start(self, started: dict) -> list:
+        return [("message_start", {"type": "message_start", "message": self._message(
+            [], None, usage(started["prompt_tokens"], started["reused"], 0))})]
+
+    def _open(self, kind: str, block: dict) -> list:
+        out = self._close()
+        self.index += 1
+        self.block = kind
+        self.answered |= kind != "thinking"
+        return out + [("content_block_start", {"type": "content_block_start", "index": self.index,
+                                               "content_block": block})]
+
+    def _close(self) -> list:
+        if self.block is None:
+            return []
+        out = []
+        if self.block == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": self.id}))
+        self.block = None
+        return out + [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _delta(self, delta: dict) -> tuple:
+        return "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def deltas(self, events) -> list:
+        out = []
+        for event in events:
+            if isinstance(event, ReasoningDelta):
+                if self.block != "thinking":
+                    out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+            elif isinstance(event, ContentDelta):
+                if self.block != "text":
+                    out += self._open("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": event.text}))
+            elif isinstance(event, ToolCall):
+                out += self._open("tool_use", {"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+                out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+                out += self._close()
+        return out
+
+    def end(self, outcome, answer) -> list:
+        out = self._close()
+        if not self.answered:
+            out += self._open("text", {"type": "text", "text": ""}) + self._close()
+        stop_reason = STOP_REASONS.get(answer.finish_reason(outcome.finish_reason), "end_turn")
+        return out + [
+            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                               "usage": usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens)}),
+            ("message_stop", {"type": "message_stop"})]
+
+    def error(self, message: str) -> list:
+        return [("error", APIError(500, message).anthropic_body())]
+
+    def body(self, outcome, answer) -> dict:
+        content = []
+        if answer.reasoning:
+            content.append({"type": "thinking", "thinking": answer.reasoning, "signature": self.id})
+        if answer.content or not answer.tool_calls:
+            content.append({"type": "text", "text": answer.content})
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+                    for c in answer.tool_calls]
+        stop_reason = STOP_REASONS.get(answer.finish_reason(outcome.finish_reason), "end_turn")
+        return self._message(content, stop_reason,
+                             usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens))

@@ -1,0 +1,225 @@
+"""The HTTP layer: routes, request bodies, SSE streaming, disconnects and errors.
+
+A generation request is parsed by its API module into a `Prepared`, tokenized here (off the event
+loop), checked against the context, and submitted to the worker as a `Job`; the worker's events are
+turned into the API's response by its responder. The app never touches the model or a session.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import traceback
+
+from aiohttp import web
+
+from ds4_mlx.server import anthropic_api, openai_api, responses_api
+from ds4_mlx.server.assembly import Answer, ToolCallMemory
+from ds4_mlx.server.errors import APIError, context_exceeded
+from ds4_mlx.server.openapi import openapi_spec
+from ds4_mlx.server.protocol import Prepared, ServerInfo
+from ds4_mlx.server.sse import COMMENT_KEEPALIVE, sse
+from ds4_mlx.server.worker import GenerationRequest, Job, Worker
+
+log = logging.getLogger("ds4_mlx.server")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def is_anthropic(request: web.Request) -> bool:
+    return request.path.startswith("/v1/messages")
+
+
+class Server:
+    def __init__(self, worker: Worker, info: ServerInfo, *, keepalive_s: float = 5.0):
+        self.worker = worker
+        self.info = info
+        self.keepalive_s = keepalive_s
+        self.tool_memory = ToolCallMemory()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=256 * 2**20)
+        app.add_routes([
+            web.get("/health", self.health),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model}", self.model),
+            web.get("/openapi.json", self.openapi),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/messages", self.messages),
+            web.post("/v1/messages/count_tokens", self.count_tokens),
+            web.post("/v1/responses", self.responses),
+        ])
+        app.on_startup.append(self._start_worker)
+        app.on_cleanup.append(self._stop_worker)
+        return app
+
+    async def _start_worker(self, app):
+        self.worker.start()  # loads the model: the server listens once it is ready
+
+    async def _stop_worker(self, app):
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+
+    # -- plain endpoints ------------------------------------------------------------------------------
+
+    async def health(self, request):
+        slots = [{"slot": s.index, "tokens": len(s.tokens), "busy": s.busy, "bytes": s.session.nbytes}
+                 for s in self.worker.slots]
+        return web.json_response({"status": "ok", "model": self.info.model_id, "context_length": self.info.ctx,
+                                  "queued": self.worker.queued, "slots": slots})
+
+    def _model_card(self) -> dict:
+        return {"id": self.info.model_id, "object": "model", "created": 0, "owned_by": "ds4-mlx",
+                "context_length": self.info.ctx, "max_model_len": self.info.ctx}
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        self.info.model_name({"model": request.match_info["model"]})
+        return web.json_response(self._model_card())
+
+    async def openapi(self, request):
+        return web.json_response(openapi_spec(self.info))
+
+    # -- generation endpoints -------------------------------------------------------------------------
+
+    async def chat_completions(self, request):
+        body = await self._body(request)
+        prepared = openai_api.parse_chat(body, self.info, self.tool_memory)
+        responder = openai_api.ChatResponder(prepared, include_usage=openai_api.include_usage(body))
+        return await self._generate(request, prepared, responder, "chat")
+
+    async def completions(self, request):
+        body = await self._body(request)
+        prepared = openai_api.parse_completion(body, self.info)
+        responder = openai_api.CompletionResponder(prepared, include_usage=openai_api.include_usage(body))
+        return await self._generate(request, prepared, responder, "completion")
+
+    async def messages(self, request):
+        body = await self._body(request)
+        prepared = anthropic_api.parse_messages(body, self.info, self.tool_memory)
+        return await self._generate(request, prepared, anthropic_api.MessagesResponder(prepared), "messages")
+
+    async def count_tokens(self, request):
+        body = await self._body(request)
+        prepared = anthropic_api.parse_messages(body, self.info, self.tool_memory, counting=True)
+        ids = await self._tokenize(prepared.prompt_text)
+        return web.json_response({"input_tokens": len(ids)})
+
+    async def responses(self, request):
+        body = await self._body(request)
+        prepared = responses_api.parse_responses(body, self.info, self.tool_memory)
+        return await self._generate(request, prepared, responses_api.ResponsesResponder(prepared, body), "responses")
+
+    # -- the generation loop --------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, prepared: Prepared, responder, label: str):
+        ids = await self._tokenize(prepared.prompt_text)
+        room = self.info.ctx - len(ids)
+        if room <= 0:
+            raise context_exceeded(len(ids), self.info.ctx, prepared.param)
+        max_tokens = min(prepared.max_tokens or room, room)
+        job = Job(GenerationRequest(ids, max_tokens, prepared.sampling, prepared.stop, label),
+                  asyncio.get_running_loop(), client_gone=lambda: _client_gone(request))
+        answer = Answer(thinking=prepared.thinking, tools=prepared.tools, tool_memory=self.tool_memory,
+                        tool_id_prefix=prepared.tool_id_prefix)
+        self.worker.submit(job)
+        if prepared.stream:
+            return await self._stream(request, job, answer, responder)
+        return await self._collect(job, answer, responder)
+
+    async def _collect(self, job: Job, answer: Answer, responder):
+        error = None
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "chunk":
+                answer.feed(payload.text)
+                if payload.finish_reason:
+                    answer.finish()
+            elif kind == "error":
+                error = payload
+            elif kind == "done":
+                break
+        if error is not None:
+            raise APIError(500, error)
+        if payload is None or payload.finish_reason == "abort":
+            return web.Response(status=499)  # the client left; nobody reads this
+        return web.json_response(responder.body(payload, answer))
+
+    async def _stream(self, request: web.Request, job: Job, answer: Answer, responder):
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        keepalive = getattr(responder, "keepalive", COMMENT_KEEPALIVE)
+        last_write = time.monotonic()
+        try:
+            while True:
+                timeout = max(0.0, last_write + self.keepalive_s - time.monotonic())
+                try:
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout)
+                except asyncio.TimeoutError:
+                    kind, payload = "keepalive", None
+                if kind == "done":
+                    if payload is not None and payload.finish_reason not in ("abort", "error"):
+                        await self._write(response, responder.end(payload, answer))
+                    break
+                if kind == "keepalive" or kind == "prefill":
+                    if time.monotonic() - last_write >= self.keepalive_s:
+                        await response.write(keepalive)
+                        last_write = time.monotonic()
+                    continue
+                if kind == "started":
+                    events = responder.start(payload)
+                elif kind == "chunk":
+                    parsed = answer.feed(payload.text) + (answer.finish() if payload.finish_reason else [])
+                    events = responder.deltas(parsed)
+                else:  # error
+                    events = responder.error(payload)
+                if events:
+                    await self._write(response, events)
+                    last_write = time.monotonic()
+        except (ConnectionError, RuntimeError):  # the client went away mid-stream
+            job.cancel()
+        return response
+
+    @staticmethod
+    async def _write(response: web.StreamResponse, events):
+        await response.write(b"".join(sse(event, data) for event, data in events))
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    async def _tokenize(self, text: str) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(None, self.worker.tokenizer.encode, text)
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        return body
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except APIError as e:
+            error = e
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            error = APIError(e.status, f"{request.method} {request.path}: {e.reason}")
+        except Exception as e:  # noqa: BLE001 - answered as a 500, never a traceback to the client
+            log.error(f"{request.method} {request.path} failed:\n{traceback.format_exc()}")
+            error = APIError(500, f"internal error: {type(e).__name__}")
+        body = error.anthropic_body() if is_anthropic(request) else error.openai_body()
+        return web.json_response(body, status=error.status)
+
+
+def _client_gone(request: web.Request) -> bool:
+    """Read from the worker thread: a closed or closing connection means nobody waits for output."""
+    transport = request.transport
+    return transport is None or transport.is_closing()

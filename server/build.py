@@ -1,0 +1,57 @@
+"""Putting a server together from a model loader: the worker with its slots, the app, and a way to run it."""
+
+import asyncio
+import socket
+import threading
+
+from aiohttp import web
+
+from ds4_mlx.generate import stream_generate
+from ds4_mlx.server.app import Server
+from ds4_mlx.server.protocol import ServerInfo
+from ds4_mlx.server.worker import Worker
+
+
+def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: int,
+                 rewind_slack: int = 4096, checkpoint_every: int = 2048, keepalive_s: float = 5.0,
+                 generate=stream_generate) -> Server:
+    from ds4_mlx import Session
+
+    worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
+                    session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every),
+                    generate=generate)
+    return Server(worker, ServerInfo(model_id=model_id, ctx=ctx), keepalive_s=keepalive_s)
+
+
+class BackgroundServer:
+    """A server on 127.0.0.1 and a free port, run by its own event loop in a thread (tests, notebooks).
+
+        with BackgroundServer(server) as bg:
+            OpenAI(base_url=bg.url + "/v1", api_key="-")
+    """
+
+    def __init__(self, server: Server, host: str = "127.0.0.1"):
+        self.server = server
+        self.host = host
+        with socket.socket() as s:
+            s.bind((host, 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._runner = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ds4-http", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        return self
+
+    def __exit__(self, *exc):
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    async def _start(self):
+        self._runner = web.AppRunner(self.server.app(), access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()

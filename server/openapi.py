@@ -1,0 +1,51 @@
+"""`/openapi.json`: the endpoints this server answers, with their main request fields."""
+
+
+def _post(summary: str, required: list[str], properties: dict) -> dict:
+    schema = {"type": "object", "required": required, "properties": properties}
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                     "responses": {"200": {"description": "the answer, JSON or server-sent events when stream is true"},
+                                   "400": {"description": "malformed JSON or a field of the wrong type"},
+                                   "404": {"description": "unknown model"},
+                                   "413": {"description": "the prompt does not fit the context"},
+                                   "422": {"description": "a well-typed field with an unusable value"}}}}
+
+
+def _get(summary: str) -> dict:
+    return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
+
+
+S, I, N, B, A, O = ({"type": t} for t in ("string", "integer", "number", "boolean", "array", "object"))
+SAMPLING = {"temperature": N, "top_p": N, "top_k": I, "min_p": N, "seed": I}
+THINKING = {"thinking": {"oneOf": [B, O]}, "reasoning_effort": S}
+
+
+def openapi_spec(info) -> dict:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "ds4-mlx", "version": "0.1.0",
+                 "description": f"DeepSeek V4 Flash on MLX serving '{info.model_id}' with a {info.ctx}-token context; "
+                                "requests reuse live sessions that share their token prefix."},
+        "paths": {
+            "/health": _get("server status: slots, their token counts, queue length"),
+            "/v1/models": _get("the served model, with its context_length"),
+            "/v1/chat/completions": _post("OpenAI chat completion", ["messages"], {
+                "model": S, "messages": A, "tools": A, "tool_choice": {"oneOf": [S, O]}, "stream": B,
+                "stream_options": O, "max_tokens": I, "max_completion_tokens": I, "stop": {"oneOf": [S, A]},
+                **SAMPLING, **THINKING}),
+            "/v1/completions": _post("OpenAI completion (the prompt is rendered as one user turn)", ["prompt"], {
+                "model": S, "prompt": {"oneOf": [S, A]}, "stream": B, "stream_options": O, "max_tokens": I,
+                "stop": {"oneOf": [S, A]}, **SAMPLING, **THINKING}),
+            "/v1/messages": _post("Anthropic messages", ["messages", "max_tokens"], {
+                "model": S, "system": {"oneOf": [S, A]}, "messages": A, "tools": A, "tool_choice": O,
+                "stream": B, "max_tokens": I, "stop_sequences": A, "thinking": O, "output_config": O,
+                "temperature": N, "top_p": N, "top_k": I}),
+            "/v1/messages/count_tokens": _post("Anthropic token count of a messages request", ["messages"], {
+                "model": S, "system": {"oneOf": [S, A]}, "messages": A, "tools": A}),
+            "/v1/responses": _post("OpenAI Responses, stateless: replay the whole input", ["input"], {
+                "model": S, "input": {"oneOf": [S, A]}, "instructions": S, "tools": A,
+                "tool_choice": {"oneOf": [S, O]}, "stream": B, "max_output_tokens": I, "reasoning": O,
+                "temperature": N, "top_p": N}),
+        },
+    }

@@ -1,0 +1,115 @@
+"""What every API turns its request into, and the request fields they share.
+
+Each API module parses its body into a `Prepared` (the rendered prompt and the generation settings) and
+answers through a responder with the same four methods, so the app drives all APIs with one loop:
+`start(started)`, `deltas(events)`, `end(outcome, answer)`, `error(message)` return SSE events as
+(event name or None, data) pairs; `body(outcome, answer)` is the non-streamed response.
+"""
+
+from dataclasses import dataclass, field
+
+from ds4_mlx.generate import SamplingParams
+from ds4_mlx.server.errors import APIError
+from ds4_mlx.server.fields import field as get, number_in, positive_int, string_list
+
+THINK_MAX_MIN_CTX = 393216  # Think Max needs this much context (ds4's rule)
+
+
+@dataclass
+class Prepared:
+    prompt_text: str
+    thinking: bool  # the output starts in the reasoning (the prompt opened a <think> block)
+    tools: bool  # DSML tool calls in the output become tool calls
+    stream: bool
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    model: str = ""
+    param: str = "messages"  # the field named by a context-length error
+    tool_id_prefix: str = "call_"
+
+
+@dataclass
+class ServerInfo:
+    model_id: str
+    ctx: int
+
+    def model_name(self, body: dict, *, anthropic: bool = False) -> str:
+        """The requested model, checked: the loaded model answers to its id and the DeepSeek names
+        (Anthropic clients also send Claude names for side calls, which it serves as well)."""
+        name = get(body, "model", str, self.model_id)
+        known = {self.model_id, "deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner", "default"}
+        if name in known or (anthropic and name.startswith("claude")):
+            return name
+        raise APIError(404, f"model '{name}' does not exist; this server serves '{self.model_id}'",
+                       param="model", code="model_not_found")
+
+
+def thinking_mode(body: dict, model: str, info: ServerInfo, *, effort: str | None = None) -> tuple[bool, str | None]:
+    """(thinking, reasoning_effort for render) from `thinking` (bool or {type}), `think`, the effort,
+    then the model alias (deepseek-chat answers directly); thinking is the default."""
+    effort = effort if effort is not None else get(body, "reasoning_effort", str)
+    thinking = get(body, "thinking", (bool, dict))
+    if isinstance(thinking, dict):
+        kind = get(thinking, "type", str, "enabled")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise APIError(422, f"thinking.type must be enabled or disabled, not '{kind}'", param="thinking")
+        thinking = kind != "disabled"
+    if thinking is None:
+        thinking = get(body, "think", bool)
+    if thinking is None:
+        thinking = effort != "none" and model != "deepseek-chat"
+    if effort == "max" and info.ctx < THINK_MAX_MIN_CTX:
+        effort = None  # Think Max needs a long context; normal thinking instead
+    return thinking, effort
+
+
+def sampling(body: dict, *, top_k_field: str = "top_k") -> SamplingParams:
+    defaults = SamplingParams()
+    return SamplingParams(
+        temperature=number_in(body, "temperature", 0.0, 2.0, defaults.temperature),
+        top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p),
+        top_k=get(body, top_k_field, int, defaults.top_k),
+        min_p=number_in(body, "min_p", 0.0, 1.0, defaults.min_p),
+        seed=get(body, "seed", int))
+
+
+def max_tokens(body: dict, *names: str) -> int | None:
+    for name in names:
+        value = positive_int(body, name)
+        if value is not None:
+            return value
+    return None
+
+
+def stop_strings(body: dict, name: str = "stop") -> list[str]:
+    return string_list(body, name)
+
+
+def function_tools(tools: list | None) -> list[dict] | None:
+    """OpenAI chat tools checked: each {type: function, function: {name, ...}}."""
+    if not tools:
+        return None
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(400, f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}",
+                           param=f"tools[{i}]")
+    return tools
+
+
+def resolve_tool_choice(choice, tools: list[dict] | None, names_of=lambda t: t["function"]["name"]):
+    """The tools to render under `tool_choice`: "none" hides them; "auto", "required" and a named
+    function keep them all (the model cannot be forced; a named function must exist)."""
+    if choice is None or not tools:
+        return tools
+    if choice == "none":
+        return None
+    if choice in ("auto", "required", "any"):
+        return tools
+    name = choice.get("name") or (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or not isinstance(name, str):
+        raise APIError(400, "tool_choice must be none, auto, required or a named function", param="tool_choice")
+    if name not in {names_of(t) for t in tools}:
+        raise APIError(422, f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
+    return tools

@@ -1,0 +1,230 @@
+"""The worker: one thread that owns the model and its live sessions.
+
+Handlers (on the asyncio loop) submit `Job`s; the worker admits them in arrival order, places each on a
+slot, and advances every running job by one chunk in turn, so one model forward runs at a time and
+running requests share the model fairly. A job whose client has gone is dropped before it starts, and
+stops at its next token (or prefill chunk) when it goes while running; its session keeps what was
+computed. Events reach the handler through an asyncio queue: ("prefill", (done, total)) during the prefill,
+("started", {prompt_tokens, reused, replayed, computed}) once it is over, ("chunk", GenerationChunk) per token, ("error", message)
+if generation failed, and last ("done", Outcome), or ("done", None) for a job dropped from the queue.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+from ds4_mlx.generate import GenerationStats, SamplingParams
+from ds4_mlx.server.slots import Placement, Slot, place
+
+log = logging.getLogger("ds4_mlx.server")
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_strings: list[str] = field(default_factory=list)
+    label: str = "chat"  # names the endpoint in the log
+
+
+@dataclass
+class Outcome:
+    """What a finished job reports: usage for the client, figures for the log."""
+    slot: int
+    finish_reason: str  # stop, length, abort, error
+    prompt_tokens: int
+    completion_tokens: int
+    live: int  # tokens the slot held before
+    common: int  # of them, shared with the prompt
+    reused: int
+    replayed: int
+    computed: int
+    prefill_s: float
+    decode_s: float
+    miss: str | None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.reused
+
+    def log_line(self, label: str) -> str:
+        prefill_tps = (self.computed + self.replayed) / self.prefill_s if self.prefill_s > 0 else 0.0
+        decode_tps = self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        return (f"{label} slot={self.slot} live={self.live} prompt={self.prompt_tokens} common={self.common} "
+                f"reused={self.reused} replayed={self.replayed} computed={self.computed} "
+                f"gen={self.completion_tokens} prefill={self.prefill_s:.3f}s ({prefill_tps:.1f} t/s) "
+                f"decode={self.decode_s:.3f}s ({decode_tps:.1f} t/s) finish={self.finish_reason} "
+                f"miss={self.miss or '-'}")
+
+
+class Job:
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, client_gone=lambda: False):
+        self.request = request
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        self._client_gone = client_gone
+        self._cancelled = False
+
+    def cancel(self):
+        """Called by the handler when it can no longer deliver output (for example a failed write)."""
+        self._cancelled = True
+
+    def should_abort(self) -> bool:
+        return self._cancelled or self._client_gone()
+
+    def emit(self, kind: str, payload=None):
+        self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+@dataclass
+class _Running:
+    job: Job
+    placement: Placement
+    chunks: object  # the iterator from stream_generate
+    started: bool = False  # the prefill is over and the first chunk came
+
+
+class Worker:
+    def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate):
+        """`load()` returns (model, tokenizer) and runs on the worker thread, which owns the model from
+        then on (MLX arrays belong to the thread that made them); `session_factory(model)` makes a
+        Session; `generate` is `ds4_mlx.generate.stream_generate`."""
+        self._load = load
+        self.model = self.tokenizer = None
+        self.budget_bytes = budget_bytes
+        self.slots: list[Slot] = []
+        self._n_slots = n_slots
+        self._session_factory = session_factory
+        self._ready = threading.Event()
+        self._load_error = None
+        self._generate = generate
+        self._pending: deque[Job] = deque()
+        self._running: list[_Running] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
+
+    def start(self):
+        """Start the thread and wait until the model is loaded and the slots made."""
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    def stop(self):
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job):
+        with self._cond:
+            self._pending.append(job)
+            self._cond.notify()
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    # -- worker thread --------------------------------------------------------------------------------
+
+    def _run(self):
+        import mlx.core as mx
+
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        try:
+            self.model, self.tokenizer = self._load()
+            self.slots = [Slot(i, self._session_factory(self.model)) for i in range(self._n_slots)]
+        except Exception as e:  # noqa: BLE001 - reported by start()
+            self._load_error = e
+            return
+        finally:
+            self._ready.set()
+        while True:
+            with self._cond:
+                while not self._pending and not self._running and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                self._admit()
+            for run in list(self._running):
+                self._advance(run)
+
+    def _admit(self):
+        """Start queued jobs in arrival order while slots allow; drop those whose client left."""
+        for job in [j for j in self._pending if j.should_abort()]:
+            self._pending.remove(job)
+            log.info(f"{job.request.label} dropped from the queue: client gone")
+            job.emit("done", None)
+        while self._pending:
+            placement = place(self.slots, self._pending[0].request.prompt_ids)
+            if placement is None:
+                return  # the head waits for its slot; later jobs wait behind it
+            job = self._pending.popleft()
+            placement.slot.busy = True
+            self._running.append(self._start(job, placement))
+
+    def _start(self, job: Job, placement: Placement) -> _Running:
+        request = job.request
+        chunks = self._generate(
+            placement.slot.session, self.tokenizer, request.prompt_ids,
+            max_tokens=request.max_tokens, sampling=request.sampling, stop_strings=request.stop_strings,
+            should_abort=job.should_abort, on_prefill=lambda done, total: job.emit("prefill", (done, total)))
+        return _Running(job, placement, iter(chunks))
+
+    def _advance(self, run: _Running):
+        try:
+            chunk = next(run.chunks)
+        except Exception as e:  # noqa: BLE001 - this job fails, the server goes on
+            log.error(f"{run.job.request.label} failed:\n{traceback.format_exc()}")
+            run.job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+            self._finish(run, None)
+            return
+        if not run.started:
+            run.started = True
+            sync = run.placement.slot.session.last_sync
+            run.job.emit("started", {"prompt_tokens": len(run.job.request.prompt_ids), **sync})
+        run.job.emit("chunk", chunk)
+        if chunk.finish_reason:
+            self._finish(run, chunk)
+
+    def _finish(self, run: _Running, last_chunk):
+        self._running.remove(run)
+        slot = run.placement.slot
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        outcome = self._outcome(run, last_chunk)
+        log.info(outcome.log_line(run.job.request.label))
+        self._keep_within_budget(slot)
+        run.job.emit("done", outcome)
+
+    @staticmethod
+    def _outcome(run: _Running, last_chunk) -> Outcome:
+        stats = last_chunk.stats if last_chunk is not None else GenerationStats()
+        placement = run.placement
+        return Outcome(
+            slot=placement.slot.index, finish_reason=last_chunk.finish_reason if last_chunk else "error",
+            prompt_tokens=len(run.job.request.prompt_ids), completion_tokens=stats.completion_tokens,
+            live=placement.live, common=placement.common, reused=stats.reused_tokens,
+            replayed=stats.replayed_tokens, computed=stats.computed_tokens, prefill_s=stats.prefill_seconds,
+            decode_s=stats.decode_seconds, miss=placement.miss)
+
+    def _keep_within_budget(self, just_used: Slot):
+        """Empty idle slots, least recently used first, until the sessions fit the byte budget."""
+        total = sum(s.session.nbytes for s in self.slots)
+        for slot in sorted(self.slots, key=lambda s: s.last_used):
+            if total <= self.budget_bytes:
+                return
+            if slot is just_used or slot.busy or not slot.tokens:
+                continue
+            freed = slot.session.nbytes
+            slot.session.reset()
+            total -= freed
+            log.info(f"slot={slot.index} emptied to stay within the session budget ({freed / 2**20:.1f} MiB freed)")
+        if total > self.budget_bytes:
+            log.warning(f"sessions hold {total / 2**20:.1f} MiB, over the {self.budget_bytes / 2**20:.1f} MiB budget")
