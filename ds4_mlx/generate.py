@@ -28,6 +28,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
+from ds4_mlx.chat import partial_marker_len
+
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
 
@@ -119,39 +121,30 @@ class Detokenizer:
 
 class StopStringWatcher:
     """Finds stop strings in streamed text, also across token boundaries, and withholds the tail
-    of the text that could still become a stop string."""
+    of the text that could still become a stop string. A stop string can only begin in withheld
+    text, so that is all it keeps."""
 
     def __init__(self, stop_strings: Sequence[str]):
         self.stops = [s for s in stop_strings if s]
-        self.text = ""
-        self.emitted = 0
-        self.stop_at = None  # index in `text` where the first stop string begins
+        self.withheld = ""
+        self.emitted = 0  # characters let through so far
+        self.stop_at = None  # where the first stop string begins, counted from the first character
 
     def add(self, text: str) -> str:
         """Append text; return the part that is now safe to show."""
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) + 1)
-        self.text += text
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        self.withheld += text
+        hits = [i for i in (self.withheld.find(s) for s in self.stops) if i >= 0]
         if hits:
-            self.stop_at = min(hits)
-            return self._emit_until(self.stop_at)
-        return self._emit_until(len(self.text) - self._possible_stop_prefix_len())
+            self.stop_at = self.emitted + min(hits)
+            return self._emit(min(hits))
+        return self._emit(len(self.withheld) - partial_marker_len(self.withheld, self.stops))
 
     def flush(self) -> str:
-        return self._emit_until(len(self.text))
+        return self._emit(len(self.withheld))
 
-    def _possible_stop_prefix_len(self) -> int:
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.text) - self.emitted), longest, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
-
-    def _emit_until(self, end: int) -> str:
-        out = self.text[self.emitted:end] if end > self.emitted else ""
-        self.emitted = max(self.emitted, end)
+    def _emit(self, n: int) -> str:
+        out, self.withheld = self.withheld[:n], self.withheld[n:]
+        self.emitted += n
         return out
 
 
