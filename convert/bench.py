@@ -1,0 +1,147 @@
+"""Convert benchmark: a synthetic `deepseek4` GGUF at real V4 Flash widths, converted in a child process.
+
+Reports throughput and the child's peak RSS against the bound (2 GB + the largest tensor).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+_PATTERN_BYTES = 1 << 26  # one 64 MB block pattern, repeated: content does not matter for speed
+
+
+def _plan(size_gb):
+    """(args, {name: (numpy shape, type)}): real widths, layers added until the file reaches size_gb.
+    Experts: gate/up Q4_K, down MXFP4; attention, shared experts and head Q8_0; the rest F16/F32."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    from ds4_mlx.models.deepseek_v4 import ModelArgs
+    from ds4_mlx.testing import gguf_shapes
+
+    layers = 1
+    while True:
+        ratios = [[0, 4, 128][i % 3] for i in range(layers)]
+        args = ModelArgs(num_hidden_layers=layers, compress_ratios=ratios, num_hash_layers=1)
+        plan = {}
+        for name, shape in gguf_shapes(args).items():
+            base = name.rsplit(".", 1)[0].split(".", 2)[-1]
+            if base in ("ffn_gate_exps", "ffn_up_exps"):
+                t = T.Q4_K
+            elif base == "ffn_down_exps":
+                t = T.MXFP4
+            elif base.startswith("attn_") and base[5:] in ("q_a", "q_b", "kv", "output_a", "output_b") \
+                    or base.endswith("shexp") or base == "output":
+                t = T.Q8_0
+            elif base == "ffn_gate_tid2eid":
+                t = T.I32
+            else:
+                t = T.F16 if len(shape) > 1 else T.F32
+            plan[name] = (shape, t)
+        nbytes = {n: int(np.prod(s)) * GGML_QUANT_SIZES[t][1] // GGML_QUANT_SIZES[t][0] for n, (s, t) in plan.items()}
+        if sum(nbytes.values()) >= size_gb * 1e9:
+            return args, plan, nbytes
+        layers += 1
+
+
+def _pattern(qtype, row_bytes, rng):
+    """About 64 MB of valid rows of `qtype` (sane scales, random codes)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = max(1, _PATTERN_BYTES // row_bytes)
+    raw = rng.integers(0, 256, (rows, row_bytes // size, size), dtype=np.uint8)
+    if qtype in (T.Q8_0, T.Q4_K):
+        raw[..., 0:2] = np.array([0.002], np.float16).view(np.uint8)
+    if qtype == T.Q4_K:
+        raw[..., 2:4] = np.array([0.01], np.float16).view(np.uint8)
+    if qtype == T.MXFP4:
+        raw[..., 0] = 120
+    if qtype in (T.F16, T.F32, T.I32):  # plain values, small and finite
+        dt = {T.F16: np.float16, T.F32: np.float32, T.I32: np.int32}[qtype]
+        vals = (rng.standard_normal(rows * row_bytes // np.dtype(dt).itemsize) * 0.02)
+        if qtype == T.I32:
+            vals = rng.integers(0, 256, vals.shape)
+        return vals.astype(dt).view(np.uint8).reshape(rows, row_bytes)
+    return raw.reshape(rows, row_bytes)
+
+
+def write_synthetic_gguf(path, size_gb=4.0, seed=0):
+    """Write the synthetic file tensor by tensor (bounded memory). Returns (bytes, largest tensor bytes)."""
+    from gguf import GGML_QUANT_SIZES, GGUFWriter, GGMLQuantizationType as T
+
+    from ds4_mlx.testing import _add_metadata, gguf_metadata
+
+    args, plan, nbytes = _plan(size_gb)
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "deepseek4")
+    for k, v in gguf_metadata(args).items():
+        _add_metadata(w, k, v)
+    for name, (shape, t) in plan.items():
+        if t in (T.F16, T.F32, T.I32):
+            w.add_tensor_info(name, shape, {T.F16: np.float16, T.F32: np.float32, T.I32: np.int32}[t], nbytes[name])
+        else:
+            row = shape[-1] // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1]
+            w.add_tensor_info(name, tuple(shape[:-1]) + (row,), np.uint8, nbytes[name], raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0]
+    w.write_padding(f, f.tell())
+    patterns = {}
+    for name, (shape, t) in plan.items():
+        row = nbytes[name] // int(np.prod(shape[:-1]))
+        key = (t, row)
+        if key not in patterns:
+            patterns[key] = _pattern(t, row, rng)
+        pat, left = patterns[key].reshape(-1), nbytes[name]
+        while left:
+            n = min(left, pat.size)
+            f.write(memoryview(pat[:n]))
+            left -= n
+        w.write_padding(f, nbytes[name])
+    w.close()
+    return sum(nbytes.values()), max(nbytes.values())
+
+
+def bench_convert(size_gb=4.0, workdir=None) -> dict:
+    """Write a synthetic GGUF of at least `size_gb` GB, convert it in a child process, clean up.
+
+    Returns {gguf_gb, largest_tensor_gb, output_gb, write_s, convert_s, mb_per_s, peak_rss_gb,
+    rss_bound_gb, within_bound}. MB/s is GGUF bytes read per second of conversion."""
+    folder = tempfile.mkdtemp(prefix="ds4-bench-convert-", dir=workdir)
+    try:
+        src, out = os.path.join(folder, "synthetic.gguf"), os.path.join(folder, "out")
+        t0 = time.perf_counter()
+        total, largest = write_synthetic_gguf(src, size_gb)
+        write_s = time.perf_counter() - t0
+        code = ("import sys; from ds4_mlx.convert.cli import convert; "
+                "convert(sys.argv[1], sys.argv[2], progress=False, log=lambda m: None)")
+        t0 = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-c", code, src, out], stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(child.pid, 0)
+        convert_s = time.perf_counter() - t0
+        err = child.stderr.read().decode(errors="replace").strip()
+        child.stderr.close()
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"convert failed: {err.splitlines()[-1] if err else status}")
+        out_bytes = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
+        peak = usage.ru_maxrss * 1024  # Linux reports KiB
+        bound = 2e9 + largest
+        return {"gguf_gb": round(total / 1e9, 3), "largest_tensor_gb": round(largest / 1e9, 3),
+                "output_gb": round(out_bytes / 1e9, 3), "write_s": round(write_s, 1),
+                "convert_s": round(convert_s, 1), "mb_per_s": round(total / 1e6 / convert_s, 1),
+                "peak_rss_gb": round(peak / 1e9, 3), "rss_bound_gb": round(bound / 1e9, 3),
+                "within_bound": peak <= bound}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(bench_convert(float(sys.argv[1]) if len(sys.argv) > 1 else 4.0), indent=2))

@@ -1,0 +1,108 @@
+"""`ds4-mlx convert MODEL.gguf OUT_DIR`: a `deepseek4` GGUF file to an MLX model folder.
+
+Heavy imports happen inside `convert`, so registering the sub-command costs nothing at start-up.
+"""
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def register(subparsers):
+    p = subparsers.add_parser("convert", help="convert a deepseek4 GGUF file into an MLX model folder",
+                              description="Convert a deepseek4 GGUF file into an MLX model folder "
+                                          "(config.json, sharded safetensors, tokenizer).")
+    p.add_argument("gguf", help="the .gguf file")
+    p.add_argument("out_dir", help="the folder to create")
+    p.add_argument("--shard-size", type=float, default=5.0, metavar="GB", help="largest shard (default 5)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it already exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet)
+
+
+def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log=None):
+    """Convert; raise ValueError / OSError with a one-line message on bad input (nothing written)."""
+    from ds4_mlx.convert.gguf import GGUFModel
+
+    out = Path(out_dir).resolve()
+    if shard_gb <= 0:
+        raise ValueError(f"--shard-size must be positive, got {shard_gb}")
+    if not Path(gguf_path).is_file():
+        raise ValueError(f"{gguf_path}: no such file")
+    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: already exists (use --force to replace it)")
+    model = GGUFModel(gguf_path)  # validates before anything is written
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True)
+        _write(model, tmp, int(shard_gb * 1e9), progress, log)
+        if out.exists():  # --force or an empty folder: swap in, then drop the old one
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException as e:  # Ctrl+C included: leave nothing half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (KeyboardInterrupt, ValueError, OSError)):
+            raise
+        raise ValueError(f"{gguf_path}: conversion failed: {' '.join(str(e).split()) or type(e).__name__}") from None
+    return out
+
+
+def _write(model, folder, shard_bytes, progress, log):
+    from tqdm import tqdm
+
+    from ds4_mlx.convert.gguf import convert_chunks
+    from ds4_mlx.convert.writer import ShardWriter, header_capacity
+    from ds4_mlx.tokenizer import Tokenizer
+
+    names = [n for p in model.tensors for n in p.output_names()]
+    writer = ShardWriter(str(folder), shard_bytes, header_capacity(names))
+    quantization = {}
+    bar = tqdm(total=model.total_bytes, unit="B", unit_scale=True, desc="converting", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
+    say = log or (lambda msg: bar.write(msg, file=sys.stdout))
+    try:
+        with open(model.path, "rb") as f:
+            for i, plan in enumerate(model.tensors):
+                bar.set_postfix_str(f"tensor {i + 1}/{len(model.tensors)}", refresh=False)
+                added = False
+                for r0, r1, chunk, nbytes in convert_chunks(f, plan, say):
+                    if not added:  # the format (hence shapes) is known once the first chunk exists
+                        writer.add(plan.outputs())
+                        added = True
+                    for name, arr in chunk.items():
+                        writer.write(name, r0 * arr[0].nbytes, arr)
+                    bar.update(nbytes)
+                if plan.quantized:
+                    quantization[plan.module] = dict(plan.fmt)
+        writer.finish()
+    finally:
+        writer.abort()
+        bar.close()
+    config = model.args.to_dict()
+    config["quantization"] = quantization
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tok = Tokenizer.from_gguf(model.metadata)
+    if tok is not None:
+        tok.save(folder)
+
+
+def main(argv=None):
+    """`python -m ds4_mlx.convert.cli ...`: the convert sub-command alone, through ds4_mlx.cli's error handling."""
+    from ds4_mlx import cli
+
+    cli.SUBCOMMANDS = {"convert": __name__ if __name__ != "__main__" else "ds4_mlx.convert.cli"}
+    return cli.main(["convert", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
