@@ -28,6 +28,8 @@ HELP = """Commands:
   /quit           leave (also /exit or Ctrl+D)
 Ctrl+C stops an answer; what was written so far stays in the conversation."""
 
+PROGRESS_MIN_TOKENS = 512  # prompts this long show their prefill progress
+
 
 class Conversation:
     """A chat over one `Session`: the token transcript plus the settings of the next turn.
@@ -59,12 +61,13 @@ class Conversation:
         return self.transcript + self.tokenizer.encode(
             render_next_user_turn(user_text, thinking=self.thinking))
 
-    def ask(self, user_text: str, *, should_abort=None):
+    def ask(self, user_text: str, *, should_abort=None, on_prefill=None):
         """Stream the answer to `user_text` as `GenerationChunk`s. An answer stopped by
         `should_abort` keeps what was written; a turn stopped during the prompt is dropped."""
         prompt = self.prompt_ids(user_text)
         for chunk in stream_generate(self.session, self.tokenizer, prompt, max_tokens=self.max_tokens,
-                                     sampling=self.sampling, should_abort=should_abort):
+                                     sampling=self.sampling, should_abort=should_abort,
+                                     on_prefill=on_prefill):
             if chunk.finish_reason:
                 self.last_stats = chunk.stats
                 if len(self.session.tokens) >= len(prompt):  # else the prompt itself was cut short
@@ -129,11 +132,32 @@ class StopOnCtrlC:
 
 
 def stream_answer(conversation, terminal, user_text):
-    """Ask, print the answer as it comes (reasoning dimmed), then a status line."""
+    """Ask, print the answer as it comes (reasoning dimmed), then a status line. An error ends
+    the conversation with one line, never a traceback."""
+    try:
+        print_answer(conversation, terminal, user_text)
+    except Exception as e:  # the session may be half-updated: start clean
+        terminal.write(f"\nerror: {e}; starting a new conversation\n")
+        conversation.reset()
+        conversation.session.reset()
+
+
+def print_answer(conversation, terminal, user_text):
     parser = OutputParser(thinking=conversation.thinking)
     in_reasoning = False
+    progress_shown = False
+
+    def show_prefill(done, total):
+        nonlocal progress_shown
+        if terminal.interactive and total >= PROGRESS_MIN_TOKENS:
+            terminal.write(f"\r[prompt {done}/{total} tokens]", dim=True)
+            progress_shown = True
+
     with StopOnCtrlC() as ctrl_c:
-        for chunk in conversation.ask(user_text, should_abort=ctrl_c.pressed.is_set):
+        for chunk in conversation.ask(user_text, should_abort=ctrl_c.pressed.is_set, on_prefill=show_prefill):
+            if progress_shown:
+                terminal.write("\r\x1b[K")
+                progress_shown = False
             events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
             for event in events:
                 if isinstance(event, ReasoningDelta):

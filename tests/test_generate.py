@@ -192,3 +192,15 @@ def test_follow_up_reuses_the_whole_cache(demo):
         if turn:
             assert (stats.computed_tokens, stats.replayed_tokens) == (len(follow_up), 0)
         prompt = session.tokens + follow_up
+
+
+def test_generate_command_prints_a_completion(demo):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "generate", "-p", "Hi", "-n", "4",
+                             "--nothink", "--temp", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "gibberish" in result.stderr
+    assert "[length: prompt 10 tokens" in result.stderr and "generated 4 tokens" in result.stderr
+    assert result.stdout.strip()
