@@ -28,7 +28,9 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from ds4_mlx.chat import partial_marker_len
+from ds4_mlx.chat import (BOS, DEFAULT_SYSTEM, THINK_START, ContentDelta, OutputParser, ReasoningDelta,
+                          partial_marker_len, render)
+from ds4_mlx.session import Session, SyncInterrupted
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -228,8 +230,6 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         stop = on_prefill(done, total) if on_prefill else False
         return bool(stop) or should_abort()
 
-    from ds4_mlx import SyncInterrupted
-
     start = time.perf_counter()
     try:
         logits = session.sync(prompt_ids, on_chunk=prefill_callback)
@@ -285,7 +285,7 @@ def add_sampling_arguments(parser):
     parser.add_argument("--top-k", type=int, default=defaults.top_k)
     parser.add_argument("--min-p", type=float, default=defaults.min_p)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--system", default="You are a helpful assistant",
+    parser.add_argument("--system", default=DEFAULT_SYSTEM,
                         help="system prompt (an empty string for none)")
     think = parser.add_mutually_exclusive_group()
     think.add_argument("--think", dest="think", action="store_true", default=True,
@@ -318,18 +318,15 @@ DEMO_NOTE = "(demo model: tiny random weights with the real tokenizer, so its te
 
 
 def run_generate(args):
-    from ds4_mlx import Session
-    from ds4_mlx.chat import OutputParser, ReasoningDelta, ContentDelta, render
-
     model, tokenizer, is_demo = load_for_cli(args.model)
     if is_demo:
         print(DEMO_NOTE, file=sys.stderr)
-    if args.prompt.startswith("<｜begin▁of▁sentence｜>"):
+    if args.prompt.startswith(BOS):
         prompt_text = args.prompt  # already rendered
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt_text = render(messages + [{"role": "user", "content": args.prompt}], thinking=args.think)
-    parser = OutputParser(thinking=args.think and prompt_text.endswith("<think>"))
+    parser = OutputParser(thinking=prompt_text.endswith(THINK_START))
     dim = ("\x1b[2m", "\x1b[0m") if sys.stderr.isatty() else ("", "")
     session = Session(model)
     for chunk in stream_generate(session, tokenizer, tokenizer.encode(prompt_text),

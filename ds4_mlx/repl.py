@@ -16,6 +16,7 @@ from ds4_mlx.chat import (DEFAULT_SYSTEM, ContentDelta, OutputParser, ReasoningD
                           render_next_user_turn)
 from ds4_mlx.generate import (DEMO_NOTE, FINISH_ABORT, SamplingParams, add_sampling_arguments,
                               load_for_cli, sampling_from_args, stream_generate)
+from ds4_mlx.session import Session
 
 HELP = """Commands:
   /help           this help
@@ -232,8 +233,6 @@ def run_command(line, conversation, terminal) -> bool:
 
 
 def run_chat(args):
-    from ds4_mlx import Session
-
     terminal = Terminal()
     terminal.write("loading the model...\n", dim=True)
     model, tokenizer, is_demo = load_for_cli(args.model)
