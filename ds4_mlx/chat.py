@@ -326,6 +326,8 @@ class OutputParser:
         self.pending = ""  # text not yet turned into events
         self.at_start = True  # a leading <think> in the reasoning is dropped
         self.block_prefix = None  # inside a tool-call block: its tag prefix
+        self.block_text = ""  # the block's opening (leading whitespace and start tag)
+        self.block_scanned = 0  # how much of `pending` holds no end tag
 
     def feed(self, text: str) -> list:
         self.pending += text
@@ -379,6 +381,7 @@ class OutputParser:
             events.append(ContentDelta(content))
             self.block_text = before[len(content):] + marker  # the block keeps its leading blank line
             self.block_prefix = TOOL_BLOCK_STARTS[marker]
+            self.block_scanned = 0
             self.pending = self.pending[index + len(marker):]
             self.state = "tool_block"
             return True
@@ -391,8 +394,9 @@ class OutputParser:
 
     def _tool_block(self, events) -> bool:
         end_marker = f"</{self.block_prefix}tool_calls>"
-        end = self.pending.find(end_marker)
+        end = self.pending.find(end_marker, self.block_scanned)
         if end < 0:
+            self.block_scanned = max(0, len(self.pending) - len(end_marker) + 1)
             return False
         body = self.pending[:end]
         block = self.block_text + body + end_marker
