@@ -1,0 +1,425 @@
+"""Tiny DeepSeek V4 models for tests, benchmarks and the demo.
+
+- `write_gguf` writes a `deepseek4` GGUF (ds4 tensor names, numpy-order arrays).
+- `tiny_args` / `random_gguf_tensors`: a small config keeping every layer type, and pure-numpy random weights.
+- `hf_tiny_model` / `hf_to_gguf_tensors`: the transformers DeepseekV4 oracle (fp32) and its weights in ds4
+  names, so a GGUF written from it must give the same logits in MLX (architecture notes, section 9).
+
+Importing this module needs neither torch nor transformers; the oracle functions import them lazily.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ds4_mlx.models.deepseek_v4 import CSA, HCA, SLIDING, ModelArgs, _GGUF_KEYS
+
+ARCH = "deepseek4"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF writing
+
+
+def gguf_metadata(args: ModelArgs) -> dict:
+    """The `deepseek4.*` metadata keys describing `args` (ds4's key set)."""
+    d = args.to_dict()
+    types = ModelArgs.__annotations__
+    p = ARCH + "."
+    # cast by field type, so e.g. rope_theta=10000 is still written as a float32
+    meta = {p + key: (float(d[f]) if types[f] is float else int(d[f]) if types[f] is int else d[f])
+            for key, f in _GGUF_KEYS.items()}
+    meta[p + "attention.compress_ratios"] = [int(r) for r in args.compress_ratios]
+    meta[p + "attention.head_count_kv"] = 1
+    meta[p + "attention.value_length"] = int(args.head_dim)
+    meta[p + "expert_weights_norm"] = True
+    meta[p + "swiglu_clamp_exp"] = [float(args.swiglu_limit)] * args.num_hidden_layers
+    yarn = args.rope_scaling
+    if yarn:
+        meta[p + "rope.scaling.type"] = "yarn"
+        meta[p + "rope.scaling.factor"] = float(yarn["factor"])
+        meta[p + "rope.scaling.original_context_length"] = int(yarn["original_max_position_embeddings"])
+        meta[p + "rope.scaling.yarn_beta_fast"] = float(yarn.get("beta_fast", 32.0))
+        meta[p + "rope.scaling.yarn_beta_slow"] = float(yarn.get("beta_slow", 1.0))
+    return meta
+
+
+def _add_metadata(writer, key, value):
+    from gguf import GGUFValueType as V
+
+    if isinstance(value, bool):
+        writer.add_key_value(key, value, V.BOOL)
+    elif isinstance(value, (int, np.integer)):
+        writer.add_key_value(key, int(value), V.UINT32)
+    elif isinstance(value, (float, np.floating)):
+        writer.add_key_value(key, float(value), V.FLOAT32)
+    elif isinstance(value, str):
+        writer.add_key_value(key, value, V.STRING)
+    elif isinstance(value, (list, tuple, np.ndarray)):
+        items = list(value)
+        if all(isinstance(x, str) for x in items):
+            sub = V.STRING
+        elif all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
+            sub, items = V.INT32, [int(x) for x in items]
+        else:
+            sub, items = V.FLOAT32, [float(x) for x in items]
+        writer.add_key_value(key, items, V.ARRAY, sub_type=sub)
+    else:
+        raise TypeError(f"metadata {key}: unsupported value type {type(value).__name__}")
+
+
+def _tokenizer_metadata(tokenizer_json) -> dict:
+    """ds4's tokenizer keys from a HF tokenizer.json (byte-level BPE, as the V4 tokenizer)."""
+    tok = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    added = {a["id"]: a for a in tok.get("added_tokens", [])}
+    n = max(max(vocab.values()), max(added, default=-1)) + 1
+    tokens = [f"[PAD{i}]" for i in range(n)]  # ids missing from both tables (none in the V4 tokenizer)
+    types = [5] * n  # 5 = unused
+    for text, i in vocab.items():
+        tokens[i], types[i] = text, 1  # 1 = normal
+    for i, a in added.items():
+        tokens[i], types[i] = a["content"], 3 if a.get("special") else 4  # 3 = control, 4 = user defined
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    return {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "joyai-llm",
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
+def write_gguf(path, metadata: dict, tensors: dict, tokenizer_json=None):
+    """Write a GGUF v3 file of architecture `deepseek4`.
+
+    `metadata`: full key -> value (ints are written as uint32, floats as float32, int lists as int32 arrays,
+    float lists as float32 arrays). `tensors`: ds4 name -> numpy array in numpy order (the reverse of GGUF's
+    ne order), or (uint8 byte rows, GGMLQuantizationType) for pre-quantized data."""
+    from gguf import GGUFWriter
+
+    meta = dict(metadata)
+    if tokenizer_json is not None:
+        meta.update(_tokenizer_metadata(tokenizer_json))
+    writer = GGUFWriter(str(path), ARCH)
+    for key, value in meta.items():
+        if key != "general.architecture":
+            _add_metadata(writer, key, value)
+    for name, t in tensors.items():
+        if isinstance(t, tuple):
+            data, qtype = t
+            writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.uint8), raw_dtype=qtype)
+            continue
+        arr = np.asarray(t)
+        if arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        writer.add_tensor(name, np.ascontiguousarray(arr))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiny configs and random weights
+
+
+def tiny_args(seed=0, **overrides) -> ModelArgs:
+    """A tiny config with every layer kind: sliding, CSA (ratio 4, indexer) and HCA (ratio 16), hash and
+    top-k routed MoE, YaRN that matters (original context 64) and a SwiGLU clamp that acts (2.0).
+
+    seed 0 is the fixed shape below; other seeds draw another small shape (layer order, heads, window, HCA
+    ratio, ...) that still keeps every layer kind, window <= 16 and enough indexer heads to avoid score ties."""
+    d = dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=6, compress_ratios=[0, 0, 4, 16, 4, 16],
+        num_attention_heads=4, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        sliding_window=8, num_hash_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, swiglu_limit=2.0, index_n_heads=32, index_head_dim=16, index_topk=6,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "beta_fast": 32.0, "beta_slow": 1.0},
+        max_position_embeddings=4096,
+    )
+    if seed:
+        rng = np.random.default_rng(seed)
+        pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+        hca = pick([8, 16, 32])
+        n_layers = pick([4, 5, 6])
+        kinds = [0, 4, hca] + [pick([0, 4, hca]) for _ in range(n_layers - 3)]
+        rng.shuffle(kinds)
+        heads = pick([2, 4, 8])
+        head_dim = pick([16, 32])
+        d.update(
+            hidden_size=pick([48, 64, 96]), num_hidden_layers=n_layers, compress_ratios=[int(k) for k in kinds],
+            num_attention_heads=heads, head_dim=head_dim, qk_rope_head_dim=pick([8, head_dim // 2]),
+            q_lora_rank=pick([16, 32, 48]), o_groups=pick([g for g in (1, 2, 4) if heads % g == 0]),
+            o_lora_rank=pick([8, 16]), sliding_window=pick([8, 12, 16]), num_hash_layers=pick([1, 2, 3]),
+            n_routed_experts=pick([8, 16]), num_experts_per_tok=pick([2, 3]),
+            moe_intermediate_size=pick([16, 32]), swiglu_limit=pick([1.5, 2.0, 3.0]),
+            index_head_dim=pick([16, 32]), index_topk=pick([4, 6, 8]),
+            rope_scaling={"type": "yarn", "factor": pick([2.0, 4.0]),
+                          "original_max_position_embeddings": pick([32, 64]), "beta_fast": 32.0, "beta_slow": 1.0},
+        )
+    d.update(overrides)
+    return ModelArgs(**d)
+
+
+def _hca_ratio(args: ModelArgs):
+    ratios = {r for r in args.compress_ratios if r not in (0, 4)}
+    if len(ratios) > 1:
+        raise ValueError(f"transformers has one HCA ratio for all layers, got {sorted(ratios)}")
+    return ratios.pop() if ratios else 128
+
+
+def _random_like(kind, shape, rng, dtype=np.float32):
+    """Random values that keep activations O(1): matrices 1/sqrt(fan_in) (SwiGLU inputs x1.5 so the clamp
+    acts), norms near 1, HC mixes O(1), non-zero sinks, position biases and router biases."""
+    n = lambda: rng.standard_normal(shape)  # noqa: E731
+    if kind == "matrix":
+        v = n() / np.sqrt(shape[-1])
+    elif kind == "swiglu_in":
+        v = 1.5 * n() / np.sqrt(shape[-1])
+    elif kind == "embed":
+        v = n()
+    elif kind == "norm":
+        v = 1.0 + 0.1 * n()
+    elif kind in ("sink", "hc_base"):
+        v = n()
+    elif kind == "ape":
+        v = 0.5 * n()
+    elif kind == "hc_scale":
+        v = rng.uniform(0.5, 1.5, shape)
+    elif kind == "router_bias":
+        v = 0.3 * n()
+    else:
+        raise ValueError(kind)
+    return v.astype(dtype)
+
+
+def _distinct_experts(rng, vocab, n_experts, top_k):
+    """tid2eid rows: top_k different experts per token id (all zeros would route every token to expert 0)."""
+    return np.argsort(rng.random((vocab, n_experts)), axis=1)[:, :top_k].astype(np.int32)
+
+
+def _gguf_kind(base):
+    if base.endswith("norm"):
+        return "norm"
+    if base.endswith("_ape"):
+        return "ape"
+    if base.endswith("_base"):
+        return "hc_base"
+    if base.endswith("_scale"):
+        return "hc_scale"
+    last = base.rsplit(".", 1)[-1]
+    return {"attn_sinks": "sink", "exp_probs_b": "router_bias", "token_embd": "embed",
+            "ffn_gate_exps": "swiglu_in", "ffn_up_exps": "swiglu_in", "ffn_gate_shexp": "swiglu_in",
+            "ffn_up_shexp": "swiglu_in"}.get(last, "matrix")
+
+
+def gguf_shapes(args: ModelArgs) -> dict:
+    """ds4 tensor name -> numpy shape (the reverse of the GGUF ne order) for a complete model."""
+    H, V, hc = args.hidden_size, args.vocab_size, args.hc_mult
+    hd, nh, ql = args.head_dim, args.num_attention_heads, args.q_lora_rank
+    E, I, k = args.n_routed_experts, args.moe_intermediate_size, args.num_experts_per_tok
+    mix = (2 + hc) * hc
+    s = {"token_embd.weight": (V, H), "output_norm.weight": (H,), "output.weight": (V, H),
+         "output_hc_fn.weight": (hc, hc * H), "output_hc_base.weight": (hc,), "output_hc_scale.weight": (1,)}
+    for i in range(args.num_hidden_layers):
+        b = f"blk.{i}."
+        s.update({
+            b + "attn_norm.weight": (H,), b + "ffn_norm.weight": (H,),
+            b + "hc_attn_fn.weight": (mix, hc * H), b + "hc_attn_base.weight": (mix,), b + "hc_attn_scale.weight": (3,),
+            b + "hc_ffn_fn.weight": (mix, hc * H), b + "hc_ffn_base.weight": (mix,), b + "hc_ffn_scale.weight": (3,),
+            b + "attn_q_a.weight": (ql, H), b + "attn_q_a_norm.weight": (ql,), b + "attn_q_b.weight": (nh * hd, ql),
+            b + "attn_kv.weight": (hd, H), b + "attn_kv_a_norm.weight": (hd,), b + "attn_sinks.weight": (nh,),
+            b + "attn_output_a.weight": (args.o_groups * args.o_lora_rank, nh * hd // args.o_groups),
+            b + "attn_output_b.weight": (H, args.o_groups * args.o_lora_rank),
+            b + "ffn_gate_inp.weight": (E, H),
+            b + "ffn_gate_exps.weight": (E, I, H), b + "ffn_up_exps.weight": (E, I, H),
+            b + "ffn_down_exps.weight": (E, H, I),
+            b + "ffn_gate_shexp.weight": (I * args.n_shared_experts, H),
+            b + "ffn_up_shexp.weight": (I * args.n_shared_experts, H),
+            b + "ffn_down_shexp.weight": (H, I * args.n_shared_experts),
+        })
+        if i < args.num_hash_layers:
+            s[b + "ffn_gate_tid2eid.weight"] = (V, k)
+        else:
+            s[b + "exp_probs_b.bias"] = (E,)
+        kind, ratio = args.layer_type(i), args.compress_ratios[i]
+        if kind != SLIDING:
+            w = (2 if kind == CSA else 1) * hd  # CSA pools two overlapping series (Ca | Cb)
+            s.update({b + "attn_compressor_kv.weight": (w, H), b + "attn_compressor_gate.weight": (w, H),
+                      b + "attn_compressor_ape.weight": (ratio, w), b + "attn_compressor_norm.weight": (hd,)})
+        if kind == CSA:
+            ih, idim = args.index_n_heads, args.index_head_dim
+            s.update({b + "indexer.attn_q_b.weight": (ih * idim, ql), b + "indexer.proj.weight": (ih, H),
+                      b + "indexer_compressor_kv.weight": (2 * idim, H),
+                      b + "indexer_compressor_gate.weight": (2 * idim, H),
+                      b + "indexer_compressor_ape.weight": (ratio, 2 * idim),
+                      b + "indexer_compressor_norm.weight": (idim,)})
+    return s
+
+
+def random_gguf_tensors(args: ModelArgs, seed=0, dtype=np.float32) -> dict:
+    """Random weights for `args` in ds4 names and numpy order (pure numpy; demo and benchmarks)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in gguf_shapes(args).items():
+        base = name.rsplit(".", 1)[0]
+        if base.endswith("ffn_gate_tid2eid"):
+            out[name] = _distinct_experts(rng, args.vocab_size, args.n_routed_experts, args.num_experts_per_tok)
+        else:
+            out[name] = _random_like(_gguf_kind(base), shape, rng, dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# transformers oracle
+
+
+def hf_config(args: ModelArgs):
+    """transformers `DeepseekV4Config` (fp32) equal to `args`."""
+    import torch
+    from transformers import DeepseekV4Config
+    from transformers.utils import logging as hf_logging
+
+    if args.n_shared_experts != 1:
+        raise ValueError("transformers builds exactly one shared expert")
+    layer_types = [args.layer_type(i) for i in range(args.num_hidden_layers)]
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the yarn factor vs max_position_embeddings warning is expected
+    try:
+        cfg = DeepseekV4Config(
+            vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+            num_attention_heads=args.num_attention_heads, num_key_value_heads=1, head_dim=args.head_dim,
+            partial_rotary_factor=args.qk_rope_head_dim / args.head_dim, q_lora_rank=args.q_lora_rank,
+            o_groups=args.o_groups, o_lora_rank=args.o_lora_rank, sliding_window=args.sliding_window,
+            layer_types=layer_types, compress_rates={CSA: 4, HCA: _hca_ratio(args)},
+            mlp_layer_types=["hash_moe" if i < args.num_hash_layers else "moe"
+                             for i in range(args.num_hidden_layers)],
+            n_routed_experts=args.n_routed_experts, num_experts_per_tok=args.num_experts_per_tok,
+            n_shared_experts=1, moe_intermediate_size=args.moe_intermediate_size,
+            routed_scaling_factor=args.routed_scaling_factor, swiglu_limit=args.swiglu_limit,
+            index_n_heads=args.index_n_heads, index_head_dim=args.index_head_dim, index_topk=args.index_topk,
+            hc_mult=args.hc_mult, hc_sinkhorn_iters=args.hc_sinkhorn_iters, hc_eps=args.hc_eps,
+            rms_norm_eps=args.rms_norm_eps, rope_theta=args.rope_theta, compress_rope_theta=args.compress_rope_theta,
+            rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None,
+            max_position_embeddings=args.max_position_embeddings, tie_word_embeddings=False,
+            torch_dtype=torch.float32,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    compress = cfg.rope_parameters["compress"]
+    if args.rope_scaling and compress.get("attention_factor") != 1.0:  # else cos/sin get scaled by 1+0.1 ln f
+        raise AssertionError(f"compress rope would be magnitude-scaled: {compress}")
+    return cfg
+
+
+def _hf_kind(name):
+    last = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight"):
+        return "norm"
+    if last == "sinks":
+        return "sink"
+    if last == "position_bias":
+        return "ape"
+    if last in ("base", "hc_base"):
+        return "hc_base"
+    if last in ("scale", "hc_scale"):
+        return "hc_scale"
+    if last == "e_score_correction_bias":
+        return "router_bias"
+    if name.endswith("embed_tokens.weight"):
+        return "embed"
+    if last == "gate_up_proj" or name.endswith(("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")):
+        return "swiglu_in"
+    return "matrix"
+
+
+def hf_tiny_model(args: ModelArgs, seed=0):
+    """`DeepseekV4ForCausalLM` (fp32, eval) for `args`, every parameter and buffer random.
+
+    `_init_weights` zeroes sinks, position biases, HC bases, router biases and tid2eid and gives weights of
+    std 0.02 (flat logits); all of that is redrawn here so every path of the model matters."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg = hf_config(args)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).eval()
+    rotary = model.model.rotary_emb
+    if args.rope_scaling and getattr(rotary, "compress_attention_scaling", None) != 1.0:
+        raise AssertionError("compress rope attention scaling is not 1.0")
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("tid2eid"):
+                v = _distinct_experts(rng, args.vocab_size, args.n_routed_experts, args.num_experts_per_tok)
+                t.copy_(torch.from_numpy(v.astype(np.int64)))
+            elif t.is_floating_point():
+                t.copy_(torch.from_numpy(_random_like(_hf_kind(name), tuple(t.shape), rng)))
+    return model
+
+
+_HF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight", "model.hc_head.hc_fn": "output_hc_fn.weight",
+           "model.hc_head.hc_base": "output_hc_base.weight", "model.hc_head.hc_scale": "output_hc_scale.weight"}
+_HF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "attn_hc.fn": "hc_attn_fn.weight", "attn_hc.base": "hc_attn_base.weight", "attn_hc.scale": "hc_attn_scale.weight",
+    "ffn_hc.fn": "hc_ffn_fn.weight", "ffn_hc.base": "hc_ffn_base.weight", "ffn_hc.scale": "hc_ffn_scale.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_norm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight", "self_attn.kv_proj.weight": "attn_kv.weight",
+    "self_attn.kv_norm.weight": "attn_kv_a_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+    # o_a_proj [groups*rank, heads*head_dim/groups]: group g uses rows g*rank.., as ds4's attn_output_a
+    "self_attn.o_a_proj.weight": "attn_output_a.weight", "self_attn.o_b_proj.weight": "attn_output_b.weight",
+    "self_attn.compressor.kv_proj.weight": "attn_compressor_kv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn_compressor_gate.weight",
+    "self_attn.compressor.position_bias": "attn_compressor_ape.weight",
+    "self_attn.compressor.kv_norm.weight": "attn_compressor_norm.weight",
+    "self_attn.compressor.indexer.kv_proj.weight": "indexer_compressor_kv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "indexer_compressor_gate.weight",
+    "self_attn.compressor.indexer.position_bias": "indexer_compressor_ape.weight",
+    "self_attn.compressor.indexer.kv_norm.weight": "indexer_compressor_norm.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "indexer.attn_q_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "indexer.proj.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.gate.tid2eid": "ffn_gate_tid2eid.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def hf_to_gguf_tensors(model) -> dict:
+    """The transformers state dict in ds4 GGUF names (numpy order = transformers' [out, in]).
+
+    Raises on any parameter it does not know, so nothing is silently dropped."""
+    out = {}
+    for name, t in model.state_dict().items():
+        a = t.detach().cpu().numpy()
+        if name in _HF_TOP:
+            out[_HF_TOP[name]] = a.astype(np.float32)
+            continue
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+            raise KeyError(f"unmapped transformers parameter {name}")
+        blk, sub = f"blk.{parts[2]}.", parts[3]
+        if sub == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows first, then up
+            inter = a.shape[1] // 2
+            out[blk + "ffn_gate_exps.weight"] = np.ascontiguousarray(a[:, :inter], dtype=np.float32)
+            out[blk + "ffn_up_exps.weight"] = np.ascontiguousarray(a[:, inter:], dtype=np.float32)
+        elif sub == "mlp.gate.tid2eid":
+            out[blk + _HF_LAYER[sub]] = a.astype(np.int32)
+        elif sub in _HF_LAYER:
+            out[blk + _HF_LAYER[sub]] = a.astype(np.float32)
+        else:
+            raise KeyError(f"unmapped transformers parameter {name}")
+    return out
+
+
+def write_tiny_gguf(path, args: ModelArgs, seed=0):
+    """Write the GGUF of a random transformers tiny model; return (path, torch model)."""
+    model = hf_tiny_model(args, seed)
+    write_gguf(path, gguf_metadata(args), hf_to_gguf_tensors(model))
+    return Path(path), model

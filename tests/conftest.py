@@ -1,0 +1,34 @@
+"""Shared fixtures: MLX on the CPU, and tiny GGUF models written once per test session."""
+
+import mlx.core as mx
+import pytest
+
+mx.set_default_device(mx.cpu)
+
+# seeds of `ds4_mlx.testing.tiny_args`: 0 is the fixed tiny shape, the others draw other shapes
+TINY_SEEDS = [0, 2, 4]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{seed: (gguf path, transformers model, ModelArgs)}, built lazily (needs torch + transformers)."""
+    pytest.importorskip("transformers")
+    from ds4_mlx.testing import tiny_args, write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("tiny_gguf")
+    built = {}
+
+    def get(seed):
+        if seed not in built:
+            args = tiny_args(seed)
+            path, model = write_tiny_gguf(folder / f"tiny-{seed}.gguf", args, seed=seed)
+            built[seed] = (path, model, args)
+        return built[seed]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=TINY_SEEDS, ids=lambda s: f"seed{s}")
+def tiny_gguf(request, tiny_models):
+    """(gguf path, transformers model, ModelArgs) for each of the tiny configs."""
+    return tiny_models(request.param)
