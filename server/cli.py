@@ -24,8 +24,8 @@ def run_serve(args):
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
                           checkpoint_every=args.checkpoint_every)
-    log.info(f"serving {args.model_id} on http://{args.host}:{args.port} (ctx {args.ctx}, "
-             f"{args.sessions} live session(s), {args.cache_gib:g} GiB for them)")
+    log.info(f"loading the model, then serving {args.model_id} on http://{args.host}:{args.port} "
+             f"(ctx {args.ctx}, {args.sessions} live session(s), {args.cache_gib:g} GiB for them)")
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
     return 0
 

@@ -4,6 +4,7 @@ and resend scenario, slots for alternating clients, miss reasons, an abort durin
 import contextlib
 import logging
 import re
+import threading
 import time
 
 import requests
@@ -18,9 +19,9 @@ MODEL = "deepseek-v4-flash"
 
 
 @contextlib.contextmanager
-def served(*, sessions=2, keepalive_s=5.0, ctx=8192):
+def served(*, sessions=2, keepalive_s=5.0, ctx=8192, budget_bytes=2**32):
     server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=ctx, sessions=sessions,
-                          budget_bytes=2**32, keepalive_s=keepalive_s)
+                          budget_bytes=budget_bytes, keepalive_s=keepalive_s)
     with BackgroundServer(server) as bg:
         yield bg, OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
 
@@ -139,6 +140,32 @@ def test_abort_during_prefill_keeps_a_prefix_and_the_resend_computes_the_rest(ca
         line = request_lines(caplog)[-1]
     assert int(line["reused"]) == len(kept)
     assert int(line["computed"]) == len(prompt_ids) - len(kept) and line["replayed"] == "0"
+
+
+def test_a_queued_request_whose_client_left_is_dropped(caplog):
+    caplog.set_level(logging.INFO, logger="ds4_mlx.server")
+    with served(sessions=1) as (bg, client):
+        running = threading.Thread(target=lambda: client.chat.completions.create(
+            model=MODEL, messages=long_conversation(300), max_tokens=30, temperature=0))
+        running.start()
+        while not any(s.busy for s in bg.server.worker.slots):
+            time.sleep(0.01)
+        with contextlib.suppress(requests.exceptions.ReadTimeout):  # this client gives up while queued
+            requests.post(bg.url + "/v1/chat/completions", timeout=0.5, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "queued"}], "max_tokens": 2})
+        running.join()
+    messages = [r.getMessage() for r in caplog.records if r.name == "ds4_mlx.server"]
+    assert any("dropped from the queue" in m for m in messages)
+    assert len(request_lines(caplog)) == 1
+
+
+def test_sessions_beyond_the_byte_budget_are_emptied_least_recently_used_first(caplog):
+    caplog.set_level(logging.INFO, logger="ds4_mlx.server")
+    with served(sessions=2, budget_bytes=1) as (bg, client):
+        for name in ("alpha", "beta"):
+            client.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": name}])
+        assert [len(s.tokens) > 0 for s in bg.server.worker.slots] == [False, True]
+    assert any("slot=0 emptied to stay within the session budget" in r.getMessage() for r in caplog.records)
 
 
 # ---------------------------------------------------------------- the slot policy alone
