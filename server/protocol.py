@@ -64,12 +64,12 @@ def thinking_mode(body: dict, model: str, info: ServerInfo, *, effort: str | Non
     return thinking, effort
 
 
-def sampling(body: dict, *, top_k_field: str = "top_k") -> SamplingParams:
+def sampling(body: dict) -> SamplingParams:
     defaults = SamplingParams()
     return SamplingParams(
         temperature=number_in(body, "temperature", 0.0, 2.0, defaults.temperature),
         top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p),
-        top_k=get(body, top_k_field, int, defaults.top_k),
+        top_k=get(body, "top_k", int, defaults.top_k),
         min_p=number_in(body, "min_p", 0.0, 1.0, defaults.min_p),
         seed=get(body, "seed", int))
 
@@ -98,7 +98,7 @@ def function_tools(tools: list | None) -> list[dict] | None:
     return tools
 
 
-def resolve_tool_choice(choice, tools: list[dict] | None, names_of=lambda t: t["function"]["name"]):
+def resolve_tool_choice(choice, tools: list[dict] | None):
     """The tools to render under `tool_choice`: "none" hides them; "auto", "required" and a named
     function keep them all (the model cannot be forced; a named function must exist)."""
     if choice is None or not tools:
@@ -107,9 +107,9 @@ def resolve_tool_choice(choice, tools: list[dict] | None, names_of=lambda t: t["
         return None
     if choice in ("auto", "required", "any"):
         return tools
-    name = choice.get("name") or (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or not isinstance(name, str):
+    name = (choice.get("name") or (choice.get("function") or {}).get("name")) if isinstance(choice, dict) else None
+    if not isinstance(name, str):
         raise APIError(400, "tool_choice must be none, auto, required or a named function", param="tool_choice")
-    if name not in {names_of(t) for t in tools}:
+    if name not in {t["function"]["name"] for t in tools}:
         raise APIError(422, f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
     return tools

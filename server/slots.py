@@ -1,10 +1,13 @@
 """Live sessions ("slots") and the choice of which one serves a request.
 
-Each slot holds one `Session`: the cache of one conversation. A request goes to the slot whose tokens
-share the longest prefix with its prompt, so the session only trims what differs and computes the rest.
-A share shorter than `MIN_SHARE` tokens (a common system prompt, or just BOS) is not worth evicting an
-other conversation for when an empty slot exists; it still counts when the prompt extends everything the
-slot holds, since then nothing is lost. The policy is pure: it reads slots and returns a decision.
+Each slot holds one `Session`: the cache of one conversation. Taking a slot keeps the tokens it shares
+with the prompt and discards the rest of it, so a slot is worth `share - discarded` tokens to a request.
+A request continues the slot worth the most, if that is positive: its own conversation, a resend after
+an abort, an extension. A share shorter than `MIN_SHARE` tokens (a common system prompt, or just BOS)
+does not count unless the prompt extends all the slot holds. Otherwise the request starts over in the
+idle slot that loses least: an empty one, else the least valuable, least recently used one. So a side
+request that shares only a system prompt with a long conversation does not evict it while another slot
+is free. The policy is pure: it reads slots and returns a decision.
 """
 
 from dataclasses import dataclass
@@ -40,28 +43,30 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _worth_keeping(share: int, live: int) -> bool:
-    return share >= MIN_SHARE or 0 < share == live
+def _value(slot: Slot, share: int) -> int:
+    """Tokens saved minus tokens discarded by serving the prompt from this slot."""
+    live = len(slot.tokens)
+    if share < MIN_SHARE and share != live:
+        return -live
+    return share - (live - share)
 
 
 def place(slots: list[Slot], prompt: list[int]) -> Placement | None:
     """The slot for `prompt`, or None when it should wait for a busy slot to come free."""
     shares = {s.index: common_prefix(s.tokens, prompt) for s in slots}
-    # Longest useful share first; among equals an idle slot, then the most recently used.
-    useful = sorted((s for s in slots if _worth_keeping(shares[s.index], len(s.tokens))),
-                    key=lambda s: (shares[s.index], not s.busy, s.last_used), reverse=True)
-    if useful:
-        best = useful[0]
+    values = {s.index: _value(s, shares[s.index]) for s in slots}
+    best = max(slots, key=lambda s: (values[s.index], not s.busy, s.last_used))
+    if values[best.index] > 0:
         if best.busy:
-            return None  # its own conversation is running: wait rather than start cold elsewhere
-        return Placement(best, len(best.tokens), shares[best.index], _partial_miss(best, shares[best.index], prompt))
+            return None  # its own conversation is running: wait rather than start over elsewhere
+        share = shares[best.index]
+        return Placement(best, len(best.tokens), share, _partial_miss(best, share, prompt))
     idle = [s for s in slots if not s.busy]
     if not idle:
         return None
-    # No share worth keeping: an empty slot, else the least recently used one is replaced.
-    victim = min(idle, key=lambda s: (len(s.tokens) > 0, s.last_used))
+    victim = max(idle, key=lambda s: (values[s.index], -s.last_used))
     live, share = len(victim.tokens), shares[victim.index]
-    miss = "empty-slot" if live == 0 else f"other-conversation(share={share}<{MIN_SHARE})"
+    miss = "empty-slot" if live == 0 else f"other-conversation(share={share},live={live})"
     return Placement(victim, live, share, miss)
 
 

@@ -136,6 +136,8 @@ class Worker:
     def _run(self):
         import mlx.core as mx
 
+        # MLX arrays belong to the thread whose stream made them: the worker gets its own stream and
+        # makes the model and the sessions' caches there.
         mx.set_default_stream(mx.new_stream(mx.default_device()))
         try:
             self.model, self.tokenizer = self._load()

@@ -195,7 +195,16 @@ def test_policy_waits_for_its_busy_slot_and_replaces_the_least_recently_used():
     prompt = list(range(1000))
     assert place(slots(prompt[:800], [], busy={0}), prompt) is None
     full = place(slots([-1] * 500, [-2] * 500), prompt)
-    assert full.slot.index == 0 and full.miss == f"other-conversation(share=0<{MIN_SHARE})"
+    assert full.slot.index == 0 and full.miss == "other-conversation(share=0,live=500)"
     assert place(slots([-1] * 500, busy={0}), prompt) is None
     diverged = place(slots(prompt[:700] + [-1] * 10), prompt)
     assert diverged.miss.startswith("diverged(at=700")
+
+
+def test_policy_keeps_a_long_conversation_from_a_request_sharing_only_its_system_prompt():
+    prompt = list(range(1000))
+    conversation = prompt[:MIN_SHARE + 50] + [-1] * 5000
+    side = place(slots(conversation, []), prompt)
+    assert side.slot.index == 1 and side.miss == "empty-slot"
+    small_other = place(slots(conversation, [-2] * 400), prompt)  # no empty slot: lose the least
+    assert small_other.slot.index == 1 and small_other.miss == "other-conversation(share=0,live=400)"
