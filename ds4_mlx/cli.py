@@ -15,10 +15,13 @@ SUBCOMMANDS = {
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="ds4-mlx", description="DeepSeek V4 Flash on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in SUBCOMMANDS.values():
-        importlib.import_module(module).register(sub)
+    # import only the room a command needs, so start-up stays fast
+    wanted = [argv[0]] if argv and argv[0] in SUBCOMMANDS else list(SUBCOMMANDS)
+    for name in wanted:
+        importlib.import_module(SUBCOMMANDS[name]).register(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
