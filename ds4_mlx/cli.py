@@ -27,7 +27,7 @@ def main(argv=None):
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
-    except (OSError, ValueError) as e:  # user errors (bad file, bad flag value): one line, no traceback
+    except Exception as e:  # never a traceback for the user: one line naming the problem
         print(f"ds4-mlx {args.command}: error: {e}", file=sys.stderr)
         return 1
 

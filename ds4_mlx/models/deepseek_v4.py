@@ -217,6 +217,7 @@ class Rope:
     def __init__(self, dim, base, scaling=None):
         self.dim = dim
         self.inv_freq = yarn_inv_freq(dim, base, scaling)
+        mx.eval(self.inv_freq)  # a lazy array would tie the model to the building thread's stream
 
     def __call__(self, x, positions, inverse=False):
         # x [T, ..., D], positions [T]

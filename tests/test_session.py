@@ -1,0 +1,165 @@
+"""Sessions that rewind exactly: every logits vector after any history of syncs, steps, snapshots and
+restores equals a cold prefill of the same tokens (a fresh Session with other chunking, or transformers)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ds4_mlx.bench import random_model
+from ds4_mlx.session import Session, SyncInterrupted
+from ds4_mlx.testing import tiny_args
+
+SEEDS = [0, 3, 5]
+_models = {}
+
+
+def model_for(seed):
+    if seed not in _models:
+        _models[seed] = random_model(tiny_args(seed), seed=seed)
+    return _models[seed]
+
+
+def cold_logits(model, tokens):
+    return Session(model, rewind_slack=0, checkpoint_every=10**9, max_chunk=61).sync(tokens)
+
+
+def assert_exact(session, logits):
+    assert all(c.pos == len(session.tokens) for c in session.cache)
+    diff = float(mx.abs(logits - cold_logits(session.model, session.tokens)).max())
+    assert diff <= 1e-4, f"logits differ from a cold prefill by {diff}"
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_histories_equal_cold_prefill(data):
+    seed = data.draw(st.sampled_from(SEEDS))
+    model = model_for(seed)
+    vocab = model.args.vocab_size
+    session = Session(model, rewind_slack=data.draw(st.sampled_from([0, 3, 24])),
+                      checkpoint_every=data.draw(st.sampled_from([8, 16, 32])),
+                      max_chunk=data.draw(st.sampled_from([1, 5, 16, 64])))
+    tokens = st.integers(0, vocab - 1)
+    snapshots = []
+    for _ in range(data.draw(st.integers(1, 6))):
+        op = data.draw(st.sampled_from(["sync", "sync", "step", "snapshot", "restore"]))
+        if op == "sync" or not session.tokens:
+            keep = data.draw(st.integers(0, len(session.tokens)))
+            prompt = session.tokens[:keep] + data.draw(st.lists(tokens, min_size=0 if keep else 1, max_size=48))
+            logits = session.sync(prompt)
+            assert session.tokens == prompt
+            s = session.last_sync
+            assert s["reused"] + s["replayed"] + s["computed"] >= len(prompt) - 1
+            assert s["replayed"] <= session.checkpoint_every
+        elif op == "step":
+            logits = session.step(data.draw(tokens))
+        elif op == "snapshot":
+            snapshots.append(session.snapshot())
+            continue
+        else:
+            if not snapshots:
+                continue
+            session.restore(data.draw(st.sampled_from(snapshots)))
+            if not session.tokens:
+                continue
+            logits = session.sync(list(session.tokens))
+        assert_exact(session, logits)
+
+
+def test_history_matches_transformers(tiny_gguf):
+    """A session's logits after trims and re-feeds equal transformers' full forward of its tokens."""
+    import torch
+
+    from ds4_mlx import load
+
+    path, hf_model, args = tiny_gguf
+    model, _ = load(path, quant_sim=False)
+    rng = np.random.default_rng(1)
+    session = Session(model, rewind_slack=16, checkpoint_every=32, max_chunk=16)
+    prompt = rng.integers(0, args.vocab_size, 150).tolist()
+    session.sync(prompt)
+    for _ in range(5):
+        session.step(int(rng.integers(args.vocab_size)))
+    session.sync(prompt[:140] + rng.integers(0, args.vocab_size, 20).tolist())  # within the slack
+    logits = session.sync(session.tokens[:70] + rng.integers(0, args.vocab_size, 30).tolist())  # deeper
+    assert session.last_sync["replayed"] <= 32
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([session.tokens]), use_cache=False).logits[0, -1].numpy()
+    assert np.abs(np.array(logits) - ref).max() <= 1e-3
+
+
+def test_resend_after_abort_replays_almost_nothing():
+    """The report's case: a 2,000-token prompt, 37 streamed tokens, the same prompt again."""
+    model = model_for(0)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.args.vocab_size, 2000).tolist()
+    session = Session(model)
+    session.sync(prompt)
+    token = int(mx.argmax(session.logits))
+    for _ in range(37):
+        token = int(mx.argmax(session.step(token)))
+    logits = session.sync(prompt)
+    assert session.last_sync["computed"] <= 128 and session.last_sync["replayed"] == 0
+    assert_exact(session, logits)
+
+
+def test_deep_rewind_replays_from_the_nearest_checkpoint():
+    model = model_for(3)
+    rng = np.random.default_rng(2)
+    session = Session(model, rewind_slack=8, checkpoint_every=64, max_chunk=32)
+    prompt = rng.integers(0, model.args.vocab_size, 400).tolist()
+    session.sync(prompt)
+    assert sorted(session.checkpoints) == [64, 128, 192, 256, 320, 384]
+    logits = session.sync(prompt[:200] + [1, 2, 3])
+    assert session.last_sync == {"reused": 192, "replayed": 8, "computed": 3}
+    assert_exact(session, logits)
+    assert sorted(session.checkpoints) == [64, 128, 192]
+
+
+def test_rewind_within_the_slack_replays_nothing():
+    model = model_for(5)
+    rng = np.random.default_rng(3)
+    session = Session(model, rewind_slack=100, checkpoint_every=10**6, max_chunk=16)
+    prompt = rng.integers(0, model.args.vocab_size, 300).tolist()
+    session.sync(prompt)
+    logits = session.sync(prompt[:205])
+    assert session.last_sync == {"reused": 204, "replayed": 0, "computed": 1}
+    assert_exact(session, logits)
+
+
+def test_interrupted_sync_keeps_a_prefix_and_resumes():
+    model = model_for(0)
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, model.args.vocab_size, 100).tolist()
+    session = Session(model, max_chunk=16)
+    with pytest.raises(SyncInterrupted):
+        session.sync(prompt, on_chunk=lambda done, total: done >= 32)
+    assert session.tokens == prompt[:32]
+    logits = session.sync(prompt)
+    assert session.last_sync["reused"] == 32 and session.last_sync["computed"] == 68
+    assert_exact(session, logits)
+
+
+def test_snapshot_is_not_written_through():
+    model = model_for(0)
+    rng = np.random.default_rng(5)
+    session = Session(model, rewind_slack=4, checkpoint_every=16, max_chunk=8)
+    a = rng.integers(0, model.args.vocab_size, 60).tolist()
+    session.sync(a)
+    snap = session.snapshot()
+    session.sync(a[:10] + rng.integers(0, model.args.vocab_size, 80).tolist())  # overwrite rows and rings
+    session.restore(snap)
+    assert session.tokens == a
+    assert_exact(session, session.step(7))
+
+
+def test_nbytes_counts_slack_and_checkpoints():
+    model = model_for(0)
+    rng = np.random.default_rng(6)
+    small = Session(model, rewind_slack=0, checkpoint_every=10**6)
+    large = Session(model, rewind_slack=512, checkpoint_every=64)
+    prompt = rng.integers(0, model.args.vocab_size, 300).tolist()
+    small.sync(prompt)
+    large.sync(prompt)
+    assert len(large.checkpoints) == 4
+    assert large.nbytes > small.nbytes > 0
