@@ -93,7 +93,7 @@ def _model_options(q):
                    help="real: V4 Flash widths with --layers layers and random quantized experts")
     q.add_argument("--layers", type=int, default=2)
     q.add_argument("--experts", type=int, default=None, help="routed experts (default 256)")
-    q.add_argument("--expert-bits", type=int, default=4)
+    q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
 
 
 def bench_model(a):
