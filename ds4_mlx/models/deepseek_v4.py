@@ -398,7 +398,7 @@ class Compressor(nn.Module):
         kv, score = logged[..., :W], logged[..., W:]
         if self.overlap:
             prev = ring.gather(tokens - m)
-            prev_score = mx.where((tokens - m >= 0)[..., None], prev[..., W + 0 : W + d], -mx.inf)
+            prev_score = mx.where((tokens - m >= 0)[..., None], prev[..., W : W + d], -mx.inf)
             kv = mx.concatenate([prev[..., :d], kv[..., d:]], axis=1)
             score = mx.concatenate([prev_score, score[..., d:]], axis=1)
         weights = mx.softmax(score.astype(mx.float32), axis=1)
