@@ -63,7 +63,7 @@ class Server:
     # -- plain endpoints ------------------------------------------------------------------------------
 
     async def health(self, request):
-        slots = [{"slot": s.index, "tokens": len(s.tokens), "busy": s.busy, "bytes": s.session.nbytes}
+        slots = [{"slot": s.index, "tokens": len(s.tokens), "busy": s.busy, "bytes": s.nbytes}
                  for s in self.worker.slots]
         return web.json_response({"status": "ok", "model": self.info.model_id, "context_length": self.info.ctx,
                                   "queued": self.worker.queued, "slots": slots})

@@ -67,7 +67,8 @@ class ToolCallMemory:
         out = []
         for message in messages:
             calls = message.get("tool_calls") or []
-            blocks = {self._blocks.get(c.get("id")) for c in calls}
+            ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
+            blocks = {self._blocks.get(i) if isinstance(i, str) else None for i in ids}
             if message.get("role") == "assistant" and calls and len(blocks) == 1 and None not in blocks:
                 block = blocks.pop()
                 if block.count("invoke name=") == len(calls):  # the client kept every call of the block

@@ -107,7 +107,10 @@ def resolve_tool_choice(choice, tools: list[dict] | None):
         return None
     if choice in ("auto", "required", "any"):
         return tools
-    name = (choice.get("name") or (choice.get("function") or {}).get("name")) if isinstance(choice, dict) else None
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = choice.get("name") or (function.get("name") if isinstance(function, dict) else None)
     if not isinstance(name, str):
         raise APIError(400, "tool_choice must be none, auto, required or a named function", param="tool_choice")
     if name not in {t["function"]["name"] for t in tools}:

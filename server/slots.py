@@ -21,6 +21,7 @@ class Slot:
     session: object  # ds4_mlx.Session
     busy: bool = False
     last_used: float = 0.0
+    nbytes: int = 0  # the session's bytes, refreshed by the worker thread (readers must not touch arrays)
 
     @property
     def tokens(self) -> list[int]:

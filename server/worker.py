@@ -155,7 +155,14 @@ class Worker:
                     return
                 self._admit()
             for run in list(self._running):
-                self._advance(run)
+                try:
+                    self._advance(run)
+                except Exception:  # noqa: BLE001 - one job's bookkeeping failed; the worker must live on
+                    log.error(f"{run.job.request.label} failed:\n{traceback.format_exc()}")
+                    if run in self._running:
+                        self._running.remove(run)
+                        run.placement.slot.busy = False
+                    run.job.emit("done", None)
 
     def _admit(self):
         """Start queued jobs in arrival order while slots allow; drop those whose client left."""
@@ -203,6 +210,8 @@ class Worker:
         outcome = self._outcome(run, last_chunk)
         log.info(outcome.log_line(run.job.request.label))
         self._keep_within_budget(slot)
+        for s in self.slots:
+            s.nbytes = s.session.nbytes
         run.job.emit("done", outcome)
 
     @staticmethod

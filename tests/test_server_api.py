@@ -223,6 +223,16 @@ def test_errors_have_each_api_shape_and_status(bg, oai, claude):
     assert unknown.status_code == 404 and "error" in unknown.json()
     refused = requests.post(bg.url + "/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"})
     assert refused.status_code == 400 and "stateless" in refused.json()["error"]["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    odd_choice = requests.post(bg.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+        "tool_choice": {"type": "function", "function": "f"}})
+    assert odd_choice.status_code == 400
+    odd_call_id = requests.post(bg.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": ["x"], "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]})
+    assert odd_call_id.status_code in (200, 400)  # accepted as an unknown call or refused, never a 500
 
 
 def test_the_serve_command_starts_a_server():
