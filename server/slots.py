@@ -12,6 +12,8 @@ is free. The policy is pure: it reads slots and returns a decision.
 
 from dataclasses import dataclass
 
+from ds4_mlx.session import common_prefix
+
 MIN_SHARE = 256
 
 
@@ -34,14 +36,6 @@ class Placement:
     live: int  # tokens the slot held before the request
     common: int  # tokens shared with the prompt
     miss: str | None  # why the live tokens could not all be kept; None for a hit
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _value(slot: Slot, share: int) -> int:

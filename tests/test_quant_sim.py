@@ -28,7 +28,7 @@ def test_fp8_scale_is_a_power_of_two_from_the_block_max():
     out = np.array(fp8_e4m3_sim(mx.array(x)))[0]
     assert out[0] == 1024.0 and out[1] == 10.0
     scale = 2.0 ** math.ceil(math.log2(1e-4 / 448))
-    assert out[64] == round(1e-6 / scale) * scale  # 1e-6 / 2^-22 = 4.19 -> E4M3 4.0 (step 0.5 in [4, 8))
+    assert out[64] == 4.0 * scale  # 1e-6 / 2^-22 = 4.19 -> E4M3 4.0 (step 0.5 in [4, 8))
 
 
 def test_fp4_grid_and_ties():
