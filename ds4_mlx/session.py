@@ -119,6 +119,26 @@ class Session:
         self._feed(replay)
         return start, len(replay)
 
+    def _undo_chunk(self, n):
+        """A chunk of n tokens failed (an exception or out of memory mid-graph): some layers may have
+        advanced or written rows past `self.tokens`, others not. Take every layer to the chunk's end, so
+        each knows which ring slots were overwritten, then back to `self.tokens`; when that cannot be
+        done or the arrays cannot be evaluated, start over empty. Either way the layers agree with
+        `self.tokens`. (Holding the arrays of before the chunk instead would cost a copy of every ring
+        per chunk: MLX could no longer update them in place.)"""
+        start = len(self.tokens)
+        try:
+            for c in self.cache:
+                c.advance(start + n - c.pos)
+            if not all(c.can_trim(start) for c in self.cache):
+                raise RuntimeError("the rings no longer hold the state")
+            for c in self.cache:
+                c.trim(start)
+            mx.eval([r.rows for c in self.cache for r in c.rings() if r.rows is not None],
+                    [b.rows for c in self.cache for b in c.buffers() if b.rows is not None])
+        except Exception:  # noqa: BLE001 - nothing of the arrays can be trusted
+            self.reset()
+
     def _feed(self, ids, progress=None):
         """Run ids through the model in chunks that end on checkpoint positions."""
         done = 0
@@ -127,9 +147,13 @@ class Session:
             to_checkpoint = self.checkpoint_every - pos % self.checkpoint_every
             n = min(self.max_chunk, len(ids) - done, to_checkpoint)
             chunk = ids[done : done + n]
-            logits = self.model(mx.array([chunk], dtype=mx.int32), self.cache, last_only=True)[0, -1]
-            mx.eval(logits, [r.rows for c in self.cache for r in c.rings()],
-                    [b.rows for c in self.cache for b in c.buffers()])
+            try:
+                logits = self.model(mx.array([chunk], dtype=mx.int32), self.cache, last_only=True)[0, -1]
+                mx.eval(logits, [r.rows for c in self.cache for r in c.rings()],
+                        [b.rows for c in self.cache for b in c.buffers()])
+            except BaseException:
+                self._undo_chunk(n)
+                raise
             self.tokens.extend(chunk)
             self.logits = logits
             done += n
