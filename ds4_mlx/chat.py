@@ -70,6 +70,36 @@ TOOLS_PROMPT_TAIL = (
 # ---------------------------------------------------------------- rendering
 
 
+class Client(str):
+    """Text that came from a client (message text, tool results and arguments, tool schemas, system
+    prompts): in a rendered prompt it is plain text, even where it spells a control token."""
+
+
+class Prompt(str):
+    """Rendered prompt text that knows which spans the template wrote (`template_spans`): only there do
+    control-token strings (`<｜User｜>`, `<think>`, ...) become control tokens when tokenized
+    (`Tokenizer.encode`); client text is encoded as plain text. A prompt whose client text spells no
+    control token tokenizes exactly as the plain string does."""
+
+    template_spans: tuple = ()
+
+    @classmethod
+    def join(cls, pieces) -> "Prompt":
+        """The pieces concatenated; `Client` pieces are client text, any other piece template text."""
+        spans, position = [], 0
+        for piece in pieces:
+            end = position + len(piece)
+            if piece and not isinstance(piece, Client):
+                if spans and spans[-1][1] == position:
+                    spans[-1] = (spans[-1][0], end)
+                else:
+                    spans.append((position, end))
+            position = end
+        prompt = cls("".join(pieces))
+        prompt.template_spans = tuple(spans)
+        return prompt
+
+
 def content_text(content) -> str:
     """A message's `content` as text: a string, None, or a list of parts (only text parts count)."""
     if content is None:
@@ -88,9 +118,13 @@ def content_text(content) -> str:
 def tools_prompt(tools) -> str:
     """The "## Tools" system text: instructions, then one compact JSON function object per line
     (the `function` member of each OpenAI tool, or the object itself when it has none)."""
+    return "".join(_tools_prompt_pieces(tools))
+
+
+def _tools_prompt_pieces(tools) -> list:
     schemas = [json.dumps(t.get("function", t), ensure_ascii=False, separators=(",", ":"))
                for t in tools]
-    return TOOLS_PROMPT_HEAD + "\n".join(schemas) + TOOLS_PROMPT_TAIL
+    return [TOOLS_PROMPT_HEAD, Client("\n".join(schemas)), TOOLS_PROMPT_TAIL]
 
 
 def escape_attribute(text: str) -> str:
@@ -106,13 +140,17 @@ def unescape_attribute(text: str) -> str:
 def dsml_parameter(name: str, value) -> str:
     """One `<｜DSML｜parameter>` line: strings raw (only the closing tag escaped), anything else
     as compact JSON (the `<` of a closing tag inside written as \\u003c)."""
+    return "".join(_dsml_parameter_pieces(name, value))
+
+
+def _dsml_parameter_pieces(name: str, value) -> list:
     if isinstance(value, str):
         body, is_string = value.replace(PARAMETER_END, "&lt;" + PARAMETER_END[1:]), "true"
     else:
         body = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
         body, is_string = body.replace(PARAMETER_END, "\\u003c" + PARAMETER_END[1:]), "false"
-    return (f'<{DSML}parameter name="{escape_attribute(name)}" string="{is_string}">'
-            f"{body}{PARAMETER_END}\n")
+    return [f'<{DSML}parameter name="', Client(escape_attribute(name)), f'" string="{is_string}">',
+            Client(body), f"{PARAMETER_END}\n"]
 
 
 def tool_call_arguments(call) -> tuple:
@@ -131,23 +169,28 @@ def tool_call_arguments(call) -> tuple:
 
 def render_tool_calls(tool_calls) -> str:
     """The DSML block for an assistant message's tool calls, exactly as the model writes it."""
+    return "".join(_tool_calls_pieces(tool_calls))
+
+
+def _tool_calls_pieces(tool_calls) -> list:
     out = [f"\n\n{TOOL_CALLS_START}\n"]
     for call in tool_calls:
         name, arguments = tool_call_arguments(call)
-        out.append(f'<{DSML}invoke name="{escape_attribute(name)}">\n')
+        out += [f'<{DSML}invoke name="', Client(escape_attribute(name)), '">\n']
         if isinstance(arguments, dict):
-            out.extend(dsml_parameter(key, value) for key, value in arguments.items())
+            for key, value in arguments.items():
+                out += _dsml_parameter_pieces(key, value)
         else:
-            out.append(dsml_parameter("arguments", arguments))
+            out += _dsml_parameter_pieces("arguments", arguments)
         out.append(f"</{DSML}invoke>\n")
     out.append(f"</{DSML}tool_calls>")
-    return "".join(out)
+    return out
 
 
 def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
-           reasoning_effort=None) -> str:
-    """Render OpenAI-style messages to DeepSeek V4 prompt text (tokenize it with the special
-    strings mapped to their ids).
+           reasoning_effort=None) -> Prompt:
+    """Render OpenAI-style messages to DeepSeek V4 prompt text, a `Prompt`: tokenized, the template's
+    markers become control tokens and the messages' text stays plain text.
 
     messages: dicts with `role` (system, developer, user, assistant, tool or function), `content`
     (str, None or a list of text parts); assistant messages may carry `reasoning_content`,
@@ -167,42 +210,43 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
         for m in messages)
     last_user = max((i for i, m in enumerate(messages) if m.get("role") in ("user", "tool", "function")),
                     default=-1)
-    system_parts = [tools_prompt(tools)] if tools else []
-    system_parts += [content_text(m.get("content")) for m in messages
+    system_parts = [_tools_prompt_pieces(tools)] if tools else []
+    system_parts += [[Client(content_text(m.get("content")))] for m in messages
                      if m.get("role") in ("system", "developer")]
 
-    out = [BOS, THINK_MAX_PREFIX if thinking and reasoning_effort == "max" else "",
-           "\n\n".join(system_parts)]
+    out = [BOS, THINK_MAX_PREFIX if thinking and reasoning_effort == "max" else ""]
+    for i, part in enumerate(system_parts):
+        out += (["\n\n"] if i else []) + part
     awaiting_assistant = in_tool_results = False
     for i, message in enumerate(messages):
         role = message.get("role")
         text = content_text(message.get("content"))
         if role == "user":
-            out += [USER, text]
+            out += [USER, Client(text)]
             awaiting_assistant, in_tool_results = True, False
         elif role in ("tool", "function"):
             if not in_tool_results:
                 out.append(USER)
-            out += ["<tool_result>", text.replace(TOOL_RESULT_END, "&lt;" + TOOL_RESULT_END[1:]),
+            out += ["<tool_result>", Client(text.replace(TOOL_RESULT_END, "&lt;" + TOOL_RESULT_END[1:])),
                     TOOL_RESULT_END]
             awaiting_assistant, in_tool_results = True, True
         elif role == "assistant":
             if awaiting_assistant:
                 out.append(ASSISTANT)
                 if thinking and (has_tool_context or i > last_user):
-                    out += [THINK_START, content_text(message.get("reasoning_content")), THINK_END]
+                    out += [THINK_START, Client(content_text(message.get("reasoning_content"))), THINK_END]
                 else:
                     out.append(THINK_END)
-            out.append(text)
+            out.append(Client(text))
             if message.get("dsml"):
-                out.append(message["dsml"])
+                out.append(message["dsml"])  # the model's own tokens, from the server's memory
             elif message.get("tool_calls"):
-                out.append(render_tool_calls(message["tool_calls"]))
+                out += _tool_calls_pieces(message["tool_calls"])
             out.append(EOS)
             awaiting_assistant = in_tool_results = False
     if add_generation_prompt and awaiting_assistant:
         out += [ASSISTANT, THINK_START if thinking else THINK_END]
-    return "".join(out)
+    return Prompt.join(out)
 
 
 def render_completion(prompt: str, *, thinking=True, reasoning_effort=None) -> str:
@@ -216,7 +260,7 @@ def render_next_user_turn(text: str, *, thinking=True) -> str:
     """What follows a finished assistant answer (whose tokens stop before EOS) to ask the next
     question: EOS, the user turn and the generation prompt. Tokenized on its own, it gives the same
     ids as inside a whole rendered conversation, since it starts with a special token."""
-    return EOS + USER + text + ASSISTANT + (THINK_START if thinking else THINK_END)
+    return Prompt.join([EOS, USER, Client(text), ASSISTANT, THINK_START if thinking else THINK_END])
 
 
 # ---------------------------------------------------------------- parsing

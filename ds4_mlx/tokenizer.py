@@ -6,6 +6,8 @@ strings anywhere in the text, before the BPE, and no BOS is added: callers rende
 """
 
 import json
+import re
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -86,7 +88,38 @@ class Tokenizer:
         return cls(_HFTokenizer.from_str(json.dumps(spec)), config)
 
     def encode(self, text: str) -> list:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`. A rendered `ds4_mlx.chat.Prompt` maps control-token strings to their ids
+        only inside the template's spans (client text that spells one stays plain text); any other
+        string maps them wherever they occur, as the official encoder does."""
+        spans = getattr(text, "template_spans", None)
+        if spans is None:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids, plain_from = [], 0
+        for start, end in spans:
+            for match in self._control_pattern.finditer(text, start, end):
+                ids += self._encode_plain(text[plain_from:match.start()])
+                ids.append(self._control_ids[match.group()])
+                plain_from = match.end()
+        return ids + self._encode_plain(text[plain_from:])
+
+    def _encode_plain(self, text: str) -> list:
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+
+    @cached_property
+    def _control_ids(self) -> dict:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+
+    @cached_property
+    def _control_pattern(self):
+        # longest first: at one position the longest control string wins, as in `tokenizers`
+        return re.compile("|".join(re.escape(t) for t in sorted(self._control_ids, key=len, reverse=True)))
+
+    @cached_property
+    def _plain(self) -> _HFTokenizer:
+        """The same tokenizer without added tokens: byte-level BPE only, which never yields a control id."""
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = []
+        return _HFTokenizer.from_str(json.dumps(spec))
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)

@@ -66,6 +66,8 @@ class ToolCallMemory:
         """Give each assistant message whose tool calls all came from one remembered block its `dsml`."""
         out = []
         for message in messages:
+            if "dsml" in message:  # verbatim model text comes from this memory only, never from a client
+                message = {k: v for k, v in message.items() if k != "dsml"}
             calls = message.get("tool_calls") or []
             ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
             blocks = {self._blocks.get(i) if isinstance(i, str) else None for i in ids}
