@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from ds4_mlx.chat import (BOS, DEFAULT_SYSTEM, THINK_START, ContentDelta, OutputParser, ReasoningDelta,
                           partial_marker_len, render)
-from ds4_mlx.session import Session, SyncInterrupted
+from ds4_mlx.session import Session, SyncInterrupted, common_prefix
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -188,20 +188,45 @@ class GenerationChunk:
     token: Optional[int] = None
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None
+    prefill: Optional[tuple] = None  # (done, total) prompt tokens, on the chunks of `yield_prefill`
+
+
+def sync_by_chunks(session, prompt_ids: Sequence[int]) -> Iterator[tuple]:
+    """`session.sync(prompt_ids)` one model chunk at a time, cut where one sync would cut (so the
+    numbers are the same); yields (done, total) after each chunk. Between chunks the session holds a
+    prefix of the prompt. A rewind deeper than the session's rings replays in the first chunk.
+    Afterwards `session.last_sync` counts the whole prefill and `session.logits` follows the prompt."""
+    prompt = [int(t) for t in prompt_ids]
+    common = common_prefix(session.tokens, prompt)
+    if common == len(prompt) == len(session.tokens) and session.logits is not None:
+        session.sync(prompt)
+        return
+    pos = min(common, len(prompt) - 1)
+    start, first = pos, None
+    while pos < len(prompt):
+        n = min(session.max_chunk, len(prompt) - pos, session.checkpoint_every - pos % session.checkpoint_every)
+        session.sync(prompt[:pos + n])
+        if first is None:
+            first = dict(session.last_sync)
+        pos += n
+        session.last_sync = {**first, "computed": pos - start}
+        yield pos - start, len(prompt) - start
 
 
 def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,
                     sampling: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
                     stop_ids: Optional[Sequence[int]] = None,
                     should_abort: Optional[Callable[[], bool]] = None,
-                    on_prefill: Optional[Callable[[int, int], object]] = None
-                    ) -> Iterator[GenerationChunk]:
+                    on_prefill: Optional[Callable[[int, int], object]] = None,
+                    yield_prefill: bool = False) -> Iterator[GenerationChunk]:
     """Generate from `prompt_ids` with `session`, yielding a `GenerationChunk` per sampled token.
 
     The session is synced to `prompt_ids` (reusing its longest common prefix), then tokens are
     sampled until a stop id (default: the tokenizer's EOS), a stop string, `max_tokens`, or
     `should_abort()` returning True (checked before each token and after each prefill chunk).
     `on_prefill(done, total)` is called after each prefill chunk; returning True aborts too.
+    `yield_prefill`: also yield a chunk with `prefill=(done, total)` (no token, no text) after each
+    prefill chunk, so that a caller serving several requests can interleave them chunk by chunk.
     Runs on the calling thread; nothing here is shared, so one generator per session at a time.
     See the module docstring for what `session.tokens` holds afterwards."""
     stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
@@ -230,17 +255,32 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         stop = on_prefill(done, total) if on_prefill else False
         return bool(stop) or should_abort()
 
-    start = time.perf_counter()
-    try:
-        logits = session.sync(prompt_ids, on_chunk=prefill_callback)
-        mx.eval(logits)
-    except SyncInterrupted:
-        logits = None
+    prefill_seconds = 0.0  # the prefill's own time, not other requests' turns between its chunks
+    if yield_prefill:
+        logits, chunks = None, sync_by_chunks(session, prompt_ids)
+        while True:
+            start = time.perf_counter()
+            step = next(chunks, None)
+            prefill_seconds += time.perf_counter() - start
+            if step is None:
+                logits = session.logits
+                break
+            if prefill_callback(*step) and step[0] < step[1]:
+                break  # aborted: the session keeps the prefix computed so far
+            yield GenerationChunk(text="", prefill=step)
+    else:
+        start = time.perf_counter()
+        try:
+            logits = session.sync(prompt_ids, on_chunk=prefill_callback)
+            mx.eval(logits)
+        except SyncInterrupted:
+            logits = None
+        prefill_seconds = time.perf_counter() - start
     sync_info = session.last_sync or {}
     stats.reused_tokens = sync_info.get("reused", 0)
     stats.replayed_tokens = sync_info.get("replayed", 0)
     stats.computed_tokens = sync_info.get("computed", 0)
-    stats.prefill_seconds = time.perf_counter() - start
+    stats.prefill_seconds = prefill_seconds
     decode_start = time.perf_counter()
     if logits is None:
         yield finish(FINISH_ABORT)

@@ -51,11 +51,15 @@ class Server:
             web.post("/v1/responses", self.responses),
         ])
         app.on_startup.append(self._start_worker)
+        app.on_shutdown.append(self._fail_jobs)
         app.on_cleanup.append(self._stop_worker)
         return app
 
     async def _start_worker(self, app):
         self.worker.start()  # loads the model: the server listens once it is ready
+
+    async def _fail_jobs(self, app):
+        self.worker.shutdown()  # open requests get an error now, so the server need not wait for them
 
     async def _stop_worker(self, app):
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)

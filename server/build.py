@@ -3,6 +3,7 @@
 import asyncio
 import socket
 import threading
+from functools import partial
 
 from aiohttp import web
 
@@ -14,7 +15,7 @@ from ds4_mlx.server.worker import Worker
 
 def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: int,
                  rewind_slack: int = 4096, checkpoint_every: int = 2048, keepalive_s: float = 5.0,
-                 generate=stream_generate) -> Server:
+                 generate=partial(stream_generate, yield_prefill=True)) -> Server:
     from ds4_mlx import Session
 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,

@@ -2,12 +2,14 @@
 
 Each slot holds one `Session`: the cache of one conversation. Taking a slot keeps the tokens it shares
 with the prompt and discards the rest of it, so a slot is worth `share - discarded` tokens to a request.
-A request continues the slot worth the most, if that is positive: its own conversation, a resend after
-an abort, an extension. A share shorter than `MIN_SHARE` tokens (a common system prompt, or just BOS)
-does not count unless the prompt extends all the slot holds. Otherwise the request starts over in the
-idle slot that loses least: an empty one, else the least valuable, least recently used one. So a side
-request that shares only a system prompt with a long conversation does not evict it while another slot
-is free. The policy is pure: it reads slots and returns a decision.
+A request continues the idle slot worth the most, if that is positive: its own conversation, an
+extension, or a prompt the slot already holds whole (a resend after an abort, however short). A share
+shorter than `MIN_SHARE` tokens (a common system prompt, or just BOS) does not count otherwise.
+Else the request starts over in the idle slot that loses least: an empty one, else the least valuable,
+least recently used one; and when another slot (idle or busy) shares at least `MIN_SHARE` tokens with
+the prompt, the new slot starts from a snapshot of that one (snapshots are free) and computes only the
+rest. So a side request that shares a prefix with a long conversation neither evicts it nor starts
+cold. The policy is pure: it reads slots and returns a decision.
 """
 
 from dataclasses import dataclass
@@ -34,33 +36,38 @@ class Slot:
 class Placement:
     slot: Slot
     live: int  # tokens the slot held before the request
-    common: int  # tokens shared with the prompt
+    common: int  # tokens shared with the prompt (by the fork source, for a fork)
     miss: str | None  # why the live tokens could not all be kept; None for a hit
+    source: Slot | None = None  # start from a snapshot of this slot's session
 
 
-def _value(slot: Slot, share: int) -> int:
+def _value(slot: Slot, share: int, prompt_len: int) -> int:
     """Tokens saved minus tokens discarded by serving the prompt from this slot."""
     live = len(slot.tokens)
+    if share == prompt_len:
+        return share  # the slot holds the whole prompt: what follows it is this prompt's old answer
     if share < MIN_SHARE and share != live:
         return -live
     return share - (live - share)
 
 
 def place(slots: list[Slot], prompt: list[int]) -> Placement | None:
-    """The slot for `prompt`, or None when it should wait for a busy slot to come free."""
-    shares = {s.index: common_prefix(s.tokens, prompt) for s in slots}
-    values = {s.index: _value(s, shares[s.index]) for s in slots}
-    best = max(slots, key=lambda s: (values[s.index], not s.busy, s.last_used))
-    if values[best.index] > 0:
-        if best.busy:
-            return None  # its own conversation is running: wait rather than start over elsewhere
-        share = shares[best.index]
-        return Placement(best, len(best.tokens), share, _partial_miss(best, share, prompt))
+    """The slot for `prompt`, or None when it should wait for a slot to come free."""
     idle = [s for s in slots if not s.busy]
     if not idle:
         return None
+    shares = {s.index: common_prefix(s.tokens, prompt) for s in slots}
+    values = {s.index: _value(s, shares[s.index], len(prompt)) for s in slots}
+    best = max(idle, key=lambda s: (values[s.index], s.last_used))
+    if values[best.index] > 0:
+        share = shares[best.index]
+        return Placement(best, len(best.tokens), share, _partial_miss(best, share, prompt))
     victim = max(idle, key=lambda s: (values[s.index], -s.last_used))
     live, share = len(victim.tokens), shares[victim.index]
+    source = max((s for s in slots if s is not victim), key=lambda s: shares[s.index], default=None)
+    if source is not None and shares[source.index] >= max(MIN_SHARE, share + 1):
+        share = shares[source.index]
+        return Placement(victim, live, share, f"fork(from={source.index},share={share},live={live})", source)
     miss = "empty-slot" if live == 0 else f"other-conversation(share={share},live={live})"
     return Placement(victim, live, share, miss)
 

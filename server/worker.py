@@ -1,10 +1,12 @@
 """The worker: one thread that owns the model and its live sessions.
 
 Handlers (on the asyncio loop) submit `Job`s; the worker admits them in arrival order, places each on a
-slot, and advances every running job by one chunk in turn, so one model forward runs at a time and
-running requests share the model fairly. A job whose client has gone is dropped before it starts, and
+slot, and advances every running job by one step in turn: one prefill chunk or one token. So one model
+forward runs at a time, and a running stream waits at most one chunk per other request between its
+tokens, however long their prompts. A job whose client has gone is dropped before it starts, and
 stops at its next token (or prefill chunk) when it goes while running; its session keeps what was
-computed. Events reach the handler through an asyncio queue: ("prefill", (done, total)) during the prefill,
+computed. A job whose forward fails gets an error; its session stays consistent (see `Session`). On
+shutdown every job gets an error and the thread ends after the chunk it is computing. Events reach the handler through an asyncio queue: ("prefill", (done, total)) during the prefill,
 ("started", {prompt_tokens, reused, replayed, computed}) once it is over, ("chunk", GenerationChunk) per token, ("error", message)
 if generation failed, and last ("done", Outcome), or ("done", None) for a job dropped from the queue.
 """
@@ -107,6 +109,7 @@ class Worker:
         self._running: list[_Running] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self.shutting_down = False
         self._thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
 
     def start(self):
@@ -116,11 +119,19 @@ class Worker:
         if self._load_error is not None:
             raise self._load_error
 
+    def shutdown(self):
+        """Fail every queued and running job at the next step (their handlers answer and close)."""
+        with self._cond:
+            self.shutting_down = True
+            self._cond.notify()
+
     def stop(self):
+        self.shutdown()
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join()
 
     def submit(self, job: Job):
         with self._cond:
@@ -151,6 +162,8 @@ class Worker:
             with self._cond:
                 while not self._pending and not self._running and not self._stopping:
                     self._cond.wait()
+                if self.shutting_down:
+                    self._fail_all("the server is shutting down")
                 if self._stopping:
                     return
                 self._admit()
@@ -164,6 +177,15 @@ class Worker:
                         run.placement.slot.busy = False
                     run.job.emit("done", None)
 
+    def _fail_all(self, message: str):
+        while self._pending:
+            job = self._pending.popleft()
+            job.emit("error", message)
+            job.emit("done", None)
+        for run in list(self._running):
+            run.job.emit("error", message)
+            self._finish(run, None)
+
     def _admit(self):
         """Start queued jobs in arrival order while slots allow; drop those whose client left."""
         for job in [j for j in self._pending if j.should_abort()]:
@@ -176,6 +198,8 @@ class Worker:
                 return  # the head waits for its slot; later jobs wait behind it
             job = self._pending.popleft()
             placement.slot.busy = True
+            if placement.source is not None:  # start from the snapshot of a slot sharing a long prefix
+                placement.slot.session.restore(placement.source.session.snapshot())
             self._running.append(self._start(job, placement))
 
     def _start(self, job: Job, placement: Placement) -> _Running:
@@ -194,6 +218,8 @@ class Worker:
             run.job.emit("error", f"generation failed: {type(e).__name__}: {e}")
             self._finish(run, None)
             return
+        if chunk.prefill is not None:
+            return  # one prefill chunk done: the next job's turn
         if not run.started:
             run.started = True
             sync = run.placement.slot.session.last_sync

@@ -191,9 +191,10 @@ def test_policy_prefers_the_longest_share_then_an_empty_slot_over_a_short_share(
     assert resend.common == 1000 and resend.miss is None
 
 
-def test_policy_waits_for_its_busy_slot_and_replaces_the_least_recently_used():
+def test_policy_forks_from_a_busy_slot_and_replaces_the_least_recently_used():
     prompt = list(range(1000))
-    assert place(slots(prompt[:800], [], busy={0}), prompt) is None
+    fork = place(slots(prompt[:800], [], busy={0}), prompt)
+    assert (fork.slot.index, fork.source.index, fork.common) == (1, 0, 800)
     full = place(slots([-1] * 500, [-2] * 500), prompt)
     assert full.slot.index == 0 and full.miss == "other-conversation(share=0,live=500)"
     assert place(slots([-1] * 500, busy={0}), prompt) is None
@@ -204,7 +205,8 @@ def test_policy_waits_for_its_busy_slot_and_replaces_the_least_recently_used():
 def test_policy_keeps_a_long_conversation_from_a_request_sharing_only_its_system_prompt():
     prompt = list(range(1000))
     conversation = prompt[:MIN_SHARE + 50] + [-1] * 5000
-    side = place(slots(conversation, []), prompt)
-    assert side.slot.index == 1 and side.miss == "empty-slot"
+    side = place(slots(conversation, []), prompt)  # starts from a snapshot of the conversation
+    assert (side.slot.index, side.source.index, side.common) == (1, 0, MIN_SHARE + 50)
+    assert side.miss == f"fork(from=0,share={MIN_SHARE + 50},live=0)"
     small_other = place(slots(conversation, [-2] * 400), prompt)  # no empty slot: lose the least
-    assert small_other.slot.index == 1 and small_other.miss == "other-conversation(share=0,live=400)"
+    assert (small_other.slot.index, small_other.source.index) == (1, 0)

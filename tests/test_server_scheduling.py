@@ -1,0 +1,110 @@
+"""Fair scheduling and slot choice on the demo model: a running stream keeps getting tokens while another
+request prefills (counted in the worker's own order of steps, not timed); a short prompt the slot already
+holds is a hit; a prompt sharing a long prefix with another conversation starts from a snapshot of it."""
+
+import contextlib
+import logging
+import re
+import threading
+
+from openai import OpenAI
+
+from ds4_mlx.chat import render
+from ds4_mlx.generate import load_for_cli, stream_generate
+from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.slots import MIN_SHARE
+
+MODEL = "deepseek-v4-flash"
+
+
+@contextlib.contextmanager
+def served(*, sessions=2, generate=None):
+    kwargs = {"generate": generate} if generate else {}
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=sessions,
+                          budget_bytes=2**32, **kwargs)
+    with BackgroundServer(server) as bg:
+        yield bg, OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
+
+
+def request_lines(caplog) -> list[dict]:
+    lines = [r.getMessage() for r in caplog.records if r.name == "ds4_mlx.server" and " slot=" in r.getMessage()]
+    return [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines]
+
+
+def answer_text(done) -> str:
+    message = done.choices[0].message
+    return (getattr(message, "reasoning_content", None) or "") + (message.content or "")
+
+
+def cold_answer(**request) -> str:
+    with served(sessions=1) as (_, client):
+        return answer_text(client.chat.completions.create(**request))
+
+
+def test_a_stream_gets_tokens_between_the_chunks_of_another_prefill():
+    steps = []  # (prompt length, "prefill" or "token"), in the worker's order
+
+    def recording(session, tokenizer, prompt_ids, **kwargs):
+        for chunk in stream_generate(session, tokenizer, prompt_ids, yield_prefill=True, **kwargs):
+            steps.append((len(prompt_ids), "prefill" if chunk.prefill else "token"))
+            yield chunk
+
+    long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(1200))}]
+    with served(generate=recording) as (bg, client):
+        tokenizer = bg.server.worker.tokenizer
+        long_len = len(tokenizer.encode(render(long_prompt)))
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                temperature=0, max_tokens=400, stream=True)
+        chunks = iter(stream)
+        next(chunks)
+        next(chunks)  # the stream is running
+        other = threading.Thread(target=lambda: client.chat.completions.create(
+            model=MODEL, messages=long_prompt, temperature=0, max_tokens=1))
+        other.start()
+        other.join()
+        stream.close()
+    short_len = next(n for n, _ in steps if n != long_len)
+    first = steps.index((long_len, "prefill"))
+    last = len(steps) - 1 - steps[::-1].index((long_len, "prefill"))
+    during = steps[first:last + 1]
+    prefill_chunks = during.count((long_len, "prefill"))
+    assert prefill_chunks >= long_len // 256  # the long prompt was computed chunk by chunk
+    # between any two of its chunks the stream got a token: its gap is one chunk, not the prefill
+    assert during.count((short_len, "token")) >= prefill_chunks - 1
+    assert all(during[i] != during[i + 1] for i in range(len(during) - 1) if during[i][1] == "prefill")
+
+
+def test_a_short_prompt_the_slot_holds_is_a_hit(caplog):
+    caplog.set_level(logging.INFO, logger="ds4_mlx.server")
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "short question"}], temperature=0)
+    with served(sessions=2) as (bg, client):
+        client.chat.completions.create(**request, max_tokens=40)
+        again = client.chat.completions.create(**request, max_tokens=5)
+        first, second = request_lines(caplog)
+    assert int(second["prompt"]) < MIN_SHARE and int(second["live"]) > int(second["prompt"])
+    assert second["slot"] == first["slot"] and second["miss"] == "-"
+    assert int(second["reused"]) == int(second["prompt"]) - 1 and second["computed"] == "1"
+    assert answer_text(again) == cold_answer(**request, max_tokens=5)
+
+
+def test_a_long_shared_prefix_is_forked_into_a_free_slot_and_is_exact(caplog):
+    caplog.set_level(logging.INFO, logger="ds4_mlx.server")
+    system = {"role": "system", "content": "Rules: " + " ".join(f"rule{i}" for i in range(300))}
+    long_turn = [system, {"role": "user", "content": " ".join(f"fact{i}" for i in range(500))}]
+    side = [system, {"role": "user", "content": "a side question"}]
+    with served(sessions=2) as (bg, client):
+        tokenizer = bg.server.worker.tokenizer
+        client.chat.completions.create(model=MODEL, messages=long_turn, temperature=0, max_tokens=4)
+        conversation = list(bg.server.worker.slots[0].tokens)
+        side_answer = answer_text(client.chat.completions.create(model=MODEL, messages=side, temperature=0,
+                                                                 max_tokens=8))
+        assert bg.server.worker.slots[0].tokens == conversation  # the long conversation is kept
+        client.chat.completions.create(model=MODEL, messages=long_turn, temperature=0, max_tokens=4)
+        first, forked, back = request_lines(caplog)
+    side_ids = tokenizer.encode(render(side))
+    shared = next(i for i, (a, b) in enumerate(zip(conversation, side_ids)) if a != b)
+    assert shared >= MIN_SHARE and len(conversation) - shared > shared  # continuing slot 0 would lose more
+    assert forked["slot"] == "1" and forked["miss"] == f"fork(from=0,share={shared},live=0)"
+    assert int(forked["reused"]) == shared and int(forked["computed"]) == len(side_ids) - shared
+    assert back["slot"] == "0" and back["miss"] == "-"
+    assert side_answer == cold_answer(model=MODEL, messages=side, temperature=0, max_tokens=8)
