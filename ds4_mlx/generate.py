@@ -76,7 +76,7 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.key = mx.random.key(seed)
+        self.key = mx.random.key(seed % 2**64)  # any integer: MLX takes 64 bits
 
     def __call__(self, logits: mx.array) -> int:
         if self.params.temperature <= 0:

@@ -6,7 +6,6 @@ turned into the API's response by its responder. The app never touches the model
 """
 
 import asyncio
-import json
 import logging
 import time
 import traceback
@@ -17,7 +16,7 @@ from ds4_mlx.server import anthropic_api, openai_api, responses_api
 from ds4_mlx.server.assembly import Answer, ToolCallMemory
 from ds4_mlx.server.errors import APIError, context_exceeded
 from ds4_mlx.server.openapi import openapi_spec
-from ds4_mlx.server.protocol import Prepared, ServerInfo
+from ds4_mlx.server.protocol import Prepared, ServerInfo, parse_body
 from ds4_mlx.server.sse import COMMENT_KEEPALIVE, sse
 from ds4_mlx.server.worker import GenerationRequest, Job, Worker
 
@@ -197,14 +196,7 @@ class Server:
 
     @staticmethod
     async def _body(request: web.Request) -> dict:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
-        return body
+        return parse_body(await request.read())
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):

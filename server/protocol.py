@@ -6,6 +6,7 @@ answers through a responder with the same four methods, so the app drives all AP
 (event name or None, data) pairs; `body(outcome, answer)` is the non-streamed response.
 """
 
+import json
 from dataclasses import dataclass, field
 
 from ds4_mlx.generate import SamplingParams
@@ -13,6 +14,39 @@ from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, number_in, positive_int, string_list
 
 THINK_MAX_MIN_CTX = 393216  # Think Max needs this much context (ds4's rule)
+MAX_DEPTH = 64  # nesting of arrays and objects in a body; real requests use a handful
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or a 400: malformed JSON or UTF-8, numbers Python will not
+    read, nesting deeper than `MAX_DEPTH`, strings that are not Unicode (lone surrogates)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the body nests arrays or objects deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # also bad UTF-8 and integers too long to convert
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    _check_values(body)
+    return body
+
+
+def _check_values(body: dict):
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode()
+                except UnicodeEncodeError:
+                    raise APIError(400, "the body holds a string that is not valid Unicode (a lone surrogate)") from None
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise APIError(400, f"the body nests arrays or objects deeper than {MAX_DEPTH} levels")
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((item, depth + 1) for item in items)
 
 
 @dataclass
