@@ -413,3 +413,103 @@ def test_exit_code_subprocess_and_interrupt_cleanup(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         ccli.convert(tmp_path / "ok.gguf", tmp_path / "out2", progress=False)
     assert set(os.listdir(tmp_path)) == before
+
+
+# ---------------------------------------------------------------------------------------------------------
+# llama.cpp split shards, and load() of a file that needs requantizing
+
+
+def _split(tmp_path, args, tensors, parts=3):
+    """The tiny model written as llama.cpp-style shards NAME-0000i-of-0000N.gguf (gguf's own splitter)."""
+    from gguf import GGUFWriter
+    from ds4_mlx import testing
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    w = GGUFWriter(str(folder / "m.gguf"), "deepseek4", split_max_tensors=len(tensors) // parts + 1)
+    for k, v in testing.gguf_metadata(args).items():
+        testing._add_metadata(w, k, v)
+    for name, a in tensors.items():
+        w.add_tensor(name, a)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    files = sorted(folder.glob("*.gguf"))
+    assert [f.name for f in files] == [f"m-{i:05d}-of-{parts:05d}.gguf" for i in range(1, parts + 1)]
+    return folder, files
+
+
+def test_split_shards_load_and_convert(tmp_path, capsys):
+    import ds4_mlx
+    from ds4_mlx import cli, testing
+
+    args = testing.tiny_args(0)
+    tensors = testing.random_gguf_tensors(args)
+    single = testing.write_gguf(tmp_path / "one.gguf", testing.gguf_metadata(args), tensors)
+    folder, files = _split(tmp_path, args, tensors)
+    ids = np.random.default_rng(8).integers(0, args.vocab_size, 16)
+    want = _logits(ds4_mlx.load(single, quant_sim=False)[0], ids)
+    for source in (folder, files[1]):  # the folder, or any one shard
+        assert np.array_equal(_logits(ds4_mlx.load(source, quant_sim=False)[0], ids), want)
+    _convert(folder, tmp_path / "out")
+    assert np.array_equal(_logits(ds4_mlx.load(tmp_path / "out", quant_sim=False)[0], ids), want)
+    files[2].unlink()
+    rc = cli.main(["convert", str(folder), str(tmp_path / "out2"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "missing shard m-00003-of-00003.gguf" in err and len(err.strip().splitlines()) == 1
+
+
+def test_load_requantizes_once_into_cache(tmp_path, monkeypatch, capsys):
+    """A GGUF with Q2_K / IQ2_XXS tensors is converted on the first load only, into a folder under
+    $DS4_MLX_HOME named by the file; a changed file gets a new folder. Exact types load directly."""
+    import ds4_mlx
+    from ds4_mlx import testing
+    from ds4_mlx.convert import cli as ccli, reference_quant
+
+    monkeypatch.setenv("DS4_MLX_HOME", str(tmp_path / "home"))
+    args = _tiny(True)
+    tensors = testing.random_gguf_tensors(args)
+    for name in [n for n in tensors if n.endswith("ffn_down_exps.weight")]:
+        a = tensors[name]
+        tensors[name] = (reference_quant.quantize(a.reshape(-1, a.shape[-1]), T.Q2_K).reshape(*a.shape[:-1], -1), T.Q2_K)
+    path = testing.write_gguf(tmp_path / "q2.gguf", testing.gguf_metadata(args), tensors)
+    calls = []
+    real = ccli.convert
+    monkeypatch.setattr(ccli, "convert", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ids = np.random.default_rng(9).integers(0, args.vocab_size, 16)
+    first = _logits(ds4_mlx.load(path, quant_sim=False)[0], ids)
+    assert "converting once into" in capsys.readouterr().err
+    cached = list((tmp_path / "home" / "converted").iterdir())
+    assert len(calls) == 1 and len(cached) == 1 and cached[0].name.startswith("q2-")
+    again = _logits(ds4_mlx.load(path, quant_sim=False)[0], ids)
+    assert len(calls) == 1 and np.array_equal(first, again)
+    assert np.array_equal(first, _logits(ds4_mlx.load(cached[0], quant_sim=False)[0], ids))
+    os.utime(path, ns=(1, 1))  # a changed file: converted anew
+    ds4_mlx.load(path, quant_sim=False)
+    assert len(calls) == 2 and len(list((tmp_path / "home" / "converted").iterdir())) == 2
+    exact = testing.write_gguf(tmp_path / "f.gguf", testing.gguf_metadata(args), testing.random_gguf_tensors(args))
+    ds4_mlx.load(exact, quant_sim=False)
+    assert len(calls) == 2
+
+
+def test_widened_scales_convert_to_bfloat16(tmp_path):
+    """A Q8_0 tensor whose biases (-128 d) overflow float16 gets bfloat16 scales and biases."""
+    import ds4_mlx
+    from ds4_mlx import testing
+
+    args = testing.tiny_args(0)
+    tensors = testing.random_gguf_tensors(args)
+    a = tensors["output.weight"].copy()
+    a[0, :32] = 1e5  # d = 787: -128 d overflows float16
+    tensors["output.weight"] = (gguf.quants.quantize(a, T.Q8_0), T.Q8_0)
+    path = testing.write_gguf(tmp_path / "m.gguf", testing.gguf_metadata(args), tensors)
+    _convert(path, tmp_path / "out", shard_gb=5.0)
+    header = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        raw = f.read_bytes()
+        header.update(json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")]))
+    assert header["lm_head.scales"]["dtype"] == header["lm_head.biases"]["dtype"] == "BF16"
+    model, _ = ds4_mlx.load(tmp_path / "out", quant_sim=False)
+    want = gguf.quants.dequantize(tensors["output.weight"][0], T.Q8_0)
+    head = model.lm_head
+    got = np.array(mx.dequantize(head.weight, head.scales.astype(mx.float32), head.biases.astype(mx.float32),
+                                 group_size=32, bits=8))
+    assert np.abs(got - want).max() <= 2.0**-8 * np.abs(want).max()
