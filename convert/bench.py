@@ -15,6 +15,24 @@ import numpy as np
 _PATTERN_BYTES = 1 << 26  # one 64 MB block pattern, repeated: content does not matter for speed
 
 
+def tensor_type(name, shape, experts):
+    """The type a published V4 Flash GGUF gives tensor `name`; `experts` = (gate/up type, down type).
+    Attention projections, shared experts and head Q8_0; the rest F16 (matrices) or F32."""
+    from gguf import GGMLQuantizationType as T
+
+    base = name.rsplit(".", 1)[0].split(".", 2)[-1]
+    if base in ("ffn_gate_exps", "ffn_up_exps"):
+        return experts[0]
+    if base == "ffn_down_exps":
+        return experts[1]
+    if base.startswith("attn_") and base[5:] in ("q_a", "q_b", "kv", "output_a", "output_b") \
+            or base.endswith("shexp") or base == "output":
+        return T.Q8_0
+    if base == "ffn_gate_tid2eid":
+        return T.I32
+    return T.F16 if len(shape) > 1 else T.F32
+
+
 def _plan(size_gb):
     """(args, {name: (numpy shape, type)}): real widths, layers added until the file reaches size_gb.
     Experts: gate/up Q4_K, down MXFP4; attention, shared experts and head Q8_0; the rest F16/F32."""
@@ -27,21 +45,8 @@ def _plan(size_gb):
     while True:
         ratios = [[0, 4, 128][i % 3] for i in range(layers)]
         args = ModelArgs(num_hidden_layers=layers, compress_ratios=ratios, num_hash_layers=1)
-        plan = {}
-        for name, shape in gguf_shapes(args).items():
-            base = name.rsplit(".", 1)[0].split(".", 2)[-1]
-            if base in ("ffn_gate_exps", "ffn_up_exps"):
-                t = T.Q4_K
-            elif base == "ffn_down_exps":
-                t = T.MXFP4
-            elif base.startswith("attn_") and base[5:] in ("q_a", "q_b", "kv", "output_a", "output_b") \
-                    or base.endswith("shexp") or base == "output":
-                t = T.Q8_0
-            elif base == "ffn_gate_tid2eid":
-                t = T.I32
-            else:
-                t = T.F16 if len(shape) > 1 else T.F32
-            plan[name] = (shape, t)
+        plan = {name: (shape, tensor_type(name, shape, (T.Q4_K, T.MXFP4)))
+                for name, shape in gguf_shapes(args).items()}
         nbytes = {n: int(np.prod(s)) * GGML_QUANT_SIZES[t][1] // GGML_QUANT_SIZES[t][0] for n, (s, t) in plan.items()}
         if sum(nbytes.values()) >= size_gb * 1e9:
             return args, plan, nbytes
@@ -141,7 +146,135 @@ def bench_convert(size_gb=4.0, workdir=None) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# the published q2 / q4 files: converted size projected from real-width tensors, error, speed
+
+PUBLISHED = {"q2": ("IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K")}  # routed experts' (gate/up, down) types
+
+
+def published_weights(variant):
+    """{type name: weights} of the published file (every other tensor as `tensor_type` says)."""
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.models.deepseek_v4 import ModelArgs
+    from ds4_mlx.testing import gguf_shapes
+
+    experts = tuple(T[n] for n in PUBLISHED[variant])
+    counts = {}
+    for name, shape in gguf_shapes(ModelArgs()).items():
+        t = tensor_type(name, shape, experts).name
+        counts[t] = counts.get(t, 0) + int(np.prod(shape))
+    return counts
+
+
+def _source_rows(qtype, rows, cols, rng):
+    """GGUF rows of `qtype` at a real width: the reference quantizer's codes for heavy-tailed weights
+    (Q2_K, IQ2_XXS), the gguf package's quantizer (Q8_0), valid random blocks (Q4_K: no quantizer)."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.convert import reference_quant as Q
+
+    if qtype in (T.Q2_K, T.IQ2_XXS):
+        return Q.quantize(Q.realistic_weights(rows, cols, rng), qtype)
+    if qtype == T.Q8_0:
+        return gguf.quants.quantize(Q.realistic_weights(rows, cols, rng), qtype)
+    return _pattern(qtype, cols // 256 * 144, rng)[:rows]
+
+
+def measure_types(rows=2048, cols=4096, seed=0, expert_bits=None, group_size=None):
+    """Per quantized type: bytes a weight once converted, relative RMS error against the gguf
+    package's dequantization, and weights converted a second (raw bytes in, stored arrays out)."""
+    import gguf.quants
+    import mlx.core as mx
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.convert import gguf as G, requant
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for qtype in (T.IQ2_XXS, T.Q2_K, T.Q4_K, T.Q8_0):
+        raw = _source_rows(qtype, rows, cols, rng)
+        ref = gguf.quants.dequantize(raw, qtype)
+        if qtype in G.REQUANT_TYPES:
+            bits, group = requant.DEFAULT_REQUANT[qtype]
+            bits, group = expert_bits or bits, group_size or group
+            requant.convert_rows(raw[:8], qtype, cols, bits, group)  # warm-up (kernel compilation)
+        else:
+            bits, group = G._EXACT_FORMATS[qtype]["bits"], G._EXACT_FORMATS[qtype]["group_size"]
+        t0 = time.perf_counter()
+        if qtype in G.REQUANT_TYPES:
+            q = requant.convert_rows(raw, qtype, cols, bits, group)[0]
+        else:
+            q = G.repack(raw, qtype, cols)
+        q = {k: G.to_half(v, "F16") if k != "weight" else v for k, v in q.items()}
+        seconds = time.perf_counter() - t0
+        got = np.array(mx.dequantize(mx.array(q["weight"]), mx.array(q["scales"]).astype(mx.float32),
+                                     mx.array(q["biases"]).astype(mx.float32), group_size=group, bits=bits))
+        out[qtype.name] = {
+            "format": f"affine {bits}-bit g{group}",
+            "bytes_per_weight": sum(a.nbytes for a in q.values()) / ref.size,
+            "rel_rms": float(np.sqrt(np.square(got - ref).sum() / np.square(ref).sum())),
+            "weights_per_s": ref.size / seconds}
+    return out
+
+
+def project_published(per_type):
+    """{variant: (GGUF bytes, converted bytes)} of the published files from `measure_types`' figures."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    kept = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
+    out = {}
+    for variant in PUBLISHED:
+        src = dst = 0
+        for t, n in published_weights(variant).items():
+            block, size = GGML_QUANT_SIZES[T[t]]
+            src += n * size / block
+            dst += n * (kept[t] if t in kept else per_type[t]["bytes_per_weight"])
+        out[variant] = (src, dst)
+    return out
+
+
+def bench_published(rows=2048, expert_bits=None, group_size=None) -> dict:
+    """`q2_gib`, `q4_gib` (converted), their GGUF sizes and ratios, per-type figures, and the device."""
+    import mlx.core as mx
+
+    per_type = measure_types(rows=rows, expert_bits=expert_bits, group_size=group_size)
+    result = {}
+    for variant, (src, dst) in project_published(per_type).items():
+        result[f"{variant}_gguf_gib"] = round(src / 2**30, 2)
+        result[f"{variant}_gib"] = round(dst / 2**30, 2)
+        result[f"{variant}_ratio"] = round(dst / src, 4)
+        # conversion time of the quantized weights at the measured speeds (reading the file aside)
+        seconds = sum(n / per_type[t]["weights_per_s"] for t, n in published_weights(variant).items() if t in per_type)
+        result[f"{variant}_convert_min"] = round(seconds / 60, 1)
+    result["types"] = {t: {k: (round(v, 5) if isinstance(v, float) else v) for k, v in f.items()}
+                       for t, f in per_type.items()}
+    result["device"] = str(mx.default_device())
+    return result
+
+
+def run(size_gb=4.0, rows=2048, expert_bits=None, group_size=None) -> dict:
+    """`ds4-mlx bench convert`: the published files' projection, then (size_gb > 0) a synthetic file's
+    conversion; prints a table and returns the figures."""
+    figures = bench_published(rows=rows, expert_bits=expert_bits, group_size=group_size)
+    print(f"{'file':6} {'GGUF GiB':>9} {'converted GiB':>14} {'ratio':>6} {'target':>6} {'convert min':>12}")
+    for variant, target in (("q2", 1.15), ("q4", 1.12)):
+        print(f"{variant:6} {figures[variant + '_gguf_gib']:9.2f} {figures[variant + '_gib']:14.2f} "
+              f"{figures[variant + '_ratio']:6.3f} {target:6.2f} {figures[variant + '_convert_min']:12.1f}")
+    print(f"\n{'type':8} {'format':18} {'bytes/weight':>12} {'rel RMS':>8} {'M weights/s':>12}   ({figures['device']})")
+    for t, f in figures["types"].items():
+        print(f"{t:8} {f['format']:18} {f['bytes_per_weight']:12.4f} {f['rel_rms']:8.4f} {f['weights_per_s'] / 1e6:12.1f}")
+    if size_gb > 0:
+        synthetic = bench_convert(size_gb)
+        print(f"\nsynthetic {synthetic['gguf_gb']} GB file: {synthetic['convert_s']} s, {synthetic['mb_per_s']} MB/s, "
+              f"peak RSS {synthetic['peak_rss_gb']} GB (bound {synthetic['rss_bound_gb']} GB), "
+              f"output {synthetic['output_gb']} GB")
+        figures.update(synthetic)
+    return figures
+
+
 if __name__ == "__main__":
     import json
 
-    print(json.dumps(bench_convert(float(sys.argv[1]) if len(sys.argv) > 1 else 4.0), indent=2))
+    print(json.dumps(run(float(sys.argv[1]) if len(sys.argv) > 1 else 4.0)))

@@ -18,26 +18,35 @@ def register(subparsers):
     p.add_argument("out_dir", help="the folder to create")
     p.add_argument("--shard-size", type=float, default=5.0, metavar="GB", help="largest shard (default 5)")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it already exists")
+    p.add_argument("--expert-bits", "--q-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
+                   help="bits of the affine format Q2_K and IQ2_XXS tensors are requantized to (default 2; "
+                        "3 or 4 cost memory and cut the added error)")
+    p.add_argument("--group-size", "--q-group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="group size of that format (default 64)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
 def run(args):
-    convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet)
+    convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet,
+            expert_bits=args.expert_bits, group_size=args.group_size)
 
 
-def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log=None):
-    """Convert; raise ValueError / OSError with a one-line message on bad input (nothing written)."""
+def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log=None, expert_bits=None,
+            group_size=None, model=None):
+    """Convert a .gguf file, or llama.cpp's split shards (any shard or their folder); raise ValueError /
+    OSError with a one-line message on bad input (nothing written). `model`: an already opened GGUFModel."""
     from ds4_mlx.convert.gguf import GGUFModel
 
     out = Path(out_dir).resolve()
     if shard_gb <= 0:
         raise ValueError(f"--shard-size must be positive, got {shard_gb}")
-    if not Path(gguf_path).is_file():
+    if not Path(gguf_path).exists():
         raise ValueError(f"{gguf_path}: no such file")
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: already exists (use --force to replace it)")
-    model = GGUFModel(gguf_path)  # validates before anything is written
+    if model is None:  # validates before anything is written
+        model = GGUFModel(gguf_path, expert_bits=expert_bits, group_size=group_size)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
@@ -60,28 +69,36 @@ def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log
 def _write(model, folder, shard_bytes, progress, log):
     from tqdm import tqdm
 
-    from ds4_mlx.convert.gguf import convert_chunks
+    from ds4_mlx.convert.gguf import OpenFiles, WidenScales, convert_chunks
     from ds4_mlx.convert.writer import ShardWriter, header_capacity
     from ds4_mlx.tokenizer import Tokenizer
 
-    names = [n for p in model.tensors for n in p.output_names()]
+    names = [n for p in model.tensors for n, _, _ in p.outputs()]
     writer = ShardWriter(str(folder), shard_bytes, header_capacity(names))
     quantization = {}
     bar = tqdm(total=model.total_bytes, unit="B", unit_scale=True, desc="converting", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     say = log or (lambda msg: bar.write(msg, file=sys.stdout))
     try:
-        with open(model.path, "rb") as f:
+        with OpenFiles() as files:
             for i, plan in enumerate(model.tensors):
                 bar.set_postfix_str(f"tensor {i + 1}/{len(model.tensors)}", refresh=False)
-                added = False
-                for r0, r1, chunk, nbytes in convert_chunks(f, plan, say):
-                    if not added:  # the format (hence shapes) is known once the first chunk exists
-                        writer.add(plan.outputs())
-                        added = True
-                    for name, arr in chunk.items():
-                        writer.write(name, r0 * arr[0].nbytes, arr)
-                    bar.update(nbytes)
+                writer.add(plan.outputs())
+                done = 0
+                while True:
+                    try:
+                        for r0, r1, chunk, nbytes in convert_chunks(files[plan.file], plan, say):
+                            for name, arr in chunk.items():
+                                writer.write(name, r0 * arr[0].nbytes, arr)
+                            bar.update(nbytes)
+                            done += nbytes
+                        break
+                    except WidenScales:  # rare: redo this tensor in bfloat16
+                        bar.update(-done)
+                        done = 0
+                        plan.half_dtype = "BF16"
+                        for name, dtype, _ in plan.outputs():
+                            writer.retype(name, dtype)
                 if plan.quantized:
                     quantization[plan.module] = dict(plan.fmt)
         writer.finish()

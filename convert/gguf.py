@@ -1,14 +1,22 @@
-"""Reading `deepseek4` GGUF files into MLX layouts, tensor by tensor and chunk by chunk.
+"""Reading `deepseek4` GGUF files (one file or llama.cpp's split shards) into MLX layouts, tensor by
+tensor and chunk by chunk.
 
-Everything is numpy on row chunks, so memory stays bounded whatever the tensor size. Every GGUF block
-format is row-local (a row of `ne0` values is a whole number of blocks), so a chunk of rows converts
-on its own. Chunks are read with positioned reads, not through `GGUFReader`'s memmap: pages touched
-through a mapping count in the process's RSS until the kernel reclaims them, plain reads do not.
+Work happens on row chunks, so memory stays bounded whatever the tensor size. Every GGUF block format
+is row-local (a row of `ne0` values is a whole number of blocks), so a chunk of rows converts on its
+own. Chunks are read with positioned reads, not through `GGUFReader`'s memmap: pages touched through a
+mapping count in the process's RSS until the kernel reclaims them, plain reads do not.
+
+Output dtypes: F32, F16 and BF16 tensors keep their type. Quantized tensors keep MLX codes with float16
+scales and biases (bfloat16 for a tensor whose values float16 would overflow or flush to zero); MXFP4
+keeps its E8M0 byte scales. Quantized tensors the model keeps in float (embedding, router...) are
+dequantized to float16 (bfloat16 likewise).
 """
 
+import hashlib
 import math
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import gguf.quants
@@ -17,17 +25,19 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGMLQuantizationType as T
 from ds4_mlx.models import deepseek_v4 as dsv4
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-EXACT_TYPES = {T.Q8_0, T.Q4_K, T.MXFP4}  # repacked bit for bit into an MLX format
+EXACT_TYPES = {T.Q8_0, T.Q4_K, T.MXFP4}  # repacked into an MLX format (scales rounded to float16 for Q4_K)
 REQUANT_TYPES = {T.Q2_K, T.IQ2_XXS}  # 16-element sub-blocks / codebooks: MLX cannot hold them as is
 SUPPORTED = FLOAT_TYPES | EXACT_TYPES | REQUANT_TYPES | {T.I32}
-# MLX affine formats tried for Q2_K / IQ2_XXS, smallest first: (bits, group size)
-REQUANT_CANDIDATES = [(2, 64), (2, 32), (3, 64), (3, 32)]
 
 # Matrices the model keeps in float even when the file quantizes them (router, indexer weights,
 # compressor projections, embedding): small, or read in ways QuantizedLinear does not cover.
 _FLOAT_PARAMS = re.compile(r"(^embed|\.ffn\.gate|\.indexer\.proj|\.compressor\.(kv|gate))\.weight$")
 
-CHUNK_ELEMENTS = 1 << 23  # ~32 MB of float32 per chunk: bounded memory, big enough for numpy speed
+CHUNK_ELEMENTS = 1 << 23  # ~32 MB of float32 per chunk: bounded memory, big enough for fast array ops
+
+# safetensors dtype of a float tensor kept as it is in the file (BF16 travels as uint16 in numpy)
+_KEPT = {T.F32: ("F32", np.float32), T.F16: ("F16", np.float16), T.BF16: ("BF16", np.uint16), T.I32: ("I32", np.int32)}
+SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 
 def keeps_quantized(path: str, ndim: int) -> bool:
@@ -35,11 +45,15 @@ def keeps_quantized(path: str, ndim: int) -> bool:
     return path.endswith(".weight") and ndim in (2, 3) and not _FLOAT_PARAMS.search(path)
 
 
+class WidenScales(Exception):
+    """A chunk's scales, biases or dequantized values do not fit float16: the tensor is redone in bfloat16."""
+
+
 class TensorPlan:
     """One GGUF tensor: where it goes in the model and how it is converted."""
 
-    def __init__(self, t, path):
-        self.name, self.path, self.type = t.name, path, t.tensor_type
+    def __init__(self, t, path, file, requant_format):
+        self.name, self.path, self.type, self.file = t.name, path, t.tensor_type, file
         self.shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order: [.., out, in]
         self.cols = self.shape[-1]
         self.rows = math.prod(self.shape[:-1])
@@ -47,32 +61,32 @@ class TensorPlan:
         self.row_bytes = self.cols // block * size
         self.offset, self.nbytes = int(t.data_offset), int(t.n_bytes)
         self.quantized = self.type not in FLOAT_TYPES | {T.I32} and keeps_quantized(path, len(self.shape))
-        self.fmt = None  # {"group_size", "bits", "mode"} once chosen
-        if self.quantized and self.type not in REQUANT_TYPES:
-            self.fmt = _EXACT_FORMATS[self.type]
+        self.half_dtype = "F16"  # of scales and biases, and of dequantized float parameters
+        self.fmt = None  # {"group_size", "bits", "mode"}
+        if self.quantized:
+            if self.type in REQUANT_TYPES:
+                bits, group = requant_format(self.type)
+                if self.cols % group:
+                    raise ValueError(f"tensor {self.name}: width {self.cols} is not a multiple of group size {group}")
+                self.fmt = {"group_size": group, "bits": bits, "mode": "affine"}
+            else:
+                self.fmt = dict(_EXACT_FORMATS[self.type])
 
     @property
     def module(self):
         return self.path[: -len(".weight")]
 
     def outputs(self):
-        """[(param name, numpy dtype, shape)] this tensor becomes (needs `fmt` chosen)."""
+        """[(param name, safetensors dtype, shape)] this tensor becomes."""
         lead = self.shape[:-1]
         if not self.quantized:
-            return [(self.path, np.int32 if self.type == T.I32 else np.float32, self.shape)]
+            return [(self.path, _KEPT[self.type][0] if self.type in _KEPT else self.half_dtype, self.shape)]
         g, b, mode = self.fmt["group_size"], self.fmt["bits"], self.fmt["mode"]
-        out = [(self.module + ".weight", np.uint32, lead + (self.cols * b // 32,)),
-               (self.module + ".scales", np.uint8 if mode == "mxfp4" else np.float32, lead + (self.cols // g,))]
+        out = [(self.module + ".weight", "U32", lead + (self.cols * b // 32,)),
+               (self.module + ".scales", "U8" if mode == "mxfp4" else self.half_dtype, lead + (self.cols // g,))]
         if mode == "affine":
-            out.append((self.module + ".biases", np.float32, lead + (self.cols // g,)))
+            out.append((self.module + ".biases", self.half_dtype, lead + (self.cols // g,)))
         return out
-
-    def output_names(self):
-        """Names of `outputs()`, known before a Q2_K / IQ2_XXS format is chosen."""
-        if not self.quantized:
-            return [self.path]
-        affine = self.fmt is None or self.fmt["mode"] == "affine"
-        return [self.module + s for s in (".weight", ".scales", ".biases")[: 3 if affine else 2]]
 
     def chunk_rows(self):
         return max(1, CHUNK_ELEMENTS // self.cols)
@@ -85,62 +99,144 @@ _EXACT_FORMATS = {
 }
 
 
-class GGUFModel:
-    """A `deepseek4` GGUF file. The constructor validates it and raises a one-line ValueError
-    naming the file and the problem (unreadable, wrong architecture, missing key or tensor,
-    unknown tensor, unsupported type)."""
+def split_files(path):
+    """The files of a model: one .gguf, all `NAME-0000i-of-0000N.gguf` shards given any of them or
+    their folder. Raises ValueError naming what is missing."""
+    path = Path(path)
+    if path.is_dir():
+        firsts = sorted(p for p in path.glob("*-00001-of-*.gguf"))
+        if len(firsts) != 1:
+            alone = sorted(path.glob("*.gguf"))
+            if len(firsts) == 0 and len(alone) == 1:
+                return alone
+            raise ValueError(f"{path}: expected one set of GGUF shards (NAME-00001-of-0000N.gguf), "
+                             f"found {len(firsts) or 'no'} first shards")
+        path = firsts[0]
+    m = SPLIT_NAME.match(path.name)
+    if not m:
+        return [path]
+    n = int(m.group(3))
+    files = [path.with_name(f"{m.group(1)}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"{path}: missing shard {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    return files
 
-    def __init__(self, path):
-        self.path = str(path)
-        try:
-            self.reader = GGUFReader(self.path, "r")
-        except Exception as e:  # gguf raises many types on corrupt or truncated input
-            raise ValueError(f"{path}: not a readable GGUF file (corrupt or truncated: {_one_line(e)})") from None
+
+def _open_reader(path):
+    try:
+        return GGUFReader(str(path), "r")
+    except Exception as e:  # gguf raises many types on corrupt or truncated input
+        raise ValueError(f"{path}: not a readable GGUF file (corrupt or truncated: {_one_line(e)})") from None
+
+
+class GGUFModel:
+    """A `deepseek4` GGUF model (one file or its split shards). The constructor validates it and
+    raises a one-line ValueError naming the file and the problem (unreadable, wrong architecture,
+    missing key, tensor or shard, unknown tensor, unsupported type).
+
+    `expert_bits` / `group_size` choose the affine format of the types that need requantizing
+    (Q2_K, IQ2_XXS); by default `requant.DEFAULT_REQUANT`."""
+
+    def __init__(self, path, *, expert_bits=None, group_size=None):
+        from ds4_mlx.convert.requant import DEFAULT_REQUANT
+
+        self.files = [str(f) for f in split_files(path)]
+        self.path = self.files[0]
+        readers = [_open_reader(f) for f in self.files]
+        self.reader = readers[0]
         try:
             self.metadata = {k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
         except Exception as e:
-            raise ValueError(f"{path}: corrupt GGUF metadata ({_one_line(e)})") from None
+            raise ValueError(f"{self.path}: corrupt GGUF metadata ({_one_line(e)})") from None
         arch = self.metadata.get("general.architecture")
         if arch != "deepseek4":
-            raise ValueError(f"{path}: architecture is {arch!r}, expected 'deepseek4'")
-        by_name = {t.name: t for t in self.reader.tensors}
+            raise ValueError(f"{self.path}: architecture is {arch!r}, expected 'deepseek4'")
+        if expert_bits is not None and expert_bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"--expert-bits must be one of 2, 3, 4, 5, 6, 8, got {expert_bits}")
+        if group_size is not None and group_size not in (32, 64, 128):
+            raise ValueError(f"--group-size must be 32, 64 or 128, got {group_size}")
+
+        def requant_format(qtype):
+            bits, group = DEFAULT_REQUANT[qtype]
+            return expert_bits or bits, group_size or group
+
+        found = [(t, f) for r, f in zip(readers, self.files) for t in r.tensors]
+        by_name = {t.name: t for t, _ in found}
         embd = by_name.get("token_embd.weight")
         if embd is None:
-            raise ValueError(f"{path}: missing tensor token_embd.weight")
+            raise ValueError(f"{self.path}: missing tensor token_embd.weight")
         try:
             self.args = dsv4.args_from_gguf(self.metadata, vocab_size=int(embd.shape[1]))
         except (ValueError, TypeError, KeyError, IndexError) as e:
-            raise ValueError(f"{path}: {_one_line(e)}") from None
+            raise ValueError(f"{self.path}: {_one_line(e)}") from None
         have = {re.sub(r"\.(weight|bias)$", "", n) for n in by_name}
         for name in dsv4.expected_gguf_names(self.args):
             if name not in have:
-                raise ValueError(f"{path}: missing tensor {name}")
+                raise ValueError(f"{self.path}: missing tensor {name}")
         self.tensors = []
-        for t in self.reader.tensors:
+        for t, file in found:
             path_ = dsv4.mlx_name(t.name)
             if path_ is None:
-                raise ValueError(f"{path}: unknown tensor {t.name}")
+                raise ValueError(f"{file}: unknown tensor {t.name}")
             if t.tensor_type not in SUPPORTED:
-                raise ValueError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}")
-            self.tensors.append(TensorPlan(t, path_))
+                raise ValueError(f"{file}: tensor {t.name} has unsupported type {t.tensor_type.name}")
+            try:
+                self.tensors.append(TensorPlan(t, path_, file, requant_format))
+            except ValueError as e:
+                raise ValueError(f"{file}: {e}") from None
         self.total_bytes = sum(p.nbytes for p in self.tensors)
+        self.needs_requant = any(p.quantized and p.type in REQUANT_TYPES for p in self.tensors)
+
+    def fingerprint(self):
+        """Names this model's files by size, modification time and a hash of each header (the bytes
+        before the first tensor's data), so an edited or replaced file gets a new name."""
+        h = hashlib.sha256()
+        for f in self.files:
+            st = os.stat(f)
+            first = min((p.offset for p in self.tensors if p.file == f), default=st.st_size)
+            with open(f, "rb") as fh:
+                h.update(fh.read(min(first, 1 << 24)))
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+        return f"{sum(os.path.getsize(f) for f in self.files)}-{h.hexdigest()[:16]}"
 
     def iter_weights(self, quantization: dict, log=None):
         """Yield (param path, mx.array); record each quantized module's format in `quantization`."""
         import mlx.core as mx
 
-        with open(self.path, "rb") as f:
+        with OpenFiles() as files:
             for plan in self.tensors:
-                arrays = {}
-                for r0, r1, chunk, _ in convert_chunks(f, plan, log):
-                    for name, dtype, shape in plan.outputs():
-                        if name not in arrays:
-                            arrays[name] = np.empty((plan.rows,) + tuple(shape[-1:]), dtype)
-                        arrays[name][r0:r1] = chunk[name]
+                while True:
+                    try:
+                        arrays = {}
+                        for r0, r1, chunk, _ in convert_chunks(files[plan.file], plan, log):
+                            for name, dtype, shape in plan.outputs():
+                                if name not in arrays:
+                                    arrays[name] = np.empty((plan.rows,) + tuple(shape[-1:]), chunk[name].dtype)
+                                arrays[name][r0:r1] = chunk[name]
+                        break
+                    except WidenScales:
+                        plan.half_dtype = "BF16"
                 if plan.quantized:
                     quantization[plan.module] = dict(plan.fmt)
                 for name, dtype, shape in plan.outputs():
-                    yield name, mx.array(arrays.pop(name).reshape(shape))
+                    a = mx.array(arrays.pop(name).reshape(shape))
+                    yield name, mx.view(a, mx.bfloat16) if dtype == "BF16" else a
+
+
+class OpenFiles(dict):
+    """path -> open binary file, opened on first use, all closed on exit."""
+
+    def __missing__(self, path):
+        f = self[path] = open(path, "rb")
+        return f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f in self.values():
+            f.close()
 
 
 def _one_line(e):
@@ -157,33 +253,50 @@ def read_rows(f, plan, r0, r1):
     return buf.reshape(r1 - r0, plan.row_bytes)
 
 
+def to_half(x, dtype):
+    """float32 scales or biases -> uint16/float16 numpy in `dtype` ("F16" or "BF16", round to nearest
+    even). Raises WidenScales where float16 would overflow or flush a non-zero value to zero."""
+    x = np.asarray(x, np.float32)
+    if dtype == "F16":
+        with np.errstate(over="ignore"):
+            h = x.astype(np.float16)
+        if not np.isfinite(h).all() or ((h == 0) & (x != 0)).any():
+            raise WidenScales
+        return h
+    u = x.view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def convert_chunks(f, plan, log=None):
     """Yield (row start, row end, {param name: numpy rows}, raw bytes read) over the tensor.
 
-    For Q2_K / IQ2_XXS it first picks the MLX format on a sample of rows and reports the measured
-    error of the whole tensor through `log` at the end."""
-    if plan.quantized and plan.fmt is None:
-        plan.fmt, errors = choose_requant_format(f, plan)
+    For Q2_K / IQ2_XXS the whole tensor's relative RMS error is reported through `log` at the end.
+    Raises WidenScales when float16 does not hold a chunk's scales, biases or dequantized values."""
+    from ds4_mlx.convert import requant
+
     err2 = ref2 = 0.0
     step = plan.chunk_rows()
+    if plan.type in REQUANT_TYPES and plan.quantized:  # bigger chunks: fewer round trips to the GPU
+        step *= 4
     for r0 in range(0, plan.rows, step):
         r1 = min(plan.rows, r0 + step)
         raw = read_rows(f, plan, r0, r1)
         if not plan.quantized:
-            yield r0, r1, {plan.path: to_float(raw, plan.type, plan.cols)}, raw.nbytes
+            kept = raw.view(_KEPT[plan.type][1]).reshape(-1, plan.cols) if plan.type in _KEPT \
+                else to_half(to_float(raw, plan.type, plan.cols), plan.half_dtype)
+            yield r0, r1, {plan.path: kept}, raw.nbytes
             continue
         if plan.type in REQUANT_TYPES:
-            w = to_float(raw, plan.type, plan.cols)
-            q = requantize(w, plan.fmt["bits"], plan.fmt["group_size"])
-            err2 += _sq_err(w, q, plan.fmt)
-            ref2 += float(np.square(w, dtype=np.float64).sum())
+            q, e2, w2 = requant.convert_rows(raw, plan.type, plan.cols, plan.fmt["bits"], plan.fmt["group_size"])
+            err2, ref2 = err2 + e2, ref2 + w2
         else:
             q = repack(raw, plan.type, plan.cols)
+        q = {k: to_half(v, plan.half_dtype) if k != "weight" and plan.fmt["mode"] == "affine" else v
+             for k, v in q.items()}
         yield r0, r1, {plan.module + "." + k: v for k, v in q.items()}, raw.nbytes
     if plan.type in REQUANT_TYPES and plan.quantized and log is not None:
-        tried = ", ".join(f"{b}-bit g{g} {e:.4f}" for (b, g), e in errors.items())
         log(f"{plan.module}: {plan.type.name} -> affine {plan.fmt['bits']}-bit g{plan.fmt['group_size']}, "
-            f"relative RMS error {math.sqrt(err2 / max(ref2, 1e-30)):.4f} (sampled: {tried})")
+            f"relative RMS error {math.sqrt(err2 / max(ref2, 1e-30)):.4f}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,76 +358,3 @@ def repack(raw, qtype, cols):
         # ggml's doubled E2M1 table and half E8M0 cancel, so the scale byte is MLX's as is
         return {"weight": _pack4(codes), "scales": np.ascontiguousarray(blocks[..., 0])}
     raise ValueError(f"no exact MLX layout for {qtype.name}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Q2_K / IQ2_XXS: dequantize, then requantize to MLX affine
-
-
-def pack_bits(codes, bits):
-    """uint8 codes [rows, n] -> uint32 [rows, n * bits / 32]: MLX packs a little-endian bit stream."""
-    b = np.unpackbits(codes[..., None], axis=-1, bitorder="little")[..., :bits]
-    return np.packbits(b.reshape(codes.shape[0], -1), axis=-1, bitorder="little").view(np.uint32)
-
-
-def requantize(w, bits, group_size):
-    """Float rows -> MLX affine arrays, fitted by least squares rather than min/max.
-
-    The source formats put few distinct levels in a group (IQ2_XXS: +-8, 25, 43 times a scale), so
-    spanning the group's range with fewer than 2^bits - 1 steps, then refitting scale and bias to
-    the codes, often lands on those levels; each group keeps its best try."""
-    rows = w.shape[0]
-    x = w.reshape(-1, group_size).astype(np.float32)
-    lo, hi = x.min(1, keepdims=True), x.max(1, keepdims=True)
-    top = 2**bits - 1
-    best = None
-    for steps in range(top, (top + 1) // 2 - 1, -1):
-        s = np.maximum((hi - lo) / steps, 1e-30)
-        b = lo
-        for _ in range(2):  # round, then least-squares (scale, bias) for those codes
-            q = np.clip(np.rint((x - b) / s), 0, top)
-            n, sq, sx = group_size, q.sum(1, keepdims=True), x.sum(1, keepdims=True)
-            den = n * (q * q).sum(1, keepdims=True) - sq * sq
-            ok = den > 0
-            s_new = np.where(ok, (n * (q * x).sum(1, keepdims=True) - sq * sx) / np.where(ok, den, 1), s)
-            b = np.where(ok, (sx - s_new * sq) / n, b)
-            s = np.where(s_new > 0, s_new, s)
-        q = np.clip(np.rint((x - b) / s), 0, top)
-        err = np.square(s * q + b - x).sum(1)
-        if best is None:
-            best = [err, q, s, b]
-        else:
-            better = err < best[0]
-            for i, v in enumerate((err, q, s, b)):
-                best[i] = np.where(better[:, None] if v.ndim == 2 else better, v, best[i])
-    _, q, s, b = best
-    return {"weight": pack_bits(q.astype(np.uint8).reshape(rows, -1), bits),
-            "scales": s.reshape(rows, -1).astype(np.float32), "biases": b.reshape(rows, -1).astype(np.float32)}
-
-
-def dequantize_affine(q, group_size, bits):
-    import mlx.core as mx
-
-    return np.array(mx.dequantize(mx.array(q["weight"]), mx.array(q["scales"]), mx.array(q["biases"]),
-                                  group_size=group_size, bits=bits))
-
-
-def _sq_err(w, q, fmt):
-    d = dequantize_affine(q, fmt["group_size"], fmt["bits"]) - w
-    return float(np.square(d, dtype=np.float64).sum())
-
-
-def choose_requant_format(f, plan, sample_rows=256):
-    """The affine format with the lowest error on rows spread over the tensor (all experts).
-
-    More bits always help, so this is 3-bit unless the tensor's width rules a group out; the
-    measurement is kept for the log. Returns (fmt, {(bits, group): relative RMS error})."""
-    idx = np.unique(np.linspace(0, plan.rows - 1, min(plan.rows, sample_rows)).astype(np.int64))
-    w = np.concatenate([to_float(read_rows(f, plan, i, i + 1), plan.type, plan.cols) for i in idx])
-    ref = max(float(np.square(w, dtype=np.float64).sum()), 1e-30)
-    errors = {}
-    for bits, g in REQUANT_CANDIDATES:
-        if plan.cols % g == 0:
-            errors[(bits, g)] = math.sqrt(_sq_err(w, requantize(w, bits, g), {"group_size": g, "bits": bits}) / ref)
-    bits, g = min(errors, key=lambda k: (errors[k], k))
-    return {"group_size": g, "bits": bits, "mode": "affine"}, errors

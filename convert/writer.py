@@ -10,8 +10,7 @@ import os
 
 import numpy as np
 
-_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
-           np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32"}
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "U8": 1, "I32": 4}
 
 
 class ShardWriter:
@@ -23,16 +22,22 @@ class ShardWriter:
         self.where = {}  # array name -> (file, absolute offset of its data)
 
     def add(self, arrays):
-        """Reserve space for one tensor's arrays [(name, dtype, shape)], all in the same shard."""
-        sizes = [int(np.dtype(d).itemsize * np.prod(s, dtype=np.int64)) for _, d, s in arrays]
+        """Reserve space for one tensor's arrays [(name, safetensors dtype, shape)], all in the same shard."""
+        sizes = [int(ITEMSIZE[d] * np.prod(s, dtype=np.int64)) for _, d, s in arrays]
         if self.f is None or (self.pos > 0 and self.pos + sum(sizes) > self.max):
             self._open()
         header = self.shards[-1][1]
         for (name, dtype, shape), n in zip(arrays, sizes):
-            header[name] = {"dtype": _DTYPES[np.dtype(dtype)], "shape": [int(x) for x in shape],
+            header[name] = {"dtype": dtype, "shape": [int(x) for x in shape],
                             "data_offsets": [self.pos, self.pos + n]}
             self.where[name] = (self.f, 8 + self.cap + self.pos)
             self.pos += n
+
+    def retype(self, name, dtype):
+        """Change a reserved array's dtype to another of the same size (float16 -> bfloat16 scales)."""
+        entry = self.shards[-1][1][name]
+        assert ITEMSIZE[entry["dtype"]] == ITEMSIZE[dtype]
+        entry["dtype"] = dtype
 
     def write(self, name, byte_offset, array):
         f, base = self.where[name]

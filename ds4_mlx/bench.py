@@ -170,14 +170,17 @@ def _bench_rewind_options(q):
 
 
 def bench_convert(a):
-    """Convert a synthetic GGUF of real V4 Flash widths: peak RSS and MB/s."""
-    from ds4_mlx.convert.bench import bench_convert as run
+    """Converter: the published q2/q4 files' converted size, error and speed; a synthetic GGUF's peak RSS and MB/s."""
+    from ds4_mlx.convert.bench import run
 
-    return run(size_gb=a.size_gb)
+    return run(size_gb=a.size_gb, rows=a.rows, expert_bits=a.expert_bits, group_size=a.group_size)
 
 
 def _bench_convert_options(q):
-    q.add_argument("--size-gb", type=float, default=4.0)
+    q.add_argument("--size-gb", type=float, default=4.0, help="synthetic file to convert (0: none)")
+    q.add_argument("--rows", type=int, default=2048, help="rows of each real-width tensor measured")
+    q.add_argument("--expert-bits", type=int, default=None)
+    q.add_argument("--group-size", type=int, default=None)
 
 
 BENCHES = [

@@ -1,6 +1,8 @@
-"""`ds4_mlx.load`: open a `.gguf` file or a converted MLX folder."""
+"""`ds4_mlx.load`: open a converted MLX folder, a `.gguf` file, or llama.cpp's split GGUF shards."""
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,28 +18,68 @@ def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool):
     return model
 
 
-def load(path, *, quant_sim=None):
+def cache_root() -> Path:
+    home = os.environ.get("DS4_MLX_HOME")
+    return Path(home) if home else Path.home() / ".cache" / "ds4-mlx"
+
+
+def load(path, *, quant_sim=None, progress=True):
     """Return (model, tokenizer). `quant_sim=None` simulates FP8/FP4 as the real model was trained
     (ds4 and the official inference do), False computes plain float math as transformers does.
-    The tokenizer is None when the file carries none (tiny test models)."""
-    from ds4_mlx.tokenizer import Tokenizer
+    The tokenizer is None when the file carries none (tiny test models).
 
+    GGUF files whose types MLX holds exactly (F32/F16/BF16, Q8_0, Q4_K, MXFP4) load directly. Files with
+    Q2_K or IQ2_XXS tensors need requantizing, which is done once into a folder under
+    `$DS4_MLX_HOME/converted` (named by the files' size, modification time and header hash) and reused."""
     path = Path(path)
     quant_sim = True if quant_sim is None else quant_sim
-    if path.is_dir():
-        config = json.loads((path / "config.json").read_text())
-        quantization = config.pop("quantization", {})
-        weights = {}
-        for f in sorted(path.glob("*.safetensors")):
-            weights.update(mx.load(str(f)))
-        args = dsv4.ModelArgs.from_dict(config)
-        tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-        return build_model(args, weights, quantization, quant_sim=quant_sim), tok
+    if path.is_dir() and (path / "config.json").exists():
+        return _load_folder(path, quant_sim)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     from ds4_mlx.convert.gguf import GGUFModel
+    from ds4_mlx.tokenizer import Tokenizer
 
     g = GGUFModel(path)
+    if g.needs_requant:
+        return _load_folder(_converted_once(g, progress), quant_sim)
     quantization = {}
     weights = dict(g.iter_weights(quantization))
     return build_model(g.args, weights, quantization, quant_sim=quant_sim), Tokenizer.from_gguf(g.metadata)
+
+
+def _load_folder(path, quant_sim):
+    from ds4_mlx.tokenizer import Tokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    quantization = config.pop("quantization", {})
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    args = dsv4.ModelArgs.from_dict(config)
+    tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
+    return build_model(args, weights, quantization, quant_sim=quant_sim), tok
+
+
+def converted_folder(g) -> Path:
+    """Where the one-time conversion of GGUF model `g` lives."""
+    stem = Path(g.path).name.removesuffix(".gguf")
+    return cache_root() / "converted" / f"{stem}-{g.fingerprint()}"
+
+
+def _converted_once(g, progress):
+    from ds4_mlx.convert.cli import convert
+
+    folder = converted_folder(g)
+    if (folder / "config.json").exists():
+        return folder
+    if progress:
+        print(f"ds4-mlx: {Path(g.path).name} has Q2_K / IQ2_XXS tensors, which MLX cannot hold as they are: "
+              f"converting once into {folder} (later loads reuse it; `ds4-mlx convert` picks the folder)",
+              file=sys.stderr)
+    try:
+        convert(g.path, folder, progress=progress, log=lambda msg: None, model=g)
+    except ValueError:
+        if not (folder / "config.json").exists():  # not a concurrent load that finished first
+            raise
+    return folder

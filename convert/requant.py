@@ -1,0 +1,121 @@
+"""Q2_K / IQ2_XXS rows -> MLX affine arrays, computed in MLX (on the GPU when there is one).
+
+Neither format fits an MLX layout as is (Q2_K has 16-wide sub-blocks, IQ2_XXS a lattice codebook), so
+rows are dequantized to float32, exactly as the `gguf` package does, then refitted to affine codes.
+"""
+
+import numpy as np
+import mlx.core as mx
+import gguf.quants
+from gguf import GGMLQuantizationType as T
+
+# Affine format a requantized type gets unless the user asks for more: (bits, group size). Both stay
+# at or below the GGUF's own bits a weight (Q2_K 2.625, IQ2_XXS 2.0625 + fp16 scale and bias per group),
+# which is what keeps the published q2 file within 1.15x its size (`ds4-mlx bench convert`).
+DEFAULT_REQUANT = {T.Q2_K: (2, 64), T.IQ2_XXS: (2, 64)}
+
+_GRID = None
+
+
+def _iq2xxs_tables():
+    global _GRID
+    if _GRID is None:
+        gguf.quants.IQ2_XXS.init_grid()
+        grid = mx.array(gguf.quants.IQ2_XXS.grid.reshape(256, 8).astype(np.float32))
+        ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, np.uint8)
+        bits = (ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1
+        _GRID = grid, mx.array(np.where(bits == 0, 1.0, -1.0).astype(np.float32))  # [128, 8]
+    return _GRID
+
+
+def _f16(b):
+    """uint8 [..., 2] -> float32 [...]."""
+    return mx.view(b, mx.float16)[..., 0].astype(mx.float32)
+
+
+def dequantize(raw, qtype, cols):
+    """uint8 rows (numpy or mx) [rows, row bytes] -> float32 mx [rows, cols], the same values
+    `gguf.quants.dequantize` gives (same operations in the same order)."""
+    raw = mx.array(raw)
+    rows = raw.shape[0]
+    if qtype == T.Q2_K:  # scales[16] (low nibble sc, high nibble m), qs[64], d, dmin
+        b = raw.reshape(rows, cols // 256, 84)
+        sc, qs = b[..., :16], b[..., 16:80]
+        d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
+        dl = (d * (sc & 0xF).astype(mx.float32))[..., None]
+        ml = (dmin * (sc >> 4).astype(mx.float32))[..., None]
+        shift = mx.array([0, 2, 4, 6], mx.uint8).reshape(4, 1)
+        q = (qs.reshape(rows, -1, 2, 1, 32) >> shift) & 3  # [.., half, shift, 32]
+        q = q.reshape(rows, -1, 16, 16).astype(mx.float32)
+        return (dl * q - ml).reshape(rows, cols)
+    if qtype == T.IQ2_XXS:  # d, then 8 sub-blocks of (4 grid indices, 4 x 7 sign bits + 4-bit scale)
+        grid, signs = _iq2xxs_tables()
+        b = raw.reshape(rows, cols // 256, 66)
+        d = _f16(b[..., :2])
+        qs = mx.view(b[..., 2:], mx.uint32).reshape(rows, -1, 8, 2)
+        db = d[..., None] * (0.5 + (qs[..., 1] >> 28).astype(mx.float32)) * 0.25
+        s = (qs[..., 1:2] >> mx.array([0, 7, 14, 21], mx.uint32)) & 0x7F  # [.., 8, 4]
+        idx = mx.view(qs[..., 0], mx.uint8).reshape(rows, -1, 8, 4)
+        vals = db[..., None, None] * grid[idx.astype(mx.uint32)] * signs[s]
+        return vals.reshape(rows, cols)
+    raise ValueError(f"no MLX dequantizer for {qtype.name}")
+
+
+def requantize(w, bits, group_size, iters=3):
+    """Float rows (mx or numpy) -> (packed uint32 codes, scales, biases), all float32 mx arrays but the codes.
+
+    Least squares rather than MLX's min/max: the source formats put few distinct levels in a group, so
+    spanning the group with fewer than 2^bits - 1 steps and refitting scale and bias to the codes often
+    lands on those levels; each group keeps its best try. Never worse than `mx.quantize` (its start)."""
+    w = mx.array(w, mx.float32)
+    rows = w.shape[0]
+    x = w.reshape(-1, group_size)
+    lo, hi = x.min(1, keepdims=True), x.max(1, keepdims=True)
+    top = 2**bits - 1
+    n, sx = group_size, x.sum(1, keepdims=True)
+    best = None
+    for steps in range(top, (top + 1) // 2 - 1, -1):
+        s, b = mx.maximum((hi - lo) / steps, 1e-30), lo
+        for _ in range(iters):  # round, then the least-squares (scale, bias) of those codes
+            q = mx.clip(mx.round((x - b) / s), 0, top)
+            sq = q.sum(1, keepdims=True)
+            den = n * (q * q).sum(1, keepdims=True) - sq * sq
+            ok = den > 0
+            s_new = mx.where(ok, (n * (q * x).sum(1, keepdims=True) - sq * sx) / mx.where(ok, den, 1), s)
+            b = mx.where(ok, (sx - s_new * sq) / n, b)
+            s = mx.where(s_new > 0, s_new, s)
+        q = mx.clip(mx.round((x - b) / s), 0, top)
+        err = mx.square(s * q + b - x).sum(1, keepdims=True)
+        if best is None:
+            best = (err, q, s, b)
+        else:
+            better = err < best[0]
+            best = tuple(mx.where(better, v, o) for v, o in zip((err, q, s, b), best))
+    _, q, s, b = best
+    s = mx.where(q.max(1, keepdims=True) == 0, 0.0, s)  # a constant group: its scale is unused
+    return pack(q.astype(mx.uint32).reshape(rows, -1), bits), s.reshape(rows, -1), b.reshape(rows, -1)
+
+
+def pack(codes, bits):
+    """uint32 codes [rows, n] -> uint32 [rows, n * bits / 32] in MLX's layout: a little-endian bit stream."""
+    rows, n = codes.shape
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+        return (codes.reshape(rows, n // per, per) << shifts).sum(-1).astype(mx.uint32)
+    # 3, 5, 6 bits: 8 codes make `bits` whole bytes; build them in 64-bit words
+    c = codes.astype(mx.uint64).reshape(rows, n // 8, 8) << mx.arange(0, 8 * bits, bits, dtype=mx.uint64)
+    word = c.sum(-1, keepdims=True).astype(mx.uint64)
+    byte = ((word >> mx.arange(0, 8 * bits, 8, dtype=mx.uint64)) & 0xFF).astype(mx.uint8)
+    return mx.view(byte.reshape(rows, -1), mx.uint32)
+
+
+def convert_rows(raw, qtype, cols, bits, group_size):
+    """GGUF rows of `qtype` -> ({"weight", "scales", "biases"} numpy, squared error, squared reference),
+    the errors measured against the GGUF's own dequantized values."""
+    w = dequantize(raw, qtype, cols)
+    q, s, b = requantize(w, bits, group_size)
+    err = mx.square(mx.dequantize(q, s, b, group_size=group_size, bits=bits) - w).sum()
+    ref = mx.square(w).sum()
+    mx.eval(q, s, b, err, ref)
+    return {"weight": np.array(q), "scales": np.array(s), "biases": np.array(b)}, err.item(), ref.item()
