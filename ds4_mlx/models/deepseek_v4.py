@@ -216,23 +216,16 @@ class Rope:
 
     def __init__(self, dim, base, scaling=None):
         self.dim = dim
-        self.inv_freq = yarn_inv_freq(dim, base, scaling)
-        mx.eval(self.inv_freq)  # a lazy array would tie the model to the building thread's stream
+        self.periods = 1.0 / yarn_inv_freq(dim, base, scaling)  # mx.fast.rope takes 1 / frequency
+        mx.eval(self.periods)  # a lazy array would tie the model to the building thread's stream
 
-    def __call__(self, x, positions, inverse=False):
-        # x [T, ..., D], positions [T]
-        angles = positions.astype(mx.float32)[:, None] * self.inv_freq
-        cos, sin = mx.cos(angles), mx.sin(angles)
-        if inverse:
-            sin = -sin
-        extra = x.ndim - 2
-        cos = cos.reshape(cos.shape[:1] + (1,) * extra + cos.shape[1:])
-        sin = sin.reshape(cos.shape)
+    def __call__(self, x, start, step=1, inverse=False):
+        """x [T, ..., D] holds positions start, start + step, ... along its first axis."""
         head, tail = x[..., : -self.dim], x[..., -self.dim :]
-        pairs = tail.reshape(tail.shape[:-1] + (self.dim // 2, 2))
-        a, b = pairs[..., 0], pairs[..., 1]
-        rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(tail.shape)
-        return mx.concatenate([head, rotated.astype(x.dtype)], axis=-1)
+        t = tail.reshape(tail.shape[0], -1, self.dim).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
+        t = mx.fast.rope(t, self.dim, traditional=True, base=None, scale=-step if inverse else step,
+                         offset=start // step, freqs=self.periods)
+        return mx.concatenate([head, t.swapaxes(0, 1).reshape(tail.shape).astype(x.dtype)], axis=-1)
 
 
 def fp8_e4m3_sim(x, block=64):
@@ -453,7 +446,7 @@ class Attention(nn.Module):
         pooled = compressor(xn, p0, ring, first, last - first)
         if pooled is not None:
             rows = compressor.norm(pooled)
-            rows = self.rope(rows, mx.arange(first, last) * m)
+            rows = self.rope(rows, first * m, m)
             buffer.append(quant(rows))
 
     def __call__(self, x, cache, quant_sim):
@@ -463,8 +456,8 @@ class Attention(nn.Module):
         qr = self.q_a_norm(self.q_a(x))
         q = self.q_b(qr).reshape(T, nh, hd)
         q = rms_norm(q, None, args.rms_norm_eps)
-        q = self.rope(q, positions)
-        kv = self.rope(self.kv_norm(self.kv(x)), positions)
+        q = self.rope(q, p0)
+        kv = self.rope(self.kv_norm(self.kv(x)), p0)
         cache.raw.write(p0, self._store_kv(kv, quant_sim))
 
         # raw window: the last `window` positions up to and including each query
@@ -486,7 +479,7 @@ class Attention(nn.Module):
                 self._compress(idx.compressor, x, cache, cache.index_frontier, cache.index_rows,
                                (lambda r: hadamard_fp4_sim(r)) if quant_sim else (lambda r: r))
                 if C > args.index_topk:
-                    selected = self._select(qr, x, positions, cache.index_rows.view(), visible, quant_sim)
+                    selected = self._select(qr, x, p0, cache.index_rows.view(), visible, quant_sim)
             if selected is None:
                 if C:
                     keys.append(mx.broadcast_to(rows[None], (T, C, hd)))
@@ -499,17 +492,17 @@ class Attention(nn.Module):
         mask = mx.concatenate(masks, axis=1)[:, None, None, :]
         out = mx.fast.scaled_dot_product_attention(
             q[:, :, None, :], keys, keys, scale=hd ** -0.5, mask=mask, sinks=self.sinks.astype(q.dtype))
-        out = self.rope(out[:, :, 0, :], positions, inverse=True)  # [T, nh, hd]
+        out = self.rope(out[:, :, 0, :], p0, inverse=True)  # [T, nh, hd]
         G = args.o_groups
         groups = out.reshape(T, G, 1, nh * hd // G)
         low = self.o_a(groups, mx.arange(G)).reshape(T, G * args.o_lora_rank)
         return self.o_b(low)
 
-    def _select(self, qr, x, positions, index_rows, visible, quant_sim):
+    def _select(self, qr, x, p0, index_rows, visible, quant_sim):
         """Top-k compressed rows for each query, by the indexer's scores (future rows excluded)."""
         idx, args = self.indexer, self.args
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), positions)
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
         w = idx.proj(x) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
