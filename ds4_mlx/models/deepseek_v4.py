@@ -14,6 +14,19 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ds4_mlx.models.kernels import backend, hc_mix
+
+# routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
+# expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
+EXPERT_PATHS = {"cuda": "loop"}
+
+
+def expert_path():
+    import os
+
+    return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
+
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
@@ -270,10 +283,31 @@ def hadamard_fp4_sim(x):
     return f16_round(fp4_e2m1_sim(x))
 
 
+@mx.compile
 def clamped_swiglu(gate, up, limit):
     gate = mx.minimum(gate, limit)
     up = mx.clip(up, -limit, limit)
-    return nn.silu(gate) * up
+    return gate * mx.sigmoid(gate) * up
+
+
+def _routing_weights(scores, chosen, scaling):
+    weights = mx.take_along_axis(scores, chosen, axis=-1)
+    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
+
+
+@mx.compile
+def route_top_k(logits, bias, k, scaling):
+    """sqrt(softplus) scores; top-k on the biased scores, weights from the unbiased ones, normalised and
+    scaled. -> (experts [T, k], weights [T, k])."""
+    scores = mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0))
+    chosen = mx.argpartition(-(scores + bias), k - 1, axis=-1)[:, :k]
+    return chosen, _routing_weights(scores, chosen, scaling)
+
+
+@mx.compile
+def route_hashed(logits, chosen, scaling):
+    """The same weights for experts fixed by the token id (hash layers)."""
+    return _routing_weights(mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0)), chosen, scaling)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +323,10 @@ class SwitchLinear(nn.Module):
 
     def __call__(self, x, indices, sorted_indices=False):
         return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def one(self, x, i):
+        """x [n, in] through map i alone."""
+        return x @ self.weight[i].T
 
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
         n, out, inp = self.weight.shape
@@ -306,9 +344,15 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x, indices, sorted_indices=False):
-        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=sorted_indices)
+        return mx.gather_qmm(x.astype(self.scales.dtype), self.weight, self.scales, self.get("biases"),
+                             rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
+                             mode=self.mode, sorted_indices=sorted_indices)
+
+    def one(self, x, i):
+        biases = self.get("biases")
+        return mx.quantized_matmul(x.astype(self.scales.dtype), self.weight[i], self.scales[i],
+                                   None if biases is None else biases[i], transpose=True,
+                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
 class HyperConnection(nn.Module):
@@ -323,25 +367,15 @@ class HyperConnection(nn.Module):
         self.hc, self.iters, self.eps, self.norm_eps = hc, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
 
     def pre(self, streams):
-        """streams [T, hc, H] -> (sub-layer input [T, H], post [T, hc], comb [T, hc, hc])."""
+        """streams [T, hc, H] -> (sub-layer input [T, H], post [T, hc], comb [T, hc, hc]), all float32."""
         T, hc, H = streams.shape
         flat = rms_norm(streams.reshape(T, hc * H), None, self.norm_eps)
-        mix = flat @ self.fn.T
-        s = self.scale
-        pre = mx.sigmoid(mix[:, :hc] * s[0] + self.base[:hc]) + self.eps
-        post = 2 * mx.sigmoid(mix[:, hc : 2 * hc] * s[1] + self.base[hc : 2 * hc])
-        comb = (mix[:, 2 * hc :] * s[2] + self.base[2 * hc :]).reshape(T, hc, hc)  # [source, destination]
-        comb = mx.softmax(comb, axis=-1) + self.eps
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(axis=-1, keepdims=True) + self.eps)
-            comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
-        x = (pre[:, :, None] * streams).sum(axis=1)
-        return x, post, comb
+        return hc_mix(flat @ self.fn.T, self.scale, self.base, streams, self.iters, self.eps)
 
     @staticmethod
+    @mx.compile
     def post(out, streams, post, comb):
-        return post[:, :, None] * out[:, None, :] + comb.swapaxes(1, 2) @ streams
+        return post[:, :, None] * out[:, None, :].astype(mx.float32) + comb.swapaxes(1, 2) @ streams
 
 
 class HyperHead(nn.Module):
@@ -531,35 +565,49 @@ class MoE(nn.Module):
                        "down": nn.Linear(shared, H, bias=False)}
 
     def __call__(self, x, ids):
-        args, k = self.args, self.args.num_experts_per_tok
-        scores = mx.sqrt(mx.logaddexp(self.gate(x).astype(mx.float32), 0.0))  # sqrt(softplus)
+        args = self.args
         if self.hashed:
             chosen = self.tid2eid[ids]
+            weights = route_hashed(self.gate(x), chosen, args.routed_scaling_factor)
         else:
-            chosen = mx.argpartition(-(scores + self.bias), k - 1, axis=-1)[:, :k]
-        weights = mx.take_along_axis(scores, chosen, axis=-1)
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * args.routed_scaling_factor
+            chosen, weights = route_top_k(self.gate(x), self.bias, args.num_experts_per_tok,
+                                          args.routed_scaling_factor)
         routed = self._experts(x, chosen)
         y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
         s = self.shared
         return y + s["down"](clamped_swiglu(s["gate"](x), s["up"](x), args.swiglu_limit))
 
     def _experts(self, x, chosen):
-        """[T, H] with chosen experts [T, k] -> [T, k, H]; sorted by expert for big batches."""
-        e, (T, k) = self.experts, chosen.shape
-        limit = self.args.swiglu_limit
+        """[T, H] with chosen experts [T, k] -> [T, k, H]; rows sorted by expert for big batches."""
+        T, k = chosen.shape
         if T * k < 64:
-            xs, idx, order = x[:, None, None, :], chosen, None
+            return self._glu(x[:, None, None, :], chosen, False)[:, :, 0, :]
+        flat = chosen.flatten()
+        order = mx.argsort(flat)
+        xs, idx = x[order // k], flat[order]
+        if expert_path() == "loop":
+            y = self._expert_loop(xs, idx)
         else:
-            flat = chosen.flatten()
-            order = mx.argsort(flat)
-            xs, idx = x[order // k][:, None, :], flat[order]
-        sorted_ = order is not None
-        h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
-        y = e["down"](h, idx, sorted_)
-        if order is None:
-            return y[:, :, 0, :]
+            y = self._glu(xs[:, None, :], idx, True)[:, 0, :]
         return y[mx.argsort(order)].reshape(T, k, -1)
+
+    def _glu(self, xs, idx, sorted_):
+        e, limit = self.experts, self.args.swiglu_limit
+        h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
+        return e["down"](h, idx, sorted_)
+
+    def _expert_loop(self, xs, idx):
+        """One product per expert over its contiguous rows (a sync to read the row counts): on CUDA this
+        beats `gather_qmm`, which does not batch the rows of an expert."""
+        e, limit = self.experts, self.args.swiglu_limit
+        counts = mx.zeros((self.args.n_routed_experts,), mx.int32).at[idx].add(1).tolist()
+        outs, start = [], 0
+        for i, n in enumerate(counts):
+            if n:
+                rows = xs[start : start + n]
+                outs.append(e["down"].one(clamped_swiglu(e["gate"].one(rows, i), e["up"].one(rows, i), limit), i))
+                start += n
+        return mx.concatenate(outs)
 
 
 class DecoderLayer(nn.Module):
