@@ -13,6 +13,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ds4_mlx.models.kernels import backend, hc_mix
 
@@ -200,6 +201,14 @@ def expected_gguf_names(args: ModelArgs) -> list:
 # Numerics shared by the layers
 
 
+def keeps_float32(path: str) -> bool:
+    """The precision policy in one place: parameters whose math stays float32 under a half-precision
+    compute dtype (hyper-connection mixing and Sinkhorn, attention sinks, router scores and bias, the
+    compressor's score offsets). RMS norms accumulate in float32 in `mx.fast.rms_norm`, and attention
+    scores and softmax, compressor pooling and the residual streams are float32 in the forward itself."""
+    return bool(re.search(r"(^|\.)hc_(attn|ffn|head)\.|\.sinks$|\.ffn\.(gate\.weight|bias)$|\.ape$", path))
+
+
 def rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
 
@@ -322,7 +331,11 @@ class SwitchLinear(nn.Module):
         self.weight = mx.zeros((n, output_dims, input_dims))
 
     def __call__(self, x, indices, sorted_indices=False):
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        w = self.weight
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:  # MLX's CPU gather_mm is float32 only
+            x, w = x.astype(mx.float32), w.astype(mx.float32)
+        y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return y.astype(self.weight.dtype)
 
     def one(self, x, i):
         """x [n, in] through map i alone."""
@@ -416,7 +429,7 @@ class Compressor(nn.Module):
         positions = mx.arange(p0, p0 + T)
         kv = self.kv(xn)
         score = self.gate(xn) + self.ape[positions % self.ratio]
-        ring.write(p0, mx.concatenate([kv, score], axis=-1))
+        ring.write(p0, mx.concatenate([kv.astype(score.dtype), score], axis=-1))
         if n_rows == 0:
             return None
         m, d, W = self.ratio, self.head_dim, self.width
@@ -524,12 +537,14 @@ class Attention(nn.Module):
 
         keys = mx.concatenate(keys, axis=1)[:, None]  # [T, 1, K, hd]: one KV head, K = V
         mask = mx.concatenate(masks, axis=1)[:, None, None, :]
+        f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
+        keys = keys.astype(f32)
         out = mx.fast.scaled_dot_product_attention(
-            q[:, :, None, :], keys, keys, scale=hd ** -0.5, mask=mask, sinks=self.sinks.astype(q.dtype))
-        out = self.rope(out[:, :, 0, :], p0, inverse=True)  # [T, nh, hd]
+            q[:, :, None, :].astype(f32), keys, keys, scale=hd ** -0.5, mask=mask, sinks=self.sinks.astype(f32))
+        out = self.rope(out[:, :, 0, :], p0, inverse=True).astype(x.dtype)  # [T, nh, hd]
         G = args.o_groups
-        groups = out.reshape(T, G, 1, nh * hd // G)
-        low = self.o_a(groups, mx.arange(G)).reshape(T, G * args.o_lora_rank)
+        groups = out.reshape(T, G, nh * hd // G).swapaxes(0, 1)  # each head group has its own projection
+        low = (groups @ self.o_a.weight.swapaxes(-1, -2)).swapaxes(0, 1).reshape(T, G * args.o_lora_rank)
         return self.o_b(low)
 
     def _select(self, qr, x, p0, index_rows, visible, quant_sim):
@@ -621,12 +636,13 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(args, layer_id)
 
     def __call__(self, streams, ids, cache, quant_sim):
+        dtype = self.attn_norm.weight.dtype  # the compute dtype; the streams stay float32
         x, post, comb = self.hc_attn.pre(streams)
-        out = self.attn(self.attn_norm(x), cache, quant_sim)
+        out = self.attn(self.attn_norm(x.astype(dtype)), cache, quant_sim)
         cache.advance(x.shape[0])
         streams = HyperConnection.post(out, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
-        out = self.ffn(self.ffn_norm(x), ids)
+        out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
 
 
@@ -666,13 +682,21 @@ class Model(nn.Module):
         if T > chunk:  # the rings hold one chunk at a time
             outs = [self(inputs[:, i : i + chunk], cache, last_only=last_only) for i in range(0, T, chunk)]
             return outs[-1] if last_only else mx.concatenate(outs, axis=1)
-        streams = mx.broadcast_to(self.embed(ids)[:, None, :], (T, self.args.hc_mult, self.args.hidden_size))
+        embedded = self.embed(ids).astype(mx.float32)
+        streams = mx.broadcast_to(embedded[:, None, :], (T, self.args.hc_mult, self.args.hidden_size))
         for layer, c in zip(self.layers, cache):
             streams = layer(streams, ids, c, self.quant_sim)
         if last_only:
             streams = streams[-1:]
-        x = self.norm(self.hc_head(streams))
-        return self.lm_head(x)[None]
+        x = self.norm(self.hc_head(streams).astype(self.norm.weight.dtype))
+        return self.lm_head(x).astype(mx.float32)[None]
+
+    def cast(self, dtype):
+        """Compute in `dtype` (bfloat16 or float16), but for the parameters `keeps_float32` names."""
+        self.update(tree_unflatten([(k, v.astype(mx.float32 if keeps_float32(k) else dtype))
+                                    for k, v in tree_flatten(self.parameters())
+                                    if mx.issubdtype(v.dtype, mx.floating)]))
+        return self
 
     # Weights -------------------------------------------------------------------------------
     def apply_quantization(self, quantization: dict):
