@@ -1,15 +1,16 @@
 """Fused GPU kernels for the hot paths of `deepseek_v4`, each with the plain-MLX function it replaces.
 
 The plain function is the definition: the CPU runs it, and tests/test_kernels.py checks each kernel
-against it on the backend that runs the kernel (Metal or CUDA). `use_kernels(False)` forces the plain
-functions everywhere (for profiling, or to rule a kernel out).
+against it on the backend that runs the kernel (Metal or CUDA). `use_kernels(False)` or the environment
+variable DS4_MLX_KERNELS=0 forces the plain functions everywhere (for profiling, or to rule a kernel out).
 """
 
+import os
 from functools import lru_cache
 
 import mlx.core as mx
 
-_enabled = True
+_enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
 
 
 def use_kernels(on: bool):
