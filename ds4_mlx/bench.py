@@ -183,8 +183,22 @@ def _bench_convert_options(q):
     q.add_argument("--group-size", type=int, default=None)
 
 
+def bench_speed(a):
+    """Prefill and decode tok/s at real widths, against the roofline and transformers."""
+    from ds4_mlx.bench_speed import bench_speed as run
+
+    return run(a)
+
+
+def _bench_speed_options(q):
+    from ds4_mlx.bench_speed import options
+
+    options(q)
+
+
 BENCHES = [
     ("model", bench_model, _bench_model_options),
     ("rewind", bench_rewind, _bench_rewind_options),
     ("convert", bench_convert, _bench_convert_options),
+    ("speed", bench_speed, _bench_speed_options),
 ]

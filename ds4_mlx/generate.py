@@ -79,10 +79,14 @@ class Sampler:
         self.key = mx.random.key(seed % 2**64)  # any integer: MLX takes 64 bits
 
     def __call__(self, logits: mx.array) -> int:
+        return int(self.draw(logits).item())
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """The sampled id as an unevaluated array (no sync)."""
         if self.params.temperature <= 0:
-            return int(mx.argmax(logits).item())
+            return mx.argmax(logits)
         self.key, draw_key = mx.random.split(self.key)
-        return int(mx.random.categorical(filter_logits(logits, self.params), key=draw_key).item())
+        return mx.random.categorical(filter_logits(logits, self.params), key=draw_key)
 
 
 class Detokenizer:
@@ -289,13 +293,19 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         yield finish(FINISH_LENGTH)
         return
 
+    # Pipelined: the step that feeds token n is built and started before token n is read, so the graph
+    # building overlaps the device's work. A stop token fed this way is trimmed off again.
+    drawn = sample.draw(logits)
+    mx.async_eval(drawn)
     while True:
         if should_abort():
             yield finish(FINISH_ABORT)
             return
-        token = sample(logits)
+        logits = session.step_async(drawn)
+        token = session.settle()
         sampled.append(token)
         if token in stop_ids:
+            session.trim(len(session.tokens) - 1)
             yield finish(FINISH_STOP, token)
             return
         text = watcher.add(detok.add(token))
@@ -303,11 +313,11 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
             yield finish(FINISH_STOP, token, text)
             return
         if len(sampled) >= max_tokens:
-            session.step(token)
             yield finish(FINISH_LENGTH, token, text)
             return
         yield GenerationChunk(text=text, token=token)
-        logits = session.step(token)
+        drawn = sample.draw(logits)
+        mx.async_eval(drawn)
 
 
 # ---------------------------------------------------------------- `ds4-mlx generate`

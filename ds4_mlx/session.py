@@ -70,6 +70,26 @@ class Session:
         """Append one token; return the next-token logits."""
         return self._feed([int(token_id)])
 
+    def step_async(self, token):
+        """`step` for a token id the device is still computing (an int32 array holding one id, e.g. a
+        sampler's lazy draw): the logits come back with their evaluation started, so the caller builds
+        this step while the device finishes the last one. Call `settle()` before using the session again."""
+        self.tokens.append(token)
+        logits = self.model(token.reshape(1, 1).astype(mx.int32), self.cache, last_only=True)[0, -1]
+        self.logits = logits
+        mx.async_eval(logits, [r.rows for c in self.cache for r in c.rings()],
+                      [b.rows for c in self.cache for b in c.buffers()])
+        if len(self.tokens) % self.checkpoint_every == 0:
+            self.settle()
+            self.checkpoints[len(self.tokens)] = [c.checkpoint() for c in self.cache]
+        return logits
+
+    def settle(self):
+        """Wait for the id of the last `step_async` token and record it; return it."""
+        if isinstance(self.tokens[-1], mx.array):
+            self.tokens[-1] = int(self.tokens[-1].item())
+        return self.tokens[-1]
+
     def trim(self, n):
         """Keep the first n tokens."""
         if not 0 <= n <= len(self.tokens):

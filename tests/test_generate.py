@@ -48,6 +48,14 @@ class ScriptedSession:
         self.tokens.append(token)
         return self._logits()
 
+    def step_async(self, token):
+        return self.step(token)
+
+    def settle(self):
+        if isinstance(self.tokens[-1], mx.array):
+            self.tokens[-1] = int(self.tokens[-1].item())
+        return self.tokens[-1]
+
     def trim(self, n):
         del self.tokens[n:]
 

@@ -13,6 +13,20 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ds4_mlx.models.kernels import backend, hc_mix
+
+# routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
+# expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
+EXPERT_PATHS = {"cuda": "loop"}
+
+
+def expert_path():
+    import os
+
+    return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
+
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -187,6 +201,14 @@ def expected_gguf_names(args: ModelArgs) -> list:
 # Numerics shared by the layers
 
 
+def keeps_float32(path: str) -> bool:
+    """The precision policy in one place: parameters whose math stays float32 under a half-precision
+    compute dtype (hyper-connection mixing and Sinkhorn, attention sinks, router scores and bias, the
+    compressor's score offsets). RMS norms accumulate in float32 in `mx.fast.rms_norm`, and attention
+    scores and softmax, compressor pooling and the residual streams are float32 in the forward itself."""
+    return bool(re.search(r"(^|\.)hc_(attn|ffn|head)\.|\.sinks$|\.ffn\.(gate\.weight|bias)$|\.ape$", path))
+
+
 def rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
 
@@ -216,23 +238,16 @@ class Rope:
 
     def __init__(self, dim, base, scaling=None):
         self.dim = dim
-        self.inv_freq = yarn_inv_freq(dim, base, scaling)
-        mx.eval(self.inv_freq)  # a lazy array would tie the model to the building thread's stream
+        self.periods = 1.0 / yarn_inv_freq(dim, base, scaling)  # mx.fast.rope takes 1 / frequency
+        mx.eval(self.periods)  # a lazy array would tie the model to the building thread's stream
 
-    def __call__(self, x, positions, inverse=False):
-        # x [T, ..., D], positions [T]
-        angles = positions.astype(mx.float32)[:, None] * self.inv_freq
-        cos, sin = mx.cos(angles), mx.sin(angles)
-        if inverse:
-            sin = -sin
-        extra = x.ndim - 2
-        cos = cos.reshape(cos.shape[:1] + (1,) * extra + cos.shape[1:])
-        sin = sin.reshape(cos.shape)
+    def __call__(self, x, start, step=1, inverse=False):
+        """x [T, ..., D] holds positions start, start + step, ... along its first axis."""
         head, tail = x[..., : -self.dim], x[..., -self.dim :]
-        pairs = tail.reshape(tail.shape[:-1] + (self.dim // 2, 2))
-        a, b = pairs[..., 0], pairs[..., 1]
-        rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(tail.shape)
-        return mx.concatenate([head, rotated.astype(x.dtype)], axis=-1)
+        t = tail.reshape(tail.shape[0], -1, self.dim).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
+        t = mx.fast.rope(t, self.dim, traditional=True, base=None, scale=-step if inverse else step,
+                         offset=start // step, freqs=self.periods)
+        return mx.concatenate([head, t.swapaxes(0, 1).reshape(tail.shape).astype(x.dtype)], axis=-1)
 
 
 def fp8_e4m3_sim(x, block=64):
@@ -277,10 +292,31 @@ def hadamard_fp4_sim(x):
     return f16_round(fp4_e2m1_sim(x))
 
 
+@mx.compile
 def clamped_swiglu(gate, up, limit):
     gate = mx.minimum(gate, limit)
     up = mx.clip(up, -limit, limit)
-    return nn.silu(gate) * up
+    return gate * mx.sigmoid(gate) * up
+
+
+def _routing_weights(scores, chosen, scaling):
+    weights = mx.take_along_axis(scores, chosen, axis=-1)
+    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
+
+
+@mx.compile
+def route_top_k(logits, bias, k, scaling):
+    """sqrt(softplus) scores; top-k on the biased scores, weights from the unbiased ones, normalised and
+    scaled. -> (experts [T, k], weights [T, k])."""
+    scores = mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0))
+    chosen = mx.argpartition(-(scores + bias), k - 1, axis=-1)[:, :k]
+    return chosen, _routing_weights(scores, chosen, scaling)
+
+
+@mx.compile
+def route_hashed(logits, chosen, scaling):
+    """The same weights for experts fixed by the token id (hash layers)."""
+    return _routing_weights(mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0)), chosen, scaling)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +331,15 @@ class SwitchLinear(nn.Module):
         self.weight = mx.zeros((n, output_dims, input_dims))
 
     def __call__(self, x, indices, sorted_indices=False):
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        w = self.weight
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:  # MLX's CPU gather_mm is float32 only
+            x, w = x.astype(mx.float32), w.astype(mx.float32)
+        y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return y.astype(self.weight.dtype)
+
+    def one(self, x, i):
+        """x [n, in] through map i alone."""
+        return x @ self.weight[i].T
 
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
         n, out, inp = self.weight.shape
@@ -313,9 +357,15 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x, indices, sorted_indices=False):
-        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=sorted_indices)
+        return mx.gather_qmm(x.astype(self.scales.dtype), self.weight, self.scales, self.get("biases"),
+                             rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
+                             mode=self.mode, sorted_indices=sorted_indices)
+
+    def one(self, x, i):
+        biases = self.get("biases")
+        return mx.quantized_matmul(x.astype(self.scales.dtype), self.weight[i], self.scales[i],
+                                   None if biases is None else biases[i], transpose=True,
+                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
 class HyperConnection(nn.Module):
@@ -330,25 +380,15 @@ class HyperConnection(nn.Module):
         self.hc, self.iters, self.eps, self.norm_eps = hc, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
 
     def pre(self, streams):
-        """streams [T, hc, H] -> (sub-layer input [T, H], post [T, hc], comb [T, hc, hc])."""
+        """streams [T, hc, H] -> (sub-layer input [T, H], post [T, hc], comb [T, hc, hc]), all float32."""
         T, hc, H = streams.shape
         flat = rms_norm(streams.reshape(T, hc * H), None, self.norm_eps)
-        mix = flat @ self.fn.T
-        s = self.scale
-        pre = mx.sigmoid(mix[:, :hc] * s[0] + self.base[:hc]) + self.eps
-        post = 2 * mx.sigmoid(mix[:, hc : 2 * hc] * s[1] + self.base[hc : 2 * hc])
-        comb = (mix[:, 2 * hc :] * s[2] + self.base[2 * hc :]).reshape(T, hc, hc)  # [source, destination]
-        comb = mx.softmax(comb, axis=-1) + self.eps
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(axis=-1, keepdims=True) + self.eps)
-            comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
-        x = (pre[:, :, None] * streams).sum(axis=1)
-        return x, post, comb
+        return hc_mix(flat @ self.fn.T, self.scale, self.base, streams, self.iters, self.eps)
 
     @staticmethod
+    @mx.compile
     def post(out, streams, post, comb):
-        return post[:, :, None] * out[:, None, :] + comb.swapaxes(1, 2) @ streams
+        return post[:, :, None] * out[:, None, :].astype(mx.float32) + comb.swapaxes(1, 2) @ streams
 
 
 class HyperHead(nn.Module):
@@ -389,7 +429,7 @@ class Compressor(nn.Module):
         positions = mx.arange(p0, p0 + T)
         kv = self.kv(xn)
         score = self.gate(xn) + self.ape[positions % self.ratio]
-        ring.write(p0, mx.concatenate([kv, score], axis=-1))
+        ring.write(p0, mx.concatenate([kv.astype(score.dtype), score], axis=-1))
         if n_rows == 0:
             return None
         m, d, W = self.ratio, self.head_dim, self.width
@@ -453,7 +493,7 @@ class Attention(nn.Module):
         pooled = compressor(xn, p0, ring, first, last - first)
         if pooled is not None:
             rows = compressor.norm(pooled)
-            rows = self.rope(rows, mx.arange(first, last) * m)
+            rows = self.rope(rows, first * m, m)
             buffer.append(quant(rows))
 
     def __call__(self, x, cache, quant_sim):
@@ -463,8 +503,8 @@ class Attention(nn.Module):
         qr = self.q_a_norm(self.q_a(x))
         q = self.q_b(qr).reshape(T, nh, hd)
         q = rms_norm(q, None, args.rms_norm_eps)
-        q = self.rope(q, positions)
-        kv = self.rope(self.kv_norm(self.kv(x)), positions)
+        q = self.rope(q, p0)
+        kv = self.rope(self.kv_norm(self.kv(x)), p0)
         cache.raw.write(p0, self._store_kv(kv, quant_sim))
 
         # raw window: the last `window` positions up to and including each query
@@ -486,7 +526,7 @@ class Attention(nn.Module):
                 self._compress(idx.compressor, x, cache, cache.index_frontier, cache.index_rows,
                                (lambda r: hadamard_fp4_sim(r)) if quant_sim else (lambda r: r))
                 if C > args.index_topk:
-                    selected = self._select(qr, x, positions, cache.index_rows.view(), visible, quant_sim)
+                    selected = self._select(qr, x, p0, cache.index_rows.view(), visible, quant_sim)
             if selected is None:
                 if C:
                     keys.append(mx.broadcast_to(rows[None], (T, C, hd)))
@@ -497,19 +537,21 @@ class Attention(nn.Module):
 
         keys = mx.concatenate(keys, axis=1)[:, None]  # [T, 1, K, hd]: one KV head, K = V
         mask = mx.concatenate(masks, axis=1)[:, None, None, :]
+        f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
+        keys = keys.astype(f32)
         out = mx.fast.scaled_dot_product_attention(
-            q[:, :, None, :], keys, keys, scale=hd ** -0.5, mask=mask, sinks=self.sinks.astype(q.dtype))
-        out = self.rope(out[:, :, 0, :], positions, inverse=True)  # [T, nh, hd]
+            q[:, :, None, :].astype(f32), keys, keys, scale=hd ** -0.5, mask=mask, sinks=self.sinks.astype(f32))
+        out = self.rope(out[:, :, 0, :], p0, inverse=True).astype(x.dtype)  # [T, nh, hd]
         G = args.o_groups
-        groups = out.reshape(T, G, 1, nh * hd // G)
-        low = self.o_a(groups, mx.arange(G)).reshape(T, G * args.o_lora_rank)
+        groups = out.reshape(T, G, nh * hd // G).swapaxes(0, 1)  # each head group has its own projection
+        low = (groups @ self.o_a.weight.swapaxes(-1, -2)).swapaxes(0, 1).reshape(T, G * args.o_lora_rank)
         return self.o_b(low)
 
-    def _select(self, qr, x, positions, index_rows, visible, quant_sim):
+    def _select(self, qr, x, p0, index_rows, visible, quant_sim):
         """Top-k compressed rows for each query, by the indexer's scores (future rows excluded)."""
         idx, args = self.indexer, self.args
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), positions)
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
         w = idx.proj(x) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
@@ -538,35 +580,49 @@ class MoE(nn.Module):
                        "down": nn.Linear(shared, H, bias=False)}
 
     def __call__(self, x, ids):
-        args, k = self.args, self.args.num_experts_per_tok
-        scores = mx.sqrt(mx.logaddexp(self.gate(x).astype(mx.float32), 0.0))  # sqrt(softplus)
+        args = self.args
         if self.hashed:
             chosen = self.tid2eid[ids]
+            weights = route_hashed(self.gate(x), chosen, args.routed_scaling_factor)
         else:
-            chosen = mx.argpartition(-(scores + self.bias), k - 1, axis=-1)[:, :k]
-        weights = mx.take_along_axis(scores, chosen, axis=-1)
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * args.routed_scaling_factor
+            chosen, weights = route_top_k(self.gate(x), self.bias, args.num_experts_per_tok,
+                                          args.routed_scaling_factor)
         routed = self._experts(x, chosen)
         y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
         s = self.shared
         return y + s["down"](clamped_swiglu(s["gate"](x), s["up"](x), args.swiglu_limit))
 
     def _experts(self, x, chosen):
-        """[T, H] with chosen experts [T, k] -> [T, k, H]; sorted by expert for big batches."""
-        e, (T, k) = self.experts, chosen.shape
-        limit = self.args.swiglu_limit
+        """[T, H] with chosen experts [T, k] -> [T, k, H]; rows sorted by expert for big batches."""
+        T, k = chosen.shape
         if T * k < 64:
-            xs, idx, order = x[:, None, None, :], chosen, None
+            return self._glu(x[:, None, None, :], chosen, False)[:, :, 0, :]
+        flat = chosen.flatten()
+        order = mx.argsort(flat)
+        xs, idx = x[order // k], flat[order]
+        if expert_path() == "loop":
+            y = self._expert_loop(xs, idx)
         else:
-            flat = chosen.flatten()
-            order = mx.argsort(flat)
-            xs, idx = x[order // k][:, None, :], flat[order]
-        sorted_ = order is not None
-        h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
-        y = e["down"](h, idx, sorted_)
-        if order is None:
-            return y[:, :, 0, :]
+            y = self._glu(xs[:, None, :], idx, True)[:, 0, :]
         return y[mx.argsort(order)].reshape(T, k, -1)
+
+    def _glu(self, xs, idx, sorted_):
+        e, limit = self.experts, self.args.swiglu_limit
+        h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
+        return e["down"](h, idx, sorted_)
+
+    def _expert_loop(self, xs, idx):
+        """One product per expert over its contiguous rows (a sync to read the row counts): on CUDA this
+        beats `gather_qmm`, which does not batch the rows of an expert."""
+        e, limit = self.experts, self.args.swiglu_limit
+        counts = mx.zeros((self.args.n_routed_experts,), mx.int32).at[idx].add(1).tolist()
+        outs, start = [], 0
+        for i, n in enumerate(counts):
+            if n:
+                rows = xs[start : start + n]
+                outs.append(e["down"].one(clamped_swiglu(e["gate"].one(rows, i), e["up"].one(rows, i), limit), i))
+                start += n
+        return mx.concatenate(outs)
 
 
 class DecoderLayer(nn.Module):
@@ -580,12 +636,13 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(args, layer_id)
 
     def __call__(self, streams, ids, cache, quant_sim):
+        dtype = self.attn_norm.weight.dtype  # the compute dtype; the streams stay float32
         x, post, comb = self.hc_attn.pre(streams)
-        out = self.attn(self.attn_norm(x), cache, quant_sim)
+        out = self.attn(self.attn_norm(x.astype(dtype)), cache, quant_sim)
         cache.advance(x.shape[0])
         streams = HyperConnection.post(out, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
-        out = self.ffn(self.ffn_norm(x), ids)
+        out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
 
 
@@ -625,13 +682,21 @@ class Model(nn.Module):
         if T > chunk:  # the rings hold one chunk at a time
             outs = [self(inputs[:, i : i + chunk], cache, last_only=last_only) for i in range(0, T, chunk)]
             return outs[-1] if last_only else mx.concatenate(outs, axis=1)
-        streams = mx.broadcast_to(self.embed(ids)[:, None, :], (T, self.args.hc_mult, self.args.hidden_size))
+        embedded = self.embed(ids).astype(mx.float32)
+        streams = mx.broadcast_to(embedded[:, None, :], (T, self.args.hc_mult, self.args.hidden_size))
         for layer, c in zip(self.layers, cache):
             streams = layer(streams, ids, c, self.quant_sim)
         if last_only:
             streams = streams[-1:]
-        x = self.norm(self.hc_head(streams))
-        return self.lm_head(x)[None]
+        x = self.norm(self.hc_head(streams).astype(self.norm.weight.dtype))
+        return self.lm_head(x).astype(mx.float32)[None]
+
+    def cast(self, dtype):
+        """Compute in `dtype` (bfloat16 or float16), but for the parameters `keeps_float32` names."""
+        self.update(tree_unflatten([(k, v.astype(mx.float32 if keeps_float32(k) else dtype))
+                                    for k, v in tree_flatten(self.parameters())
+                                    if mx.issubdtype(v.dtype, mx.floating)]))
+        return self
 
     # Weights -------------------------------------------------------------------------------
     def apply_quantization(self, quantization: dict):

@@ -1,0 +1,290 @@
+"""`ds4-mlx bench speed`: prefill and decode tokens/s at real V4 Flash widths, peak memory, the decode
+roofline fraction, optionally transformers' DeepseekV4ForCausalLM timed on the same layers (`--peer`),
+and with `--profile` where one decode step and one prefill chunk spend their time."""
+
+import gc
+import statistics
+import time
+from contextlib import contextmanager
+
+import mlx.core as mx
+import numpy as np
+
+# HBM bandwidth used for the roofline: H200 141 GB HBM3e, 4.8 TB/s (NVIDIA's figure)
+BANDWIDTH = {"cuda": 4.8e12}
+
+
+class _NullTokenizer:
+    """What `stream_generate` needs from a tokenizer, for a model with random weights."""
+
+    eos_id = -1
+
+    def decode(self, ids):
+        return ""
+
+
+def _build(a):
+    from ds4_mlx.bench import random_model, real_args
+    from ds4_mlx.testing import tiny_args
+
+    if a.preset == "tiny":
+        model = random_model(tiny_args(), seed=0)
+    else:
+        layers = 43 if a.full else a.layers
+        args = real_args(layers)
+        if a.full:  # the real layer kinds: two sliding-window layers, three hash-routed MoE layers
+            from ds4_mlx.models.deepseek_v4 import ModelArgs
+
+            args = ModelArgs()
+        model = random_model(args, seed=0, expert_bits=a.expert_bits or None,
+                             dtype=mx.bfloat16 if a.dtype == "bfloat16" else mx.float32)
+    if a.dtype != "float32":
+        model.cast(getattr(mx, a.dtype))
+    return model
+
+
+def _weight_bytes_per_token(model):
+    """Bytes of weights one decode step reads: all but the routed experts, plus k of them a layer."""
+    from mlx.utils import tree_flatten
+
+    args, total = model.args, 0
+    for name, v in tree_flatten(model.parameters()):
+        if name.startswith("embed.") or name.endswith("tid2eid"):
+            continue  # one row of the embedding; the hash table is indexed
+        if ".ffn.experts." in name:
+            total += v.nbytes * args.num_experts_per_tok / args.n_routed_experts
+        else:
+            total += v.nbytes
+    return total
+
+
+def _cache_bytes_read(model, context):
+    """Bytes of cache one decode step reads at `context`: window rows, plus compressed rows (all of an
+    HCA layer's, top-k of a CSA layer's, and the CSA indexer's keys)."""
+    args, total = model.args, 0
+    for i in range(args.num_hidden_layers):
+        ratio = args.compress_ratios[i]
+        rows = args.sliding_window
+        if ratio == 4:
+            rows += min(args.index_topk, context // 4)
+            total += (context // 4) * args.index_head_dim * 4
+        elif ratio:
+            rows += context // ratio
+        total += rows * args.head_dim * 4
+    return total
+
+
+def measure_context(model, context, decode_steps, chunk, rng):
+    """Cold prefill of `context` random tokens, then `decode_steps` pipelined greedy tokens."""
+    from ds4_mlx.generate import SamplingParams, stream_generate
+    from ds4_mlx.session import Session
+
+    vocab = model.args.vocab_size
+    session = Session(model, rewind_slack=0, max_chunk=chunk, checkpoint_every=1 << 30)
+    session.sync(rng.integers(0, vocab, min(chunk, context)).tolist())  # kernel warm-up (JIT, autotune)
+    mx.eval(session.logits)
+    session.reset()
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    prompt = rng.integers(0, vocab, context).tolist()
+    t = time.perf_counter()
+    mx.eval(session.sync(prompt))
+    prefill_s = time.perf_counter() - t
+    stamps = []
+    for chunk_out in stream_generate(session, _NullTokenizer(), prompt, max_tokens=decode_steps,
+                                     sampling=SamplingParams(temperature=0), stop_ids=[]):
+        stamps.append(time.perf_counter())
+    steps = np.diff(stamps)
+    steady = steps[len(steps) // 4 :]  # past MLX's kernel warm-up at this context
+    decode_s = float(statistics.median(steady))
+    return {"context": context, "prefill_s": prefill_s, "prefill_tok_s": context / prefill_s,
+            "decode_tok_s": 1 / decode_s, "decode_ms": decode_s * 1000,
+            "peak_gib": mx.get_peak_memory() / 2**30, "session_mib": session.nbytes / 2**20}
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+@contextmanager
+def _timed_parts(times):
+    """Evaluate and time each part of every layer (HC pre, attention, MoE, HC post) as it is called.
+    The syncs between parts inflate every figure a little; the split is what the profile is for."""
+    from ds4_mlx.models import deepseek_v4 as dv
+
+    patched = []
+
+    def wrap(owner, name, label, static=False):
+        fn = getattr(owner, name)
+
+        def timed(*args, **kw):
+            mx.eval([a for a in args if isinstance(a, mx.array)])
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            mx.eval(out)
+            times[label] = times.get(label, 0.0) + time.perf_counter() - t
+            return out
+
+        patched.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, staticmethod(timed) if static else timed)
+
+    wrap(dv.HyperConnection, "pre", "hc_pre")
+    wrap(dv.HyperConnection, "post", "hc_post", static=True)
+    wrap(dv.Attention, "__call__", "attention")
+    wrap(dv.MoE, "__call__", "moe")
+    wrap(dv.HyperHead, "__call__", "head")
+    try:
+        yield
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+
+
+def profile(model, context, chunk, rng):
+    """Per-part seconds of one prefill chunk (the last of a `context` prefill) and one decode step."""
+    from ds4_mlx.session import Session
+
+    vocab = model.args.vocab_size
+    s = Session(model, rewind_slack=0, max_chunk=chunk, checkpoint_every=1 << 30)
+    mx.eval(s.sync(rng.integers(0, vocab, context - chunk).tolist()))
+    out = {}
+    for label, tokens in (("prefill_chunk", chunk), ("decode_step", 1)):
+        for _ in range(2 if tokens == 1 else 1):  # decode: the second step, past kernel warm-up
+            times = {}
+            ids = rng.integers(0, vocab, tokens).tolist()
+            with _timed_parts(times):
+                t = time.perf_counter()
+                mx.eval(s._feed(ids))
+                times["total"] = time.perf_counter() - t
+        # graph building alone (no evaluation), for the same work
+        snap = s.snapshot()
+        t = time.perf_counter()
+        model(mx.array([ids], dtype=mx.int32), s.cache, last_only=True)
+        times["graph_build"] = time.perf_counter() - t
+        s.restore(snap)
+        times["other"] = times["total"] - sum(v for k, v in times.items() if k not in ("total", "graph_build"))
+        out[label] = {k: round(v * 1000, 3) for k, v in times.items()}
+        out[label]["tokens"] = tokens
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- peer
+
+
+def peer_transformers(model_args, contexts, decode_steps, rng):
+    """transformers' DeepseekV4ForCausalLM (eager, bf16, dense experts, same layer kinds and widths) on
+    the GPU: prefill tok/s (one forward) and decode tok/s (median step after warm-up)."""
+    import torch
+
+    from ds4_mlx.testing import hf_config
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg = hf_config(model_args)
+    cfg.torch_dtype = torch.bfloat16
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            peer = DeepseekV4ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    rows = []
+    for context in contexts:
+        ids = torch.tensor(rng.integers(0, model_args.vocab_size, (1, context)), device="cuda")
+        try:
+            with torch.no_grad():
+                peer(ids[:, :256], use_cache=False)  # warm-up
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                t = time.perf_counter()
+                out = peer(ids, use_cache=True)
+                torch.cuda.synchronize()
+                prefill_s = time.perf_counter() - t
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                steps = []
+                for _ in range(decode_steps):
+                    t = time.perf_counter()
+                    out = peer(token, past_key_values=cache, use_cache=True)
+                    token = out.logits[:, -1:].argmax(-1)
+                    torch.cuda.synchronize()
+                    steps.append(time.perf_counter() - t)
+            decode_s = statistics.median(steps[len(steps) // 4 :])
+            rows.append({"context": context, "prefill_tok_s": context / prefill_s, "decode_tok_s": 1 / decode_s,
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+        except torch.OutOfMemoryError:
+            rows.append({"context": context, "error": "out of memory"})
+        finally:
+            out = cache = None
+            torch.cuda.empty_cache()
+    del peer
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+
+def bench_speed(a):
+    """Prefill/decode tok/s at real widths against the roofline (and transformers with --peer)."""
+    from ds4_mlx.models.kernels import backend
+
+    model = _build(a)
+    rng = np.random.default_rng(0)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    if a.preset == "tiny":
+        contexts = [min(c, 512) for c in contexts[:1]]
+    bandwidth = a.bandwidth_gbs * 1e9 if a.bandwidth_gbs else BANDWIDTH.get(backend())
+    weights = _weight_bytes_per_token(model)
+    rows = []
+    for context in contexts:
+        row = measure_context(model, context, a.decode, a.chunk, rng)
+        read = weights + _cache_bytes_read(model, context)
+        row["decode_bytes_read"] = read
+        row["roofline_fraction"] = read * row["decode_tok_s"] / bandwidth if bandwidth else None
+        rows.append(row)
+        print(f"ctx {context:>6}: prefill {row['prefill_tok_s']:8.0f} tok/s ({row['prefill_s']:.2f} s), decode "
+              f"{row['decode_tok_s']:6.1f} tok/s ({row['decode_ms']:.2f} ms), peak {row['peak_gib']:.1f} GiB"
+              + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
+    figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
+               "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits, "dtype": a.dtype,
+               "chunk": a.chunk, "backend": backend() or "cpu", "bandwidth_bytes_s": bandwidth,
+               "weight_bytes_per_token": weights, "results": rows}
+    if a.profile:
+        figures["profile"] = profile(model, max(a.chunk * 2, max(contexts)), a.chunk, rng)
+        for part, times in figures["profile"].items():
+            print(part, " ".join(f"{k} {v}" for k, v in times.items()), "(ms)")
+    if a.peer:
+        args = model.args
+        del model
+        gc.collect()
+        mx.clear_cache()
+        peer = peer_transformers(args, contexts, a.decode, rng)
+        figures["peer"] = {"name": "transformers eager bf16, dense experts", "results": peer}
+        for ours, theirs in zip(rows, peer):
+            if "error" in theirs:
+                print(f"ctx {ours['context']:>6}: transformers {theirs['error']}")
+                continue
+            for key in ("prefill_tok_s", "decode_tok_s"):
+                ours[f"{key}_vs_peer"] = ours[key] / theirs[key]
+            print(f"ctx {ours['context']:>6}: transformers prefill {theirs['prefill_tok_s']:.0f} tok/s, decode "
+                  f"{theirs['decode_tok_s']:.1f} tok/s; ours x{ours['prefill_tok_s_vs_peer']:.2f} prefill, "
+                  f"x{ours['decode_tok_s_vs_peer']:.2f} decode", flush=True)
+    return figures
+
+
+def options(q):
+    q.add_argument("--preset", choices=["real", "tiny"], default="real",
+                   help="real: V4 Flash widths, [CSA, HCA] layers with random quantized experts")
+    q.add_argument("--layers", type=int, default=4)
+    q.add_argument("--full", action="store_true", help="all 43 layers of the real model")
+    q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
+    q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="compute dtype (float32 keeps the exact mode)")
+    q.add_argument("--contexts", default="2048,8192,32768")
+    q.add_argument("--decode", type=int, default=64, help="decode steps timed at each context")
+    q.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
+    q.add_argument("--peer", choices=["transformers"], default=None)
+    q.add_argument("--profile", action="store_true", help="per-part times of a decode step and a prefill chunk")
+    q.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help="device bandwidth for the roofline (default: 4800 on CUDA, the H200)")
