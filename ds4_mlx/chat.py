@@ -152,7 +152,8 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     messages: dicts with `role` (system, developer, user, assistant, tool or function), `content`
     (str, None or a list of text parts); assistant messages may carry `reasoning_content`,
     `tool_calls` ([{id, function: {name, arguments}}], arguments a JSON string or an object) and
-    `dsml` (the exact tool-call block the model sampled, replayed verbatim instead of re-rendering).
+    `dsml` (the exact tool-call block the model sampled, replayed verbatim instead of re-rendering);
+    a system or developer message with `in_place` set is rendered where it stands, after a blank line.
     tools: OpenAI tool definitions, or None. thinking: thinking mode. reasoning_effort: "max" adds
     the Think Max prefix (the caller checks the context is large enough: ds4 asks for 393216),
     "none" turns thinking off, other values change nothing.
@@ -169,7 +170,7 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
                     default=-1)
     system_parts = [tools_prompt(tools)] if tools else []
     system_parts += [content_text(m.get("content")) for m in messages
-                     if m.get("role") in ("system", "developer")]
+                     if m.get("role") in ("system", "developer") and not m.get("in_place")]
 
     out = [BOS, THINK_MAX_PREFIX if thinking and reasoning_effort == "max" else "",
            "\n\n".join(system_parts)]
@@ -186,6 +187,8 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
             out += ["<tool_result>", text.replace(TOOL_RESULT_END, "&lt;" + TOOL_RESULT_END[1:]),
                     TOOL_RESULT_END]
             awaiting_assistant, in_tool_results = True, True
+        elif role in ("system", "developer") and message.get("in_place"):
+            out.append("\n\n" + text)
         elif role == "assistant":
             if awaiting_assistant:
                 out.append(ASSISTANT)

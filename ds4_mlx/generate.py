@@ -194,7 +194,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
                     sampling: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
                     stop_ids: Optional[Sequence[int]] = None,
                     should_abort: Optional[Callable[[], bool]] = None,
-                    on_prefill: Optional[Callable[[int, int], object]] = None
+                    on_prefill: Optional[Callable[[int, int], object]] = None,
+                    sampler: Optional[Callable[[mx.array], int]] = None
                     ) -> Iterator[GenerationChunk]:
     """Generate from `prompt_ids` with `session`, yielding a `GenerationChunk` per sampled token.
 
@@ -202,11 +203,12 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     sampled until a stop id (default: the tokenizer's EOS), a stop string, `max_tokens`, or
     `should_abort()` returning True (checked before each token and after each prefill chunk).
     `on_prefill(done, total)` is called after each prefill chunk; returning True aborts too.
+    `sampler(logits) -> token id` replaces the draw from `sampling` (a scripted model's tokens).
     Runs on the calling thread; nothing here is shared, so one generator per session at a time.
     See the module docstring for what `session.tokens` holds afterwards."""
     stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
     should_abort = should_abort or (lambda: False)
-    sample = Sampler(sampling)
+    sample = sampler or Sampler(sampling)
     detok = Detokenizer(tokenizer)
     watcher = StopStringWatcher(stop_strings)
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
