@@ -208,13 +208,6 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     return "".join(out)
 
 
-def render_completion(prompt: str, *, thinking=True, reasoning_effort=None) -> str:
-    """The prompt for a plain completion (`/v1/completions`), as ds4 wraps it: the default system
-    prompt and the text as one user turn."""
-    return render([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": prompt}],
-                  thinking=thinking, reasoning_effort=reasoning_effort)
-
-
 def render_next_user_turn(text: str, *, thinking=True) -> str:
     """What follows a finished assistant answer (whose tokens stop before EOS) to ask the next
     question: EOS, the user turn and the generation prompt. Tokenized on its own, it gives the same

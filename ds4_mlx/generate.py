@@ -41,13 +41,20 @@ class SamplingParams:
 
     temperature <= 0 means greedy (argmax). top_k <= 0, top_p >= 1 and min_p <= 0 switch that
     filter off. The filters apply to the temperature-scaled distribution in the order top_k, top_p,
-    min_p. seed=None draws a random seed; a given seed makes a run reproducible."""
+    min_p. seed=None draws a random seed; a given seed makes a run reproducible.
+
+    logprobs: None, or report each sampled token's log probability (under the model's distribution,
+    before temperature and filters) with that many most likely alternatives. constraint: None, or a
+    factory `constraint(tokenizer)` of an object with `mask(logits) -> logits` (disallowed tokens at
+    -inf) and `advance(token)`, applied before each draw (`ds4_mlx.constrain`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.05
     seed: Optional[int] = None
+    logprobs: Optional[int] = None
+    constraint: Optional[Callable] = None
 
 
 def filter_logits(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -178,16 +185,36 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    """A sampled token (its text alone) with its log probability, and the most likely tokens at its
+    place [(text, logprob)]."""
+
+    text: str
+    logprob: float
+    top: list
+
+
+def token_logprob(tokenizer, logits: mx.array, token: int, top: int) -> TokenLogprob:
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+    best = mx.argsort(-logprobs)[:top].tolist() if top > 0 else []
+    values = logprobs[mx.array([token] + best)].tolist()
+    return TokenLogprob(tokenizer.decode([token]), values[0],
+                        [(tokenizer.decode([t]), v) for t, v in zip(best, values[1:])])
+
+
+@dataclass
 class GenerationChunk:
     """One step of the stream. `token`: the id sampled at this step (None when the step sampled
     nothing: an abort, or max_tokens=0). `text`: newly released text (may be ""); the texts of all
     chunks concatenate to the answer, stop strings excluded. The last chunk, and only it, has
-    `finish_reason` ("stop", "length" or "abort") and `stats`."""
+    `finish_reason` ("stop", "length" or "abort") and `stats`. `logprob`: the token's, when asked for
+    (never for a stop token)."""
 
     text: str
     token: Optional[int] = None
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None
+    logprob: Optional[TokenLogprob] = None
 
 
 def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,
@@ -215,7 +242,9 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     prompt_ids = list(prompt_ids)
     sampled = []
 
-    def finish(reason, token=None, text=""):
+    constraint = sampling.constraint(tokenizer) if sampling.constraint else None
+
+    def finish(reason, token=None, text="", logprob=None):
         if reason == FINISH_STOP and watcher.stop_at is not None:
             kept = sum(1 for end in detok.token_ends if end is not None and end <= watcher.stop_at)
             stats.output_ids = sampled[:kept]
@@ -226,7 +255,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
             text += watcher.add(detok.flush()) + watcher.flush()
         stats.completion_tokens = len(sampled)
         stats.decode_seconds = time.perf_counter() - decode_start
-        return GenerationChunk(text=text, token=token, finish_reason=reason, stats=stats)
+        return GenerationChunk(text=text, token=token, finish_reason=reason, stats=stats, logprob=logprob)
 
     def prefill_callback(done, total):
         stop = on_prefill(done, total) if on_prefill else False
@@ -255,20 +284,23 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         if should_abort():
             yield finish(FINISH_ABORT)
             return
-        token = sample(logits)
+        token = sample(constraint.mask(logits) if constraint else logits)
         sampled.append(token)
+        if constraint:
+            constraint.advance(token)
         if token in stop_ids:
             yield finish(FINISH_STOP, token)
             return
+        logprob = token_logprob(tokenizer, logits, token, sampling.logprobs) if sampling.logprobs is not None else None
         text = watcher.add(detok.add(token))
         if watcher.stop_at is not None:
-            yield finish(FINISH_STOP, token, text)
+            yield finish(FINISH_STOP, token, text, logprob)
             return
         if len(sampled) >= max_tokens:
             session.step(token)
-            yield finish(FINISH_LENGTH, token, text)
+            yield finish(FINISH_LENGTH, token, text, logprob)
             return
-        yield GenerationChunk(text=text, token=token)
+        yield GenerationChunk(text=text, token=token, logprob=logprob)
         logits = session.step(token)
 
 

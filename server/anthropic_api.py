@@ -13,6 +13,7 @@ import uuid
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
 from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
+from ds4_mlx.server.constraints import constrained, forced_tool_call
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored, number_in, positive_int, string_list
 from ds4_mlx.server.protocol import Prepared, ServerInfo
@@ -202,8 +203,8 @@ def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *,
     if max_tokens is None and not counting:
         raise APIError(400, "missing required field 'max_tokens'", param="max_tokens")
     messages = chat_messages(get(body, "system", (str, list)), get(body, "messages", list, required=True))
-    tools = protocol.resolve_tool_choice(tool_choice(get(body, "tool_choice", dict)),
-                                         chat_tools(get(body, "tools", list)))
+    choice = tool_choice(get(body, "tool_choice", dict))
+    tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     thinking, effort, shown = thinking_mode(body, model, info)
     text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
     defaults = protocol.SamplingParams()
@@ -211,6 +212,7 @@ def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *,
         temperature=number_in(body, "temperature", 0.0, 1.0, defaults.temperature),
         top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p), top_k=get(body, "top_k", int, defaults.top_k),
         min_p=defaults.min_p)
+    sampling = constrained(sampling, thinking=text.endswith("<think>"), forced=forced_tool_call(choice, tools))
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False), max_tokens=max_tokens, sampling=sampling,
                     stop=string_list(body, "stop_sequences"), model=model, tool_id_prefix="toolu_",
