@@ -1,9 +1,10 @@
 """Constrained decoding: masks on the next-token logits that make the answer take a required shape.
 
 `OutputConstraint` acts on the answer, after the reasoning: while the model thinks it is free (except
-that it may not stop before `</think>`); then it must write `forced` (the opening of a tool call, for a
-forced `tool_choice`), then, given a grammar, only what the grammar allows (JSON for `response_format`,
-checked by llguidance over the real tokenizer's vocabulary), then stop.
+that it may not stop before `</think>`); then it must write one of the `forced` texts (the opening of a
+tool call naming one of the allowed tools, for a forced `tool_choice`), then, given a grammar, only what
+the grammar allows (JSON for `response_format`, checked by llguidance over the real tokenizer's
+vocabulary), then stop.
 
 `stream_generate` takes it through `SamplingParams.constraint`, a factory called with the tokenizer, so
 each generation gets a fresh state:
@@ -46,10 +47,10 @@ def json_grammar(schema: dict | None) -> str:
 
 
 class OutputConstraint:
-    def __init__(self, tokenizer, *, thinking: bool, forced: str = "", grammar: str | None = None):
+    def __init__(self, tokenizer, *, thinking: bool, forced: tuple[str, ...] = (), grammar: str | None = None):
         self.eos_id = tokenizer.eos_id
         self.think_end_id = tokenizer.id_of(THINK_END)
-        self.forced = tokenizer.encode(forced) if forced else []
+        self.forced = [tokenizer.encode(text) for text in forced]  # the alternatives still possible, left to write
         self.phase = "thinking" if thinking else "answer"
         self.matcher = None
         if grammar is not None:
@@ -63,7 +64,7 @@ class OutputConstraint:
         if self.phase == "thinking":
             return _without(logits, self.eos_id)
         if self.forced:
-            return _only(logits, [self.forced[0]])
+            return _only(logits, sorted({ids[0] for ids in self.forced}))
         if self.matcher is not None:
             import llguidance.numpy
 
@@ -80,7 +81,9 @@ class OutputConstraint:
             if token == self.think_end_id:
                 self.phase = "answer"
         elif self.forced:
-            self.forced = self.forced[1:]
+            self.forced = [ids[1:] for ids in self.forced if ids[0] == token]
+            if any(not ids for ids in self.forced):
+                self.forced = []
         elif self.matcher is not None and token != self.eos_id:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"constrained decoding: {self.matcher.get_error()}")

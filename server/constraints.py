@@ -1,6 +1,6 @@
 """Request fields that shape the output, enforced while sampling (`ds4_mlx.constrain`):
 a forced tool choice (OpenAI `tool_choice: "required"` or a named function, Anthropic `any` or `tool`)
-makes the answer open a tool call, naming the function when one is named; `response_format`
+makes the answer open a tool call naming the function, or one of the tools; `response_format`
 `json_object` / `json_schema` lets only JSON (matching the schema) be written."""
 
 import dataclasses
@@ -12,15 +12,16 @@ from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get
 
 
-def forced_tool_call(choice, tools) -> str:
-    """The text a forced tool choice makes the answer start with ("" when nothing is forced)."""
+def forced_tool_call(choice, tools) -> tuple[str, ...]:
+    """The texts a forced tool choice lets the answer start with, one per allowed tool (none when
+    nothing is forced)."""
     if not tools or choice in (None, "auto", "none"):
-        return ""
-    opening = f"\n\n{TOOL_CALLS_START}\n<{DSML}invoke name=\""
+        return ()
     if choice in ("required", "any"):
-        return opening
-    function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
-    return opening + escape_attribute(function["name"]) + "\">\n"
+        names = [t["function"]["name"] for t in tools]
+    else:
+        names = [(choice["function"] if isinstance(choice.get("function"), dict) else choice)["name"]]
+    return tuple(f"\n\n{TOOL_CALLS_START}\n<{DSML}invoke name=\"{escape_attribute(name)}\">\n" for name in names)
 
 
 def response_format_grammar(body: dict, name: str = "response_format") -> str | None:
@@ -44,8 +45,8 @@ def response_format_grammar(body: dict, name: str = "response_format") -> str | 
         raise APIError(400, f"{name}: the JSON schema cannot be used: {e}", param=name) from None
 
 
-def constrained(sampling: SamplingParams, *, thinking: bool, forced: str = "", grammar: str | None = None):
-    """`sampling` with the constraint that writes `forced`, then follows `grammar`, after the reasoning."""
+def constrained(sampling: SamplingParams, *, thinking: bool, forced: tuple[str, ...] = (), grammar: str | None = None):
+    """`sampling` with the constraint that writes one of `forced`, then follows `grammar`, after the reasoning."""
     if not forced and grammar is None:
         return sampling
     return dataclasses.replace(sampling, constraint=lambda tokenizer: OutputConstraint(

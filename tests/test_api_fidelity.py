@@ -214,14 +214,15 @@ def test_a_forced_tool_choice_opens_a_tool_call(bg, oai, claude):
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     oai.chat.completions.create(model="deepseek-chat", messages=messages, tools=[WEATHER], tool_choice="required",
                                 max_tokens=CAP)
-    assert answer_text(bg).startswith("</think>" + OPENING)
+    assert answer_text(bg).startswith("</think>" + OPENING + 'get_weather">\n')  # the only tool
     named = {"type": "function", "function": {"name": "get_weather"}}
     oai.chat.completions.create(model="deepseek-chat", messages=messages, tools=[WEATHER], tool_choice=named,
                                 max_tokens=CAP)
     assert answer_text(bg).startswith("</think>" + OPENING + 'get_weather">\n')
-    oai.responses.create(model=MODEL, input="Weather?", tools=[{"type": "function", **WEATHER["function"]}],
+    time_tool = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+    oai.responses.create(model=MODEL, input="Weather?", tools=[{"type": "function", **WEATHER["function"]}, time_tool],
                          tool_choice="required", max_output_tokens=CAP, extra_body={"thinking": False})
-    assert answer_text(bg).startswith("</think>" + OPENING)
+    assert any(answer_text(bg).startswith("</think>" + OPENING + f'{name}">\n') for name in ("get_weather", "get_time"))
     claude.messages.create(model=MODEL, max_tokens=CAP, messages=messages, tool_choice={"type": "tool", "name": "Bash"},
                            tools=[{"name": "Bash", "input_schema": {"type": "object"}}])
     assert answer_text(bg).startswith("</think>" + OPENING + 'Bash">\n')

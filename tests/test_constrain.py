@@ -52,15 +52,17 @@ def test_json_schema_after_the_reasoning(tokenizer):
     assert set(value) == {"ok", "tag"} and isinstance(value["ok"], bool) and value["tag"] in ("x", "y")
 
 
-def test_a_forced_opening_then_free(tokenizer):
-    forced = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
-    constraint = OutputConstraint(tokenizer, thinking=False, forced=forced)
-    ids = []
-    for _ in range(len(tokenizer.encode(forced))):
-        token = int(mx.argmax(constraint.mask(mx.random.normal((tokenizer.vocab_size,)))).item())
-        constraint.advance(token)
-        ids.append(token)
-    assert tokenizer.decode(ids) == forced
+def test_a_forced_opening_names_one_of_the_tools_then_is_free(tokenizer):
+    openings = [f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n' for name in ("get_weather", "get_time")]
+    for seed in range(3):
+        constraint = OutputConstraint(tokenizer, thinking=False, forced=tuple(openings))
+        key, ids = mx.random.key(seed), []
+        while constraint.forced:
+            key, draw = mx.random.split(key)
+            token = int(mx.argmax(constraint.mask(mx.random.normal((tokenizer.vocab_size,), key=draw))).item())
+            constraint.advance(token)
+            ids.append(token)
+        assert tokenizer.decode(ids) in openings
     logits = mx.random.normal((tokenizer.vocab_size,))
     assert mx.array_equal(constraint.mask(logits), logits)  # free again
 
