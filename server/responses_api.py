@@ -15,7 +15,7 @@ from ds4_mlx.server import protocol
 from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
 from ds4_mlx.server.constraints import constrained, forced_tool_call, response_format_grammar
 from ds4_mlx.server.errors import APIError
-from ds4_mlx.server.fields import field as get
+from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -85,7 +85,13 @@ def chat_tools(tools: list | None) -> list[dict] | None:
     return out or None
 
 
+BODY_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "reasoning", "thinking", "think",
+               "reasoning_effort", "stream", "max_output_tokens", "max_tokens", "temperature", "top_p", "top_k",
+               "min_p", "seed", "text", "previous_response_id", "conversation", "metadata"}
+
+
 def parse_responses(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Prepared:
+    note_ignored(body, BODY_FIELDS, "responses")
     model = info.model_name(body)
     for name in ("previous_response_id", "conversation"):
         if body.get(name) is not None:

@@ -4,6 +4,7 @@ server cannot honour is a clear 4xx, and every honoured field does what the API 
 
 import base64
 import json
+import logging
 
 import anthropic
 import openai
@@ -65,7 +66,8 @@ def claude_code_body(**changes) -> dict:
     return {**body, **changes}
 
 
-def test_a_claude_code_request_is_served_with_its_system_message_where_it_stands(bg):
+def test_a_claude_code_request_is_served_with_its_system_message_where_it_stands(bg, caplog):
+    caplog.set_level(logging.DEBUG, logger="ds4_mlx.server")
     headers = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,effort-2025-11-24",
                "anthropic-version": "2023-06-01"}
     response = post_messages(bg, claude_code_body(), headers=headers)
@@ -75,6 +77,7 @@ def test_a_claude_code_request_is_served_with_its_system_message_where_it_stands
     text = live_text(bg)
     assert "x-anthropic" not in text and text.index("You are a coding agent.") < text.index("<｜User｜>")
     assert "list files\n\n# Environment\ncwd: /tmp/x<｜Assistant｜><think>" in text
+    assert "ignored field(s) context_management, metadata, some_future_field" in caplog.text  # seen, not refused
 
 
 def test_omitted_thinking_is_given_back_through_its_signature(bg):
