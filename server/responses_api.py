@@ -138,7 +138,8 @@ class ResponsesResponder:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "usage": usage(outcome) if outcome else None, "parallel_tool_calls": True,
                 "previous_response_id": None, "truncation": "disabled",
-                **self.echo, "text": self.echo["text"] or {"format": {"type": "text"}}, "tools": self.echo["tools"] or [],
+                **self.echo, "text": self.echo["text"] or {"format": {"type": "text"}},
+                "tools": self.echo["tools"] or [],
                 "tool_choice": self.echo["tool_choice"] or "auto"}
 
     def _event(self, kind: str, **data) -> tuple:

@@ -132,7 +132,8 @@ def test_codex_runs_a_tool_loop_reusing_the_cache(workdir):
         (home / ".codex").mkdir()
         (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(url=bg.url))
         env = clean_env(home, CODEX_HOME=str(home / ".codex"), DS4_API_KEY="sk-local")
-        done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+        done = subprocess.run([str(codex), "exec", "--skip-git-repo-check",
+                               "--dangerously-bypass-approvals-and-sandbox",
                                "What do the notes in this folder say?"],
                               cwd=work, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -51,7 +51,8 @@ def claude_code_body(**changes) -> dict:
                    {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "<system-reminder>be careful</system-reminder>"},
-                                         {"type": "text", "text": "list files", "cache_control": {"type": "ephemeral"}}]},
+                                         {"type": "text", "text": "list files",
+                                          "cache_control": {"type": "ephemeral"}}]},
             {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /tmp/x"}],
              "output_config": {"effort": "medium"}},
         ],
@@ -153,7 +154,8 @@ def test_completions_complete_raw_text(bg, oai):
     done = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2, temperature=0)
     tokenizer = bg.server.worker.tokenizer
     assert done.usage.prompt_tokens == 1 + len(tokenizer.encode("Once upon a time"))  # BOS + the text
-    assert live_text(bg).startswith("<｜begin▁of▁sentence｜>Once upon a time") and "<｜User｜>" not in live_text(bg)
+    text = live_text(bg)
+    assert text.startswith("<｜begin▁of▁sentence｜>Once upon a time") and "<｜User｜>" not in text
 
 
 def test_a_prompt_list_gives_one_choice_per_prompt_and_echo_repeats_each(oai):
@@ -244,7 +246,8 @@ def test_response_format_json_schema_is_enforced(oai):
     verdict = json.loads(done.choices[0].message.content)
     assert set(verdict) == {"ok", "grade"} and isinstance(verdict["ok"], bool) and verdict["grade"] in ("A", "B")
     assert done.choices[0].finish_reason == "stop"  # the object is complete: only EOS may follow
-    response = oai.responses.create(model=MODEL, input="Judge it.", max_output_tokens=30, extra_body={"thinking": False},
+    response = oai.responses.create(model=MODEL, input="Judge it.", max_output_tokens=30,
+                                    extra_body={"thinking": False},
                                     text={"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT}})
     assert set(json.loads(response.output_text)) == {"ok", "grade"}
     loose = oai.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=8,

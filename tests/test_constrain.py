@@ -53,7 +53,8 @@ def test_json_schema_after_the_reasoning(tokenizer):
 
 
 def test_a_forced_opening_names_one_of_the_tools_then_is_free(tokenizer):
-    openings = [f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n' for name in ("get_weather", "get_time")]
+    openings = [f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n'
+                for name in ("get_weather", "get_time")]
     for seed in range(3):
         constraint = OutputConstraint(tokenizer, thinking=False, forced=tuple(openings))
         key, ids = mx.random.key(seed), []
