@@ -54,6 +54,8 @@ def _text_of(blocks, where: str) -> list:
             raise APIError(400, f"{where}[{j}] must be a content block with a type", param=where)
         if block["type"] == "text":
             texts.append(get(block, "text", str, ""))
+        elif block["type"] == "tool_reference":  # a tool search's answer: the tool is in `tools` now
+            texts.append(get(block, "tool_name", str, required=True))
         else:
             _other_block(block, f"{where}[{j}]")
     return texts

@@ -136,10 +136,15 @@ def test_malformed_used_fields_and_unreadable_content_are_clean_errors(bg, chang
     assert error["type"] == "error" and words in error["error"]["message"]
 
 
-def test_a_contentless_block_of_an_unknown_type_is_skipped(bg):
+def test_a_contentless_block_of_an_unknown_type_is_skipped_and_a_tool_reference_is_read(bg):
     messages = [{"role": "user", "content": [{"type": "future_marker", "cache_control": {"type": "ephemeral"}},
-                                             {"type": "text", "text": "Hi"}]}]
+                                             {"type": "text", "text": "Hi"}]},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "toolu_9", "name": "ToolSearch", "input": {"query": "select:WebFetch"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [
+                    {"type": "tool_reference", "tool_name": "WebFetch"}]}]}]
     assert post_messages(bg, claude_code_body(messages=messages)).status_code == 200
+    assert "<tool_result>WebFetch</tool_result>" in live_text(bg)
 
 
 # ---------------------------------------------------------------- OpenAI completions and chat
