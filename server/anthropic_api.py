@@ -1,7 +1,10 @@
 """Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`).
 
 Requests are turned into the OpenAI-style messages `ds4_mlx.chat.render` takes: thinking blocks become
-`reasoning_content`, tool_use blocks `tool_calls`, tool_result blocks `tool` messages. Streams follow
+`reasoning_content`, tool_use blocks `tool_calls`, tool_result blocks `tool` messages, and system
+messages among the messages stay where they stand. Thinking happens only when `thinking` asks for it.
+Fields the server has no use for are ignored (logged at debug level); text it cannot read (images,
+documents, unknown blocks with content) is a 400 rather than dropped. Streams follow
 Anthropic's event sequence: message_start, content_block_start / _delta / _stop per block (thinking,
 text, tool_use), message_delta with the stop reason and usage, message_stop.
 """
@@ -29,6 +32,7 @@ TEXT_ONLY = "this model reads text only"
 # else is skipped (a newer client's marker), one that carries more is refused rather than dropped.
 META_KEYS = {"type", "cache_control", "citations", "id", "signature"}
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
+SIGNATURE_PREFIX = "ds4r1:"  # a thinking block's signature: this prefix, then its reasoning in base64
 BODY_FIELDS = {"model", "max_tokens", "system", "messages", "tools", "tool_choice", "thinking", "output_config",
                "temperature", "top_p", "top_k", "stream", "stop_sequences"}
 
@@ -147,9 +151,6 @@ def reasoning_of(signature_: str) -> str:
         return base64.b64decode(signature_[len(SIGNATURE_PREFIX):], validate=True).decode()
     except ValueError:
         raise APIError(400, "a thinking block's signature is damaged", param="messages") from None
-
-
-SIGNATURE_PREFIX = "ds4r1:"
 
 
 def chat_tools(tools: list | None) -> list[dict] | None:
