@@ -195,7 +195,8 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     messages: dicts with `role` (system, developer, user, assistant, tool or function), `content`
     (str, None or a list of text parts); assistant messages may carry `reasoning_content`,
     `tool_calls` ([{id, function: {name, arguments}}], arguments a JSON string or an object) and
-    `dsml` (the exact tool-call block the model sampled, replayed verbatim instead of re-rendering).
+    `dsml` (the exact tool-call block the model sampled, replayed verbatim instead of re-rendering);
+    a system or developer message with `in_place` set is rendered where it stands, after a blank line.
     tools: OpenAI tool definitions, or None. thinking: thinking mode. reasoning_effort: "max" adds
     the Think Max prefix (the caller checks the context is large enough: ds4 asks for 393216),
     "none" turns thinking off, other values change nothing.
@@ -212,7 +213,7 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
                     default=-1)
     system_parts = [_tools_prompt_pieces(tools)] if tools else []
     system_parts += [[Client(content_text(m.get("content")))] for m in messages
-                     if m.get("role") in ("system", "developer")]
+                     if m.get("role") in ("system", "developer") and not m.get("in_place")]
 
     out = [BOS, THINK_MAX_PREFIX if thinking and reasoning_effort == "max" else ""]
     for i, part in enumerate(system_parts):
@@ -230,6 +231,8 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
             out += ["<tool_result>", Client(text.replace(TOOL_RESULT_END, "&lt;" + TOOL_RESULT_END[1:])),
                     TOOL_RESULT_END]
             awaiting_assistant, in_tool_results = True, True
+        elif role in ("system", "developer") and message.get("in_place"):
+            out += ["\n\n", Client(text)]
         elif role == "assistant":
             if awaiting_assistant:
                 out.append(ASSISTANT)
@@ -247,13 +250,6 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     if add_generation_prompt and awaiting_assistant:
         out += [ASSISTANT, THINK_START if thinking else THINK_END]
     return Prompt.join(out)
-
-
-def render_completion(prompt: str, *, thinking=True, reasoning_effort=None) -> str:
-    """The prompt for a plain completion (`/v1/completions`), as ds4 wraps it: the default system
-    prompt and the text as one user turn."""
-    return render([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": prompt}],
-                  thinking=thinking, reasoning_effort=reasoning_effort)
 
 
 def render_next_user_turn(text: str, *, thinking=True) -> str:

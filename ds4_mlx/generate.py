@@ -41,13 +41,20 @@ class SamplingParams:
 
     temperature <= 0 means greedy (argmax). top_k <= 0, top_p >= 1 and min_p <= 0 switch that
     filter off. The filters apply to the temperature-scaled distribution in the order top_k, top_p,
-    min_p. seed=None draws a random seed; a given seed makes a run reproducible."""
+    min_p. seed=None draws a random seed; a given seed makes a run reproducible.
+
+    logprobs: None, or report each sampled token's log probability (under the model's distribution,
+    before temperature and filters) with that many most likely alternatives. constraint: None, or a
+    factory `constraint(tokenizer)` of an object with `mask(logits) -> logits` (disallowed tokens at
+    -inf) and `advance(token)`, applied before each draw (`ds4_mlx.constrain`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.05
     seed: Optional[int] = None
+    logprobs: Optional[int] = None
+    constraint: Optional[Callable] = None
 
 
 def filter_logits(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -182,16 +189,36 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    """A sampled token (its text alone) with its log probability, and the most likely tokens at its
+    place [(text, logprob)]."""
+
+    text: str
+    logprob: float
+    top: list
+
+
+def token_logprob(tokenizer, logits: mx.array, token: int, top: int) -> TokenLogprob:
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+    best = mx.argsort(-logprobs)[:top].tolist() if top > 0 else []
+    values = logprobs[mx.array([token] + best)].tolist()
+    return TokenLogprob(tokenizer.decode([token]), values[0],
+                        [(tokenizer.decode([t]), v) for t, v in zip(best, values[1:])])
+
+
+@dataclass
 class GenerationChunk:
     """One step of the stream. `token`: the id sampled at this step (None when the step sampled
     nothing: an abort, or max_tokens=0). `text`: newly released text (may be ""); the texts of all
     chunks concatenate to the answer, stop strings excluded. The last chunk, and only it, has
-    `finish_reason` ("stop", "length" or "abort") and `stats`."""
+    `finish_reason` ("stop", "length" or "abort") and `stats`. `logprob`: the token's, when asked for
+    (never for a stop token)."""
 
     text: str
     token: Optional[int] = None
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None
+    logprob: Optional[TokenLogprob] = None
     prefill: Optional[tuple] = None  # (done, total) prompt tokens, on the chunks of `yield_prefill`
 
 
@@ -222,7 +249,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
                     stop_ids: Optional[Sequence[int]] = None,
                     should_abort: Optional[Callable[[], bool]] = None,
                     on_prefill: Optional[Callable[[int, int], object]] = None,
-                    yield_prefill: bool = False) -> Iterator[GenerationChunk]:
+                    yield_prefill: bool = False,
+                    sampler: Optional[Callable[[mx.array], int]] = None) -> Iterator[GenerationChunk]:
     """Generate from `prompt_ids` with `session`, yielding a `GenerationChunk` per sampled token.
 
     The session is synced to `prompt_ids` (reusing its longest common prefix), then tokens are
@@ -231,6 +259,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     `on_prefill(done, total)` is called after each prefill chunk; returning True aborts too.
     `yield_prefill`: also yield a chunk with `prefill=(done, total)` (no token, no text) after each
     prefill chunk, so that a caller serving several requests can interleave them chunk by chunk.
+    `sampler(logits) -> token id` replaces the draw from `sampling` (a scripted model's tokens).
     Runs on the calling thread; nothing here is shared, so one generator per session at a time.
     See the module docstring for what `session.tokens` holds afterwards."""
     stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
@@ -242,7 +271,9 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     prompt_ids = list(prompt_ids)
     sampled = []
 
-    def finish(reason, token=None, text=""):
+    constraint = sampling.constraint(tokenizer) if sampling.constraint else None
+
+    def finish(reason, token=None, text="", logprob=None):
         if reason == FINISH_STOP and watcher.stop_at is not None:
             kept = sum(1 for end in detok.token_ends if end is not None and end <= watcher.stop_at)
             stats.output_ids = sampled[:kept]
@@ -253,7 +284,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
             text += watcher.add(detok.flush()) + watcher.flush()
         stats.completion_tokens = len(sampled)
         stats.decode_seconds = time.perf_counter() - decode_start
-        return GenerationChunk(text=text, token=token, finish_reason=reason, stats=stats)
+        return GenerationChunk(text=text, token=token, finish_reason=reason, stats=stats, logprob=logprob)
 
     def prefill_callback(done, total):
         stop = on_prefill(done, total) if on_prefill else False
@@ -293,10 +324,18 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         yield finish(FINISH_LENGTH)
         return
 
+    def draw(logits):
+        """Start drawing the next token without waiting for it (a constraint's mask and a scripted
+        sampler need the id at once, so they sync)."""
+        if constraint:
+            logits = constraint.mask(logits)
+        drawn = sample.draw(logits) if sampler is None else mx.array(sampler(logits))
+        mx.async_eval(drawn)
+        return drawn
+
     # Pipelined: the step that feeds token n is built and started before token n is read, so the graph
     # building overlaps the device's work. A stop token fed this way is trimmed off again.
-    drawn = sample.draw(logits)
-    mx.async_eval(drawn)
+    drawn_from, drawn = logits, draw(logits)
     while True:
         if should_abort():
             yield finish(FINISH_ABORT)
@@ -304,20 +343,23 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         logits = session.step_async(drawn)
         token = session.settle()
         sampled.append(token)
+        if constraint:
+            constraint.advance(token)
         if token in stop_ids:
             session.trim(len(session.tokens) - 1)
             yield finish(FINISH_STOP, token)
             return
+        logprob = (token_logprob(tokenizer, drawn_from, token, sampling.logprobs)
+                   if sampling.logprobs is not None else None)
         text = watcher.add(detok.add(token))
         if watcher.stop_at is not None:
-            yield finish(FINISH_STOP, token, text)
+            yield finish(FINISH_STOP, token, text, logprob)
             return
         if len(sampled) >= max_tokens:
-            yield finish(FINISH_LENGTH, token, text)
+            yield finish(FINISH_LENGTH, token, text, logprob)
             return
-        yield GenerationChunk(text=text, token=token)
-        drawn = sample.draw(logits)
-        mx.async_eval(drawn)
+        yield GenerationChunk(text=text, token=token, logprob=logprob)
+        drawn_from, drawn = logits, draw(logits)
 
 
 # ---------------------------------------------------------------- `ds4-mlx generate`

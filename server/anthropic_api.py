@@ -1,19 +1,24 @@
 """Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`).
 
 Requests are turned into the OpenAI-style messages `ds4_mlx.chat.render` takes: thinking blocks become
-`reasoning_content`, tool_use blocks `tool_calls`, tool_result blocks `tool` messages. Streams follow
+`reasoning_content`, tool_use blocks `tool_calls`, tool_result blocks `tool` messages, and system
+messages among the messages stay where they stand. Thinking happens only when `thinking` asks for it.
+Fields the server has no use for are ignored (logged at debug level); text it cannot read (images,
+documents, unknown blocks with content) is a 400 rather than dropped. Streams follow
 Anthropic's event sequence: message_start, content_block_start / _delta / _stop per block (thinking,
 text, tool_use), message_delta with the stop reason and usage, message_stop.
 """
 
+import base64
 import json
 import uuid
 
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
 from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
+from ds4_mlx.server.constraints import constrained, forced_tool_call
 from ds4_mlx.server.errors import APIError
-from ds4_mlx.server.fields import field as get, number_in, positive_int, string_list
+from ds4_mlx.server.fields import field as get, note_ignored, number_in, positive_int, string_list
 from ds4_mlx.server.protocol import Prepared, ServerInfo
 from ds4_mlx.server.sse import sse
 
@@ -22,14 +27,42 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 
 # ---------------------------------------------------------------- requests
 
+TEXT_ONLY = "this model reads text only"
+# Keys of a content block that hold no text for the model: a block of an unknown type with nothing
+# else is skipped (a newer client's marker), one that carries more is refused rather than dropped.
+META_KEYS = {"type", "cache_control", "citations", "id", "signature"}
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+SIGNATURE_PREFIX = "ds4r1:"  # a thinking block's signature: this prefix, then its reasoning in base64
+BODY_FIELDS = {"model", "max_tokens", "system", "messages", "tools", "tool_choice", "thinking", "output_config",
+               "temperature", "top_p", "top_k", "stream", "stop_sequences"}
+
+
+def _other_block(block: dict, where: str):
+    """A block the server does not render: media is a 400, an unknown type only when it has content."""
+    kind = block["type"]
+    if kind in ("image", "document", "file", "container_upload") or "source" in block:
+        raise APIError(400, f"{where} is a {kind} block: {TEXT_ONLY}", param=where)
+    if any(value not in (None, "", [], {}) for key, value in block.items() if key not in META_KEYS):
+        raise APIError(400, f"{where}: content blocks of type '{kind}' are not supported", param=where)
+
 
 def _text_of(blocks, where: str) -> list:
-    """Text parts of a string or an array of blocks (images and documents are skipped)."""
+    """Text parts of a string or an array of blocks."""
     if isinstance(blocks, str):
         return [blocks]
     if not isinstance(blocks, list):
         raise APIError(400, f"{where} must be a string or an array of content blocks", param=where)
-    return [b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)]
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise APIError(400, f"{where}[{j}] must be a content block with a type", param=where)
+        if block["type"] == "text":
+            texts.append(get(block, "text", str, ""))
+        elif block["type"] == "tool_reference":  # a tool search's answer: the tool is in `tools` now
+            texts.append(get(block, "tool_name", str, required=True))
+        else:
+            _other_block(block, f"{where}[{j}]")
+    return texts
 
 
 def system_text(system) -> str:
@@ -40,16 +73,23 @@ def system_text(system) -> str:
 
 
 def chat_messages(system, messages: list) -> list[dict]:
+    """Anthropic messages as chat messages. A `system` message among them (Claude Code sends its
+    environment that way) is rendered where it stands; before any other message it joins the system block."""
+    if not messages:
+        raise APIError(400, "'messages' must not be empty", param="messages")
     out = [{"role": "system", "content": system_text(system)}] if system else []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise APIError(400, f"{where} must be an object", param=where)
         role = get(message, "role", str, required=True)
-        if role not in ("user", "assistant"):
-            raise APIError(422, f"{where}.role must be user or assistant, not '{role}'", param=f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise APIError(422, f"{where}.role must be user, assistant or system, not '{role}'", param=f"{where}.role")
         content = get(message, "content", (str, list), required=True)
-        if isinstance(content, str):
+        if role == "system":
+            leading = all(m["role"] == "system" for m in out)
+            out.append({"role": "system", "content": system_text(content), "in_place": not leading})
+        elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif role == "user":
             out += _user_blocks(content, where)
@@ -69,6 +109,8 @@ def _user_blocks(blocks: list, where: str) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
         elif block["type"] == "text":
             texts.append(get(block, "text", str, ""))
+        else:
+            _other_block(block, f"{where}.content[{j}]")
     if texts:
         out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
     return out
@@ -81,17 +123,34 @@ def _assistant_blocks(blocks: list, where: str) -> dict:
             raise APIError(400, f"{where}.content[{j}] must be a content block with a type", param=where)
         kind = block["type"]
         if kind == "thinking":
-            reasoning.append(get(block, "thinking", str, ""))
+            reasoning.append(get(block, "thinking", str, "") or reasoning_of(get(block, "signature", str, "")))
         elif kind == "text":
             texts.append({"type": "text", "text": get(block, "text", str, "")})
         elif kind == "tool_use":
             arguments = json.dumps(get(block, "input", dict, {}), ensure_ascii=False)
             calls.append({"id": get(block, "id", str, required=True), "type": "function",
                           "function": {"name": get(block, "name", str, required=True), "arguments": arguments}})
+        else:
+            _other_block(block, f"{where}.content[{j}]")
     message = {"role": "assistant", "content": texts, "reasoning_content": "".join(reasoning)}
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def signature(reasoning: str) -> str:
+    """A thinking block's signature holds its reasoning, so that a client which was not shown the
+    reasoning (`display: omitted`) still gives it back and the prompt matches the live session."""
+    return SIGNATURE_PREFIX + base64.b64encode(reasoning.encode()).decode()
+
+
+def reasoning_of(signature_: str) -> str:
+    if not signature_.startswith(SIGNATURE_PREFIX):
+        return ""  # another server's signature: the reasoning is lost, as with any client that drops it
+    try:
+        return base64.b64decode(signature_[len(SIGNATURE_PREFIX):], validate=True).decode()
+    except ValueError:
+        raise APIError(400, "a thinking block's signature is damaged", param="messages") from None
 
 
 def chat_tools(tools: list | None) -> list[dict] | None:
@@ -118,25 +177,49 @@ def tool_choice(choice: dict | None):
     return kind
 
 
+def thinking_mode(body: dict, model: str, info: ServerInfo) -> tuple[bool, str | None, bool]:
+    """(thinking, reasoning effort, reasoning shown) as Anthropic's API has it: thinking only when
+    `thinking` asks for it (enabled or adaptive; `display: omitted` hides the text), or for the
+    deepseek-reasoner alias; `output_config.effort` max is Think Max where the context allows it."""
+    thinking = get(body, "thinking", dict)
+    effort = get(get(body, "output_config", dict, {}), "effort", str)
+    if effort is not None and effort not in EFFORTS:
+        raise APIError(422, f"output_config.effort must be one of {', '.join(EFFORTS)}, not '{effort}'",
+                       param="output_config.effort")
+    if effort == "max" and info.ctx < protocol.THINK_MAX_MIN_CTX:
+        effort = None  # Think Max needs a long context; normal thinking instead
+    if thinking is None:
+        return model == "deepseek-reasoner", effort, True
+    kind = get(thinking, "type", str, required=True)
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise APIError(422, f"thinking.type must be enabled, adaptive or disabled, not '{kind}'", param="thinking")
+    display = get(thinking, "display", str, "summarized")
+    if display not in ("summarized", "omitted"):
+        raise APIError(422, f"thinking.display must be summarized or omitted, not '{display}'", param="thinking")
+    return kind != "disabled", effort, display != "omitted"
+
+
 def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *, counting=False) -> Prepared:
+    note_ignored(body, BODY_FIELDS, "messages")
     model = info.model_name(body, anthropic=True)
     max_tokens = positive_int(body, "max_tokens")
     if max_tokens is None and not counting:
         raise APIError(400, "missing required field 'max_tokens'", param="max_tokens")
     messages = chat_messages(get(body, "system", (str, list)), get(body, "messages", list, required=True))
-    tools = protocol.resolve_tool_choice(tool_choice(get(body, "tool_choice", dict)),
-                                         chat_tools(get(body, "tools", list)))
-    effort = get(get(body, "output_config", dict, {}), "effort", str)
-    thinking, effort = protocol.thinking_mode(body, model, info, effort=effort)
+    choice = tool_choice(get(body, "tool_choice", dict))
+    tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
+    thinking, effort, shown = thinking_mode(body, model, info)
     text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
     defaults = protocol.SamplingParams()
     sampling = protocol.SamplingParams(
         temperature=number_in(body, "temperature", 0.0, 1.0, defaults.temperature),
         top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p), top_k=get(body, "top_k", int, defaults.top_k),
         min_p=defaults.min_p)
+    sampling = constrained(sampling, thinking=text.endswith("<think>"), forced=forced_tool_call(choice, tools))
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False), max_tokens=max_tokens, sampling=sampling,
-                    stop=string_list(body, "stop_sequences"), model=model, tool_id_prefix="toolu_")
+                    stop=string_list(body, "stop_sequences"), model=model, tool_id_prefix="toolu_",
+                    show_reasoning=shown)
 
 
 # ---------------------------------------------------------------- responses
@@ -156,6 +239,8 @@ class MessagesResponder:
         self.block = None  # type of the open content block
         self.index = -1
         self.answered = False  # a text or tool_use block was sent
+        self.show_reasoning = prepared.show_reasoning
+        self.reasoning = ""  # of the open thinking block, for its signature
 
     def _message(self, content, stop_reason, usage_: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
@@ -178,7 +263,8 @@ class MessagesResponder:
             return []
         out = []
         if self.block == "thinking":
-            out.append(self._delta({"type": "signature_delta", "signature": self.id}))
+            out.append(self._delta({"type": "signature_delta", "signature": signature(self.reasoning)}))
+            self.reasoning = ""
         self.block = None
         return out + [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
@@ -191,7 +277,9 @@ class MessagesResponder:
             if isinstance(event, ReasoningDelta):
                 if self.block != "thinking":
                     out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+                self.reasoning += event.text
+                if self.show_reasoning:
+                    out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
             elif isinstance(event, ContentDelta):
                 if self.block != "text":
                     out += self._open("text", {"type": "text", "text": ""})
@@ -218,7 +306,8 @@ class MessagesResponder:
     def body(self, outcome, answer) -> dict:
         content = []
         if answer.reasoning:
-            content.append({"type": "thinking", "thinking": answer.reasoning, "signature": self.id})
+            content.append({"type": "thinking", "thinking": answer.reasoning if self.show_reasoning else "",
+                            "signature": signature(answer.reasoning)})
         if answer.content or not answer.tool_calls:
             content.append({"type": "text", "text": answer.content})
         content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}

@@ -95,9 +95,14 @@ class Server:
 
     async def completions(self, request):
         body = await self._body(request)
-        prepared = openai_api.parse_completion(body, self.info)
-        responder = openai_api.CompletionResponder(prepared, include_usage=openai_api.include_usage(body))
-        return await self._generate(request, prepared, responder, "completion")
+        responses = []
+        for echo, prepared in openai_api.parse_completions(body, self.info):  # one choice per prompt
+            responder = openai_api.CompletionResponder(prepared, include_usage=openai_api.include_usage(body),
+                                                       echo=echo)
+            responses.append(await self._generate(request, prepared, responder, "completion"))
+            if prepared.stream or responses[-1].status != 200:
+                return responses[-1]
+        return web.json_response(openai_api.merge_completions([json.loads(r.body) for r in responses]))
 
     async def messages(self, request):
         body = await self._body(request)
@@ -137,7 +142,7 @@ class Server:
         while True:
             kind, payload = await job.events.get()
             if kind == "chunk":
-                answer.feed(payload.text)
+                answer.feed_chunk(payload)
                 if payload.finish_reason:
                     answer.finish()
             elif kind == "error":
@@ -174,7 +179,7 @@ class Server:
                 if kind == "started":
                     events = responder.start(payload)
                 elif kind == "chunk":
-                    parsed = answer.feed(payload.text) + (answer.finish() if payload.finish_reason else [])
+                    parsed = answer.feed_chunk(payload) + (answer.finish() if payload.finish_reason else [])
                     events = responder.deltas(parsed)
                 else:  # error
                     events = responder.error(payload)

@@ -1,7 +1,8 @@
 """One answer put together from streamed model text: reasoning, content and tool calls.
 
 `Answer.feed(text)` returns the `ReasoningDelta` / `ContentDelta` / `ToolCall` events that text completes
-(from `ds4_mlx.chat.OutputParser`) and keeps the totals a non-streamed response needs. The server
+(from `ds4_mlx.chat.OutputParser`) and keeps the totals a non-streamed response needs; `feed_chunk` takes
+a generation chunk and adds its token's `TokenLogprob`, when asked for, as one more event. The server
 remembers the exact DSML block behind each tool call id (`ToolCallMemory`), so when a client sends the
 call back, the prompt holds the very tokens the model sampled and the live session still matches.
 """
@@ -10,8 +11,9 @@ import uuid
 from collections import OrderedDict
 
 from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, ToolCall
+from ds4_mlx.generate import TokenLogprob
 
-__all__ = ["Answer", "ToolCallMemory", "ContentDelta", "ReasoningDelta", "ToolCall"]
+__all__ = ["Answer", "ToolCallMemory", "ContentDelta", "ReasoningDelta", "ToolCall", "TokenLogprob"]
 
 
 class Answer:
@@ -23,9 +25,17 @@ class Answer:
         self.reasoning = ""
         self.content = ""
         self.tool_calls: list[ToolCall] = []
+        self.logprobs: list[TokenLogprob] = []
 
     def feed(self, text: str) -> list:
         return self._collect(self._parser.feed(text)) if text else []
+
+    def feed_chunk(self, chunk) -> list:
+        events = self.feed(chunk.text)
+        if chunk.logprob is not None:
+            self.logprobs.append(chunk.logprob)
+            events.append(chunk.logprob)
+        return events
 
     def finish(self) -> list:
         return self._collect(self._parser.finish())

@@ -15,13 +15,23 @@ from ds4_mlx.server.worker import Worker
 
 def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: int,
                  rewind_slack: int = 4096, checkpoint_every: int = 2048, keepalive_s: float = 5.0,
-                 generate=partial(stream_generate, yield_prefill=True)) -> Server:
+                 generate=partial(stream_generate, yield_prefill=True), max_tokens: int | None = None) -> Server:
+    """`max_tokens` caps every request's output (a request asking for more stops there, as `length`)."""
     from ds4_mlx import Session
+
+    if max_tokens is not None:
+        generate = capped(generate, max_tokens)
 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
                     session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every),
                     generate=generate)
     return Server(worker, ServerInfo(model_id=model_id, ctx=ctx), keepalive_s=keepalive_s)
+
+
+def capped(generate, cap: int):
+    def generate_capped(*args, max_tokens: int, **options):
+        return generate(*args, max_tokens=min(max_tokens, cap), **options)
+    return generate_capped
 
 
 class BackgroundServer:

@@ -15,6 +15,8 @@ def run_serve(args):
     log = logging.getLogger("ds4_mlx.server")
     if args.sessions < 1 or args.ctx < 2:
         raise ValueError("--sessions must be at least 1 and --ctx at least 2")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
     def load():
         model, tokenizer, is_demo = load_for_cli(args.model)
         if is_demo:
@@ -23,7 +25,7 @@ def run_serve(args):
 
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
-                          checkpoint_every=args.checkpoint_every)
+                          checkpoint_every=args.checkpoint_every, max_tokens=args.max_tokens)
     log.info(f"loading the model, then serving {args.model_id} on http://{args.host}:{args.port} "
              f"(ctx {args.ctx}, {args.sessions} live session(s), {args.cache_gib:g} GiB for them)")
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
@@ -46,4 +48,6 @@ def register(subparsers):
     p.add_argument("--model-id", default="deepseek-v4-flash", help="the model name clients use")
     p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay")
     p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints")
+    p.add_argument("--max-tokens", type=int, help="most tokens any request may generate (default: the "
+                   "context); a request asking for more stops there with finish reason length")
     p.set_defaults(func=run_serve)

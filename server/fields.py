@@ -1,6 +1,14 @@
-"""Typed access to request bodies: a wrong type is a 400, a well-typed but unusable value a 422."""
+"""Typed access to request bodies: a wrong type is a 400, a well-typed but unusable value a 422.
+
+Fields a handler does not use are ignored, so that a newer client keeps working; `note_ignored` logs
+them at debug level so that what a client sends and the server does not honour can be seen.
+"""
+
+import logging
 
 from ds4_mlx.server.errors import APIError
+
+log = logging.getLogger("ds4_mlx.server")
 
 _MISSING = object()
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
@@ -50,3 +58,11 @@ def string_list(body: dict, name: str) -> list[str]:
     if not all(isinstance(v, str) for v in values):
         raise APIError(400, f"'{name}' must be a string or an array of strings", param=name)
     return [v for v in values if v]
+
+
+def note_ignored(body: dict, used, where: str):
+    """Log (debug) the fields of `body` outside `used`: accepted, but without effect here."""
+    if log.isEnabledFor(logging.DEBUG):
+        ignored = sorted(k for k in body if k not in used)
+        if ignored:
+            log.debug(f"{where}: ignored field(s) {', '.join(ignored)}")

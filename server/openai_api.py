@@ -1,13 +1,15 @@
 """OpenAI Chat Completions (`/v1/chat/completions`) and Completions (`/v1/completions`)."""
 
+import dataclasses
 import time
 import uuid
 
-from ds4_mlx.chat import render, render_completion
+from ds4_mlx.chat import BOS, render
 from ds4_mlx.server import protocol
-from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
+from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, TokenLogprob, ToolCall, ToolCallMemory
+from ds4_mlx.server.constraints import constrained, forced_tool_call, response_format_grammar
 from ds4_mlx.server.errors import APIError
-from ds4_mlx.server.fields import field as get
+from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -38,37 +40,72 @@ def chat_messages(messages: list) -> list[dict]:
     return out
 
 
+CHAT_FIELDS = {"model", "messages", "n", "tools", "tool_choice", "thinking", "think", "reasoning_effort", "stream",
+               "stream_options", "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+               "seed", "stop", "logprobs", "top_logprobs", "response_format"}
+COMPLETION_FIELDS = {"model", "prompt", "echo", "stream", "stream_options", "max_tokens", "temperature", "top_p",
+                     "top_k", "min_p", "seed", "stop", "logprobs"}
+MAX_TOP_LOGPROBS = 20
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """`logprobs` (bool) with `top_logprobs` (0-20) as the number of alternatives, or None."""
+    top = get(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise APIError(422, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if not get(body, "logprobs", bool, False):
+        if top is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return top or 0
+
+
 def parse_chat(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Prepared:
+    note_ignored(body, CHAT_FIELDS, "chat")
     model = info.model_name(body)
     messages = chat_messages(get(body, "messages", list, required=True))
     if not messages:
         raise APIError(400, "'messages' must not be empty", param="messages")
     if get(body, "n", int, 1) != 1:
         raise APIError(422, "only n=1 is supported", param="n")
-    tools = protocol.resolve_tool_choice(get(body, "tool_choice", (str, dict)),
-                                         protocol.function_tools(get(body, "tools", list)))
+    choice = get(body, "tool_choice", (str, dict))
+    tools = protocol.resolve_tool_choice(choice, protocol.function_tools(get(body, "tools", list)))
     thinking, effort = protocol.thinking_mode(body, model, info)
     text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    sampling = dataclasses.replace(protocol.sampling(body), logprobs=chat_logprobs(body))
+    sampling = constrained(sampling, thinking=text.endswith("<think>"), forced=forced_tool_call(choice, tools),
+                           grammar=response_format_grammar(body))
     return Prepared(
         prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
         stream=get(body, "stream", bool, False),
         max_tokens=protocol.max_tokens(body, "max_completion_tokens", "max_tokens"),
-        sampling=protocol.sampling(body), stop=protocol.stop_strings(body), model=model)
+        sampling=sampling, stop=protocol.stop_strings(body), model=model)
 
 
-def parse_completion(body: dict, info: ServerInfo) -> Prepared:
+def parse_completions(body: dict, info: ServerInfo) -> list[tuple[str, Prepared]]:
+    """(echo, prepared) per prompt: the raw text after BOS, no chat template (a prompt that starts with
+    BOS is taken as it is); echo is the prompt when `echo` asks for it, else ""."""
+    note_ignored(body, COMPLETION_FIELDS, "completions")
     model = info.model_name(body)
     prompt = get(body, "prompt", (str, list), required=True)
-    if isinstance(prompt, list):
-        if not prompt or not isinstance(prompt[0], str):
-            raise APIError(400, "'prompt' must be a string or an array of strings", param="prompt")
-        prompt = prompt[0]
-    thinking, effort = protocol.thinking_mode(body, model, info)
-    text = render_completion(prompt, thinking=thinking, reasoning_effort=effort)
-    return Prepared(
-        prompt_text=text, thinking=False, tools=False, stream=get(body, "stream", bool, False),
-        max_tokens=protocol.max_tokens(body, "max_tokens"), sampling=protocol.sampling(body),
-        stop=protocol.stop_strings(body), model=model, param="prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise APIError(400, "'prompt' must be a string or a non-empty array of strings", param="prompt")
+    stream = get(body, "stream", bool, False)
+    if stream and len(prompts) > 1:
+        raise APIError(422, "streaming takes one prompt per request", param="prompt")
+    top = get(body, "logprobs", int)
+    if top is not None and not 0 <= top <= 5:
+        raise APIError(422, "'logprobs' must be between 0 and 5", param="logprobs")
+    echo = get(body, "echo", bool, False)
+    if top is not None and echo:
+        raise APIError(422, "'echo' with 'logprobs' is not supported: the prompt's log probabilities are not "
+                            "computed", param="echo")
+    sampling = dataclasses.replace(protocol.sampling(body), logprobs=top)
+    return [(p if echo else "", Prepared(
+        prompt_text=p if p.startswith(BOS) else BOS + p, thinking=False, tools=False, stream=stream,
+        max_tokens=protocol.max_tokens(body, "max_tokens"), sampling=sampling, stop=protocol.stop_strings(body),
+        model=model, param="prompt")) for p in prompts]
 
 
 def include_usage(body: dict) -> bool:
@@ -87,6 +124,32 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
+def chat_logprobs_json(entries: list[TokenLogprob]) -> dict:
+    def one(text, logprob):
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**one(e.text, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs_json(entries: list[TokenLogprob], offset: int = 0) -> dict:
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+
+def merge_completions(bodies: list[dict]) -> dict:
+    """The bodies of one completion per prompt as one response with a choice per prompt."""
+    merged = {**bodies[0], "choices": [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]}
+    merged["usage"] = {k: sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens",
+                                                                        "total_tokens")}
+    merged["usage"]["prompt_tokens_details"] = {
+        "cached_tokens": sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)}
+    return merged
+
+
 # ---------------------------------------------------------------- responses
 
 
@@ -97,17 +160,21 @@ class ChatResponder:
         self.model = prepared.model
         self.include_usage = include_usage
         self.tool_index = 0
+        self.logprobs = prepared.sampling.logprobs is not None
 
-    def _chunk(self, delta: dict, finish_reason=None) -> tuple:
+    def _chunk(self, delta: dict, finish_reason=None, logprobs=None) -> tuple:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        if logprobs:
+            choice["logprobs"] = chat_logprobs_json(logprobs)
         return None, {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                      "model": self.model,
-                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+                      "model": self.model, "choices": [choice]}
 
     def start(self, started) -> list:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def deltas(self, events) -> list:
         out = []
+        logprobs = [e for e in events if isinstance(e, TokenLogprob)]
         for event in events:
             if isinstance(event, ReasoningDelta):
                 out.append(self._chunk({"reasoning_content": event.text}))
@@ -116,6 +183,11 @@ class ChatResponder:
             elif isinstance(event, ToolCall):
                 out.append(self._chunk({"tool_calls": [tool_call_json(event, self.tool_index)]}))
                 self.tool_index += 1
+        if logprobs:  # with the text they belong to, or alone while the parser holds that text back
+            if out:
+                out[-1] = self._chunk(out[-1][1]["choices"][0]["delta"], logprobs=logprobs)
+            else:
+                out.append(self._chunk({}, logprobs=logprobs))
         return out
 
     def end(self, outcome, answer) -> list:
@@ -135,29 +207,40 @@ class ChatResponder:
         if answer.tool_calls:
             message["tool_calls"] = [tool_call_json(c) for c in answer.tool_calls]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": chat_logprobs_json(answer.logprobs) if self.logprobs else None,
                              "finish_reason": answer.finish_reason(outcome.finish_reason)}],
                 "usage": usage(outcome)}
 
 
 class CompletionResponder:
-    """Legacy completions: the text as the model wrote it (the prepared request parses no reasoning)."""
+    """Legacy completions: the text as the model wrote it (the prepared request parses no reasoning),
+    after the prompt with `echo`."""
 
-    def __init__(self, prepared: Prepared, *, include_usage: bool):
+    def __init__(self, prepared: Prepared, *, include_usage: bool, echo: str = ""):
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = prepared.model
         self.include_usage = include_usage
+        self.echo = echo
+        self.logprobs = prepared.sampling.logprobs is not None
+        self.offset = 0  # characters of text sent, for the logprobs' text offsets
 
-    def _chunk(self, text: str, finish_reason=None) -> tuple:
+    def _chunk(self, text: str, finish_reason=None, logprobs=None) -> tuple:
         return None, {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                      "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                      "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     def start(self, started) -> list:
-        return []
+        return [self._chunk(self.echo)] if self.echo else []
 
     def deltas(self, events) -> list:
-        return [self._chunk(event.text) for event in events if isinstance(event, ContentDelta)]
+        text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        entries = [e for e in events if isinstance(e, TokenLogprob)]
+        if not text and not entries:
+            return []
+        logprobs = completion_logprobs_json(entries, self.offset) if self.logprobs else None
+        self.offset += sum(len(e.text) for e in entries)
+        return [self._chunk(text, logprobs=logprobs)]
 
     def end(self, outcome, answer) -> list:
         out = [self._chunk("", outcome.finish_reason)]
@@ -170,8 +253,8 @@ class CompletionResponder:
         return [(None, APIError(500, message).openai_body()), (None, "[DONE]")]
 
     def body(self, outcome, answer) -> dict:
+        logprobs = completion_logprobs_json(answer.logprobs) if self.logprobs else None
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": answer.content, "logprobs": None,
+                "choices": [{"index": 0, "text": self.echo + answer.content, "logprobs": logprobs,
                              "finish_reason": outcome.finish_reason}],
                 "usage": usage(outcome)}
-

@@ -33,10 +33,11 @@ def openapi_spec(info) -> dict:
             "/v1/chat/completions": _post("OpenAI chat completion", ["messages"], {
                 "model": S, "messages": A, "tools": A, "tool_choice": {"oneOf": [S, O]}, "stream": B,
                 "stream_options": O, "max_tokens": I, "max_completion_tokens": I, "stop": {"oneOf": [S, A]},
-                **SAMPLING, **THINKING}),
-            "/v1/completions": _post("OpenAI completion (the prompt is rendered as one user turn)", ["prompt"], {
-                "model": S, "prompt": {"oneOf": [S, A]}, "stream": B, "stream_options": O, "max_tokens": I,
-                "stop": {"oneOf": [S, A]}, **SAMPLING, **THINKING}),
+                "logprobs": B, "top_logprobs": I, "response_format": O, **SAMPLING, **THINKING}),
+            "/v1/completions": _post("OpenAI completion of raw text (no chat template), a choice per prompt",
+                                     ["prompt"], {
+                "model": S, "prompt": {"oneOf": [S, A]}, "echo": B, "logprobs": I, "stream": B, "stream_options": O,
+                "max_tokens": I, "stop": {"oneOf": [S, A]}, **SAMPLING}),
             "/v1/messages": _post("Anthropic messages", ["messages", "max_tokens"], {
                 "model": S, "system": {"oneOf": [S, A]}, "messages": A, "tools": A, "tool_choice": O,
                 "stream": B, "max_tokens": I, "stop_sequences": A, "thinking": O, "output_config": O,
@@ -46,6 +47,6 @@ def openapi_spec(info) -> dict:
             "/v1/responses": _post("OpenAI Responses, stateless: replay the whole input", ["input"], {
                 "model": S, "input": {"oneOf": [S, A]}, "instructions": S, "tools": A,
                 "tool_choice": {"oneOf": [S, O]}, "stream": B, "max_output_tokens": I, "reasoning": O,
-                "temperature": N, "top_p": N}),
+                "text": O, "temperature": N, "top_p": N}),
         },
     }

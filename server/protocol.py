@@ -61,6 +61,7 @@ class Prepared:
     model: str = ""
     param: str = "messages"  # the field named by a context-length error
     tool_id_prefix: str = "call_"
+    show_reasoning: bool = True  # Anthropic's `thinking.display: omitted` sends thinking blocks without text
 
 
 @dataclass

@@ -13,8 +13,9 @@ import uuid
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
 from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
+from ds4_mlx.server.constraints import constrained, forced_tool_call, response_format_grammar
 from ds4_mlx.server.errors import APIError
-from ds4_mlx.server.fields import field as get
+from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -84,21 +85,31 @@ def chat_tools(tools: list | None) -> list[dict] | None:
     return out or None
 
 
+BODY_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "reasoning", "thinking", "think",
+               "reasoning_effort", "stream", "max_output_tokens", "max_tokens", "temperature", "top_p", "top_k",
+               "min_p", "seed", "text", "previous_response_id", "conversation", "metadata"}
+
+
 def parse_responses(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Prepared:
+    note_ignored(body, BODY_FIELDS, "responses")
     model = info.model_name(body)
     for name in ("previous_response_id", "conversation"):
         if body.get(name) is not None:
             raise APIError(400, f"'{name}' is not supported: this server is stateless, replay the full input",
                            param=name)
     messages = chat_messages(get(body, "instructions", str), get(body, "input", (str, list), required=True))
-    tools = protocol.resolve_tool_choice(get(body, "tool_choice", (str, dict)), chat_tools(get(body, "tools", list)))
+    choice = get(body, "tool_choice", (str, dict))
+    tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     effort = get(get(body, "reasoning", dict, {}), "effort", str)
     thinking, effort = protocol.thinking_mode(body, model, info, effort=effort)
     text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"),
+                           forced=forced_tool_call(choice, tools),
+                           grammar=response_format_grammar(get(body, "text", dict, {}), "format"))
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False),
                     max_tokens=protocol.max_tokens(body, "max_output_tokens", "max_tokens"),
-                    sampling=protocol.sampling(body), model=model, param="input")
+                    sampling=sampling, model=model, param="input")
 
 
 # ---------------------------------------------------------------- responses
@@ -116,7 +127,7 @@ class ResponsesResponder:
         self.created = int(time.time())
         self.prepared = prepared
         self.echo = {k: body.get(k) for k in ("instructions", "tools", "tool_choice", "temperature", "top_p",
-                                              "max_output_tokens", "reasoning", "metadata")}
+                                              "max_output_tokens", "reasoning", "metadata", "text")}
         self.sequence = 0
         self.items: list[dict] = []  # output items, the last one possibly still open
         self.open = None  # the kind of the open item: reasoning, message
@@ -126,8 +137,9 @@ class ResponsesResponder:
                 "model": self.prepared.model, "output": self.items, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "usage": usage(outcome) if outcome else None, "parallel_tool_calls": True,
-                "previous_response_id": None, "text": {"format": {"type": "text"}}, "truncation": "disabled",
-                **self.echo, "tools": self.echo["tools"] or [],
+                "previous_response_id": None, "truncation": "disabled",
+                **self.echo, "text": self.echo["text"] or {"format": {"type": "text"}},
+                "tools": self.echo["tools"] or [],
                 "tool_choice": self.echo["tool_choice"] or "auto"}
 
     def _event(self, kind: str, **data) -> tuple:

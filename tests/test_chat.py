@@ -6,7 +6,7 @@ import random
 import pytest
 
 from ds4_mlx.chat import (ContentDelta, OutputParser, ReasoningDelta, ToolCall, render,
-                          render_completion, render_next_user_turn, render_tool_calls)
+                          render_next_user_turn, render_tool_calls)
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 
@@ -28,6 +28,14 @@ def test_system_and_developer_messages_join_in_the_system_block():
                 {"role": "developer", "content": "Answer in French."}]
     assert render(messages, thinking=False) == \
         f"{B}Be brief.\n\nAnswer in French.{U}Hello there{A}</think>"
+
+
+def test_a_system_message_in_place_is_rendered_where_it_stands():
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+                {"role": "system", "content": "env", "in_place": True},
+                {"role": "assistant", "content": "a"}, {"role": "system", "content": "later", "in_place": True},
+                {"role": "user", "content": "q2"}]
+    assert render(messages, thinking=False) == f"{B}S{U}q\n\nenv{A}</think>a{E}\n\nlater{U}q2{A}</think>"
 
 
 def test_multi_turn_thinking_drops_reasoning_before_the_last_user_turn():
@@ -128,9 +136,7 @@ def test_think_max_prefix_and_effort_none():
     assert render([{"role": "user", "content": "q"}], reasoning_effort="none") == f"{B}{U}q{A}</think>"
 
 
-def test_completion_prompt_and_next_turn():
-    assert render_completion("2+2=") == f"{B}You are a helpful assistant{U}2+2={A}<think>"
-    assert render_completion("2+2=", thinking=False).endswith(f"{A}</think>")
+def test_next_user_turn():
     assert render_next_user_turn("more", thinking=False) == f"{E}{U}more{A}</think>"
 
 

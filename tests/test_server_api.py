@@ -131,6 +131,7 @@ def test_chat_tool_round_trip_is_rendered_as_dsml_and_tool_results(bg, oai):
 
 def test_messages_thinking_and_usage(claude):
     message = claude.messages.create(model=MODEL, max_tokens=4, extra_body={"temperature": 0}, system="Be brief.",
+                                     thinking={"type": "enabled", "budget_tokens": 1024},
                                      messages=[{"role": "user", "content": "Hi"}])
     assert message.content[0].type == "thinking" and message.stop_reason == "max_tokens"
     assert message.usage.output_tokens == 4 and message.usage.cache_read_input_tokens is not None
@@ -140,12 +141,14 @@ def test_messages_thinking_and_usage(claude):
 
 
 def test_messages_stream_event_sequence(bg, claude):
-    request = dict(model=MODEL, max_tokens=4, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "Hi there"}])
+    request = dict(model=MODEL, max_tokens=4, extra_body={"temperature": 0}, thinking={"type": "adaptive"},
+                   messages=[{"role": "user", "content": "Hi there"}])
     with claude.messages.stream(**request) as stream:
         final = stream.get_final_message()
     assert final.content[0].type == "thinking" and final.content[-1].type == "text"
     assert final.usage.output_tokens == 4 and final.usage.cache_read_input_tokens > 0  # the same prompt again
-    raw_body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": request["messages"], "stream": True}
+    raw_body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": request["messages"], "stream": True,
+                "thinking": {"type": "adaptive"}}
     with requests.post(bg.url + "/v1/messages", json=raw_body, stream=True) as raw:
         names = [name for name, _ in sse_events(raw) if name != "ping"]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
@@ -163,12 +166,14 @@ def test_messages_tool_round_trip_and_count_tokens(bg, claude):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"}]},
     ]
     tools = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
-    message = claude.messages.create(model=MODEL, max_tokens=2, extra_body={"temperature": 0}, messages=messages, tools=tools)
+    message = claude.messages.create(model=MODEL, max_tokens=2, extra_body={"temperature": 0}, messages=messages, tools=tools,
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
     assert message.stop_reason == "max_tokens"
     text = live_text(bg)
     assert '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>' in text
     assert "<tool_result>21 C</tool_result><｜Assistant｜><think>" in text
-    count = claude.messages.count_tokens(model=MODEL, messages=messages, tools=tools)
+    count = claude.messages.count_tokens(model=MODEL, messages=messages, tools=tools,
+                                         thinking={"type": "enabled", "budget_tokens": 1024})
     assert count.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
 
 

@@ -85,11 +85,13 @@ def test_anthropic_tool_use_plain_and_streamed(scripted):
     bg, _ = scripted
     client = anthropic.Anthropic(base_url=bg.url, api_key="-", max_retries=0)
     tools = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
-    message = client.messages.create(model=MODEL, max_tokens=100, messages=ask_weather(), tools=tools)
+    thinking = {"type": "adaptive"}
+    message = client.messages.create(model=MODEL, max_tokens=100, messages=ask_weather(), tools=tools, thinking=thinking)
     assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
     assert message.stop_reason == "tool_use" and message.content[2].input == {"city": "Paris"}
     assert message.content[2].id.startswith("toolu_")
-    with client.messages.stream(model=MODEL, max_tokens=100, messages=ask_weather(), tools=tools) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=100, messages=ask_weather(), tools=tools,
+                                thinking=thinking) as stream:
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
     assert final.content[0].thinking == "Let me check the weather." and final.content[1].text == "Sure."

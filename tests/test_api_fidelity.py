@@ -1,0 +1,263 @@
+"""API fidelity, as a client author would try each endpoint: what real clients send is accepted, what the
+server cannot honour is a clear 4xx, and every honoured field does what the API says. On the demo model
+(real tokenizer, template and session; random weights)."""
+
+import base64
+import json
+import logging
+
+import anthropic
+import openai
+import pytest
+import requests
+
+from ds4_mlx.generate import load_for_cli
+from ds4_mlx.server.build import BackgroundServer, build_server
+
+MODEL = "deepseek-v4-flash"
+CAP = 24
+
+
+@pytest.fixture(scope="module")
+def bg():
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=2, budget_bytes=2**32,
+                          max_tokens=CAP)
+    with BackgroundServer(server) as bg:
+        yield bg
+
+
+@pytest.fixture(scope="module")
+def claude(bg):
+    return anthropic.Anthropic(base_url=bg.url, api_key="-", max_retries=0)
+
+
+def live_text(bg) -> str:
+    slot = max(bg.server.worker.slots, key=lambda s: s.last_used)
+    return bg.server.worker.tokenizer.decode(slot.tokens)
+
+
+def post_messages(bg, body: dict, **kwargs):
+    return requests.post(bg.url + "/v1/messages?beta=true", json=body, timeout=60, **kwargs)
+
+
+# ---------------------------------------------------------------- Anthropic: what Claude Code sends
+
+
+def claude_code_body(**changes) -> dict:
+    """A request shaped as Claude Code 2.1 sends it (trimmed)."""
+    body = {
+        "model": "claude-opus-5-5", "max_tokens": 32000, "stream": False, "temperature": 0,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328;"},
+                   {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>be careful</system-reminder>"},
+                                         {"type": "text", "text": "list files",
+                                          "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /tmp/x"}],
+             "output_config": {"effort": "medium"}},
+        ],
+        "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {
+                       "type": "object", "properties": {"command": {"type": "string"}}}},
+                  {"name": "Placeholder", "description": "never call", "defer_loading": True,
+                   "input_schema": {"type": "object", "properties": {}}, "cache_control": {"type": "ephemeral"}}],
+        "metadata": {"user_id": "u"}, "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"}, "some_future_field": {"x": 1},
+    }
+    return {**body, **changes}
+
+
+def test_a_claude_code_request_is_served_with_its_system_message_where_it_stands(bg, caplog):
+    caplog.set_level(logging.DEBUG, logger="ds4_mlx.server")
+    headers = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,effort-2025-11-24",
+               "anthropic-version": "2023-06-01"}
+    response = post_messages(bg, claude_code_body(), headers=headers)
+    assert response.status_code == 200, response.text
+    message = response.json()
+    assert message["stop_reason"] == "max_tokens" and message["usage"]["output_tokens"] == CAP  # serve cap
+    text = live_text(bg)
+    assert "x-anthropic" not in text and text.index("You are a coding agent.") < text.index("<｜User｜>")
+    assert "list files\n\n# Environment\ncwd: /tmp/x<｜Assistant｜><think>" in text
+    assert "ignored field(s) context_management, metadata, some_future_field" in caplog.text  # seen, not refused
+
+
+def test_omitted_thinking_is_given_back_through_its_signature(bg):
+    body = claude_code_body()
+    first = post_messages(bg, body).json()
+    [thinking] = [b for b in first["content"] if b["type"] == "thinking"]
+    assert thinking["thinking"] == ""  # display: omitted
+    reasoning = base64.b64decode(thinking["signature"].split(":", 1)[1]).decode()
+    assert reasoning and reasoning in live_text(bg)
+    follow_up = {**body, "messages": body["messages"] + [
+        {"role": "assistant", "content": first["content"]},
+        {"role": "user", "content": "go on"}]}
+    assert post_messages(bg, follow_up).status_code == 200
+    # the reasoning came back from the signature, so the prompt holds what the model wrote (the exact
+    # reuse this gives is checked with Claude Code itself, in test_agent_clients)
+    assert "<think>" + reasoning + "</think>" in live_text(bg)
+    broken = {"type": "thinking", "thinking": "", "signature": "ds4r1:***"}
+    damaged = {**body, "messages": body["messages"] + [{"role": "assistant", "content": [broken]},
+                                                       {"role": "user", "content": "go on"}]}
+    assert post_messages(bg, damaged).status_code == 400
+
+
+def test_anthropic_thinks_only_when_asked(claude):
+    plain = claude.messages.create(model="claude-haiku-4-5", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+    assert [b.type for b in plain.content] == ["text"]
+    asked = claude.messages.create(model="claude-haiku-4-5", max_tokens=3, messages=[{"role": "user", "content": "Hi"}],
+                                   thinking={"type": "enabled", "budget_tokens": 1024})
+    assert asked.content[0].type == "thinking" and asked.content[0].thinking
+
+
+@pytest.mark.parametrize("change, status, words", [
+    ({"messages": []}, 400, "must not be empty"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
+     400, "reads text only"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]},
+     400, "reads text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}]},
+     400, "reads text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "future_block", "text": "read me"}]}]},
+     400, "'future_block' are not supported"),
+    ({"messages": [{"role": "critic", "content": "x"}]}, 422, "role"),
+    ({"thinking": {"type": "sometimes"}}, 422, "thinking.type"),
+    ({"thinking": {"type": "adaptive", "display": "loud"}}, 422, "thinking.display"),
+    ({"output_config": {"effort": "extreme"}}, 422, "effort"),
+    ({"output_config": "high"}, 400, "output_config"),
+    ({"max_tokens": 0}, 422, "max_tokens"),
+])
+def test_malformed_used_fields_and_unreadable_content_are_clean_errors(bg, change, status, words):
+    response = post_messages(bg, claude_code_body(**change))
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["type"] == "error" and words in error["error"]["message"]
+
+
+def test_a_contentless_block_of_an_unknown_type_is_skipped_and_a_tool_reference_is_read(bg):
+    messages = [{"role": "user", "content": [{"type": "future_marker", "cache_control": {"type": "ephemeral"}},
+                                             {"type": "text", "text": "Hi"}]},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "toolu_9", "name": "ToolSearch", "input": {"query": "select:WebFetch"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [
+                    {"type": "tool_reference", "tool_name": "WebFetch"}]}]}]
+    assert post_messages(bg, claude_code_body(messages=messages)).status_code == 200
+    assert "<tool_result>WebFetch</tool_result>" in live_text(bg)
+
+
+# ---------------------------------------------------------------- OpenAI completions and chat
+
+
+@pytest.fixture(scope="module")
+def oai(bg):
+    return openai.OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
+
+
+def test_completions_complete_raw_text(bg, oai):
+    done = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2, temperature=0)
+    tokenizer = bg.server.worker.tokenizer
+    assert done.usage.prompt_tokens == 1 + len(tokenizer.encode("Once upon a time"))  # BOS + the text
+    text = live_text(bg)
+    assert text.startswith("<｜begin▁of▁sentence｜>Once upon a time") and "<｜User｜>" not in text
+
+
+def test_a_prompt_list_gives_one_choice_per_prompt_and_echo_repeats_each(oai):
+    prompts = ["The sky is", "Two plus two"]
+    done = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=2, temperature=0, echo=True)
+    assert [c.index for c in done.choices] == [0, 1]
+    for prompt, choice in zip(prompts, done.choices):
+        alone = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        assert choice.text == prompt + alone.choices[0].text
+    assert done.usage.completion_tokens == 4
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=2, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == done.choices[0].text
+    with pytest.raises(openai.UnprocessableEntityError):
+        oai.completions.create(model=MODEL, prompt=prompts, max_tokens=2, stream=True)
+
+
+def test_completions_logprobs(oai):
+    done = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, logprobs=2)
+    logprobs = done.choices[0].logprobs
+    assert "".join(logprobs.tokens) == done.choices[0].text and len(logprobs.token_logprobs) == 3
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob <= 0 and len(top) <= 2
+        assert logprob == pytest.approx(max(top.values()), abs=1e-4)  # greedy: the sampled token is the best
+    assert logprobs.text_offset == [0, len(logprobs.tokens[0]), len(logprobs.tokens[0]) + len(logprobs.tokens[1])]
+    streamed = [c.choices[0].logprobs for c in oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.token_logprobs] == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+
+
+def test_chat_logprobs_plain_and_streamed(oai):
+    request = dict(model="deepseek-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+                   logprobs=True, top_logprobs=3)
+    done = oai.chat.completions.create(**request)
+    content = done.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(t.token for t in content) == done.choices[0].message.content
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+               for t in content)
+    chunks = list(oai.chat.completions.create(**request, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    plain = oai.chat.completions.create(**{**request, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(**{**request, "logprobs": False})
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+OPENING = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\""
+
+
+def answer_text(bg) -> str:
+    text = live_text(bg)
+    return text[text.rindex("<｜Assistant｜>") + len("<｜Assistant｜>"):]
+
+
+def test_a_forced_tool_choice_opens_a_tool_call(bg, oai, claude):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    oai.chat.completions.create(model="deepseek-chat", messages=messages, tools=[WEATHER], tool_choice="required",
+                                max_tokens=CAP)
+    assert answer_text(bg).startswith("</think>" + OPENING + 'get_weather">\n')  # the only tool
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    oai.chat.completions.create(model="deepseek-chat", messages=messages, tools=[WEATHER], tool_choice=named,
+                                max_tokens=CAP)
+    assert answer_text(bg).startswith("</think>" + OPENING + 'get_weather">\n')
+    time_tool = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+    oai.responses.create(model=MODEL, input="Weather?", tools=[{"type": "function", **WEATHER["function"]}, time_tool],
+                         tool_choice="required", max_output_tokens=CAP, extra_body={"thinking": False})
+    assert any(answer_text(bg).startswith("</think>" + OPENING + f'{name}">\n') for name in ("get_weather", "get_time"))
+    claude.messages.create(model=MODEL, max_tokens=CAP, messages=messages, tool_choice={"type": "tool", "name": "Bash"},
+                           tools=[{"name": "Bash", "input_schema": {"type": "object"}}])
+    assert answer_text(bg).startswith("</think>" + OPENING + 'Bash">\n')
+    auto = oai.chat.completions.create(model="deepseek-chat", messages=messages, tools=[WEATHER], max_tokens=3)
+    assert auto.choices[0].finish_reason == "length"
+
+
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "grade": {"enum": ["A", "B"]}},
+           "required": ["ok", "grade"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_is_enforced(oai):
+    messages = [{"role": "user", "content": "Judge it."}]
+    done = oai.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=30, response_format={
+        "type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True}})
+    verdict = json.loads(done.choices[0].message.content)
+    assert set(verdict) == {"ok", "grade"} and isinstance(verdict["ok"], bool) and verdict["grade"] in ("A", "B")
+    assert done.choices[0].finish_reason == "stop"  # the object is complete: only EOS may follow
+    response = oai.responses.create(model=MODEL, input="Judge it.", max_output_tokens=30,
+                                    extra_body={"thinking": False},
+                                    text={"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT}})
+    assert set(json.loads(response.output_text)) == {"ok", "grade"}
+    loose = oai.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=8,
+                                        response_format={"type": "json_object"})
+    assert loose.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectish"}}})
