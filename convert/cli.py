@@ -19,15 +19,21 @@ def register(subparsers):
     p.add_argument("--shard-size", type=float, default=5.0, metavar="GB", help="largest shard (default 5)")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it already exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tokenizer", metavar="DIR", help="a folder with the tokenizer.json to use (needed when the "
+                   "GGUF file carries no tokenizer; replaces the file's own otherwise)")
     p.set_defaults(func=run)
 
 
 def run(args):
-    convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet)
+    convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet,
+            tokenizer_dir=args.tokenizer, require_tokenizer=True)
 
 
-def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log=None):
-    """Convert; raise ValueError / OSError with a one-line message on bad input (nothing written)."""
+def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log=None, tokenizer_dir=None,
+            require_tokenizer=False):
+    """Convert; raise ValueError / OSError with a one-line message on bad input (nothing written).
+    The tokenizer is `tokenizer_dir`'s tokenizer.json if given, else the file's own; with
+    `require_tokenizer` (the command line), a model left without one is refused."""
     from ds4_mlx.convert.gguf import GGUFModel
 
     out = Path(out_dir).resolve()
@@ -38,10 +44,11 @@ def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: already exists (use --force to replace it)")
     model = GGUFModel(gguf_path)  # validates before anything is written
+    tokenizer = _tokenizer(model, gguf_path, tokenizer_dir, require_tokenizer)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
-        _write(model, tmp, int(shard_gb * 1e9), progress, log)
+        _write(model, tmp, int(shard_gb * 1e9), progress, log, tokenizer)
         if out.exists():  # --force or an empty folder: swap in, then drop the old one
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
@@ -57,12 +64,33 @@ def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log
     return out
 
 
-def _write(model, folder, shard_bytes, progress, log):
+def _tokenizer(model, gguf_path, tokenizer_dir, required):
+    """The tokenizer to save with the model, or None; checked before anything is written."""
+    from ds4_mlx.tokenizer import Tokenizer
+
+    if tokenizer_dir is None:
+        tokenizer = Tokenizer.from_gguf(model.metadata)
+        if tokenizer is None and required:
+            raise ValueError(f"{gguf_path}: the file carries no tokenizer, so the model could not read text; give "
+                             "one with --tokenizer DIR (a folder with its tokenizer.json)")
+        return tokenizer
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{tokenizer_dir}: no tokenizer.json in this folder (--tokenizer)")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises plain Exceptions on a bad file
+        raise ValueError(f"{path}: not a tokenizer ({' '.join(str(e).split())})") from None
+    if tokenizer.vocab_size > model.args.vocab_size:
+        raise ValueError(f"{path}: {tokenizer.vocab_size} tokens, more than the model's {model.args.vocab_size}")
+    return tokenizer
+
+
+def _write(model, folder, shard_bytes, progress, log, tokenizer):
     from tqdm import tqdm
 
     from ds4_mlx.convert.gguf import convert_chunks
     from ds4_mlx.convert.writer import ShardWriter, header_capacity
-    from ds4_mlx.tokenizer import Tokenizer
 
     names = [n for p in model.tensors for n in p.output_names()]
     writer = ShardWriter(str(folder), shard_bytes, header_capacity(names))
@@ -91,9 +119,8 @@ def _write(model, folder, shard_bytes, progress, log):
     config = model.args.to_dict()
     config["quantization"] = quantization
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    tok = Tokenizer.from_gguf(model.metadata)
-    if tok is not None:
-        tok.save(folder)
+    if tokenizer is not None:
+        tokenizer.save(folder)
 
 
 def main(argv=None):

@@ -310,7 +310,8 @@ def load_for_cli(model_path):
         model_path = demo_model_path()
     model, tokenizer = ds4_mlx.load(model_path)
     if tokenizer is None:
-        raise ValueError(f"{model_path}: the model has no tokenizer")
+        raise ValueError(f"{model_path}: the model has no tokenizer; convert its GGUF file again with "
+                         "`ds4-mlx convert --tokenizer DIR`")
     return model, tokenizer, is_demo
 
 

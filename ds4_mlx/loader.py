@@ -25,6 +25,9 @@ def load(path, *, quant_sim=None):
     path = Path(path)
     quant_sim = True if quant_sim is None else quant_sim
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: not a model folder (no config.json); give a .gguf file or a folder "
+                             "made by `ds4-mlx convert`")
         config = json.loads((path / "config.json").read_text())
         quantization = config.pop("quantization", {})
         weights = {}
