@@ -24,18 +24,23 @@ def register(subparsers):
     p.add_argument("--group-size", "--q-group-size", type=int, choices=(32, 64, 128), default=None,
                    help="group size of that format (default 64)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tokenizer", metavar="DIR", help="a folder with the tokenizer.json to use (needed when the "
+                   "GGUF file carries no tokenizer; replaces the file's own otherwise)")
     p.set_defaults(func=run)
 
 
 def run(args):
     convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet,
-            expert_bits=args.expert_bits, group_size=args.group_size)
+            expert_bits=args.expert_bits, group_size=args.group_size, tokenizer_dir=args.tokenizer,
+            require_tokenizer=True)
 
 
 def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log=None, expert_bits=None,
-            group_size=None, model=None):
+            group_size=None, model=None, tokenizer_dir=None, require_tokenizer=False):
     """Convert a .gguf file, or llama.cpp's split shards (any shard or their folder); raise ValueError /
-    OSError with a one-line message on bad input (nothing written). `model`: an already opened GGUFModel."""
+    OSError with a one-line message on bad input (nothing written). `model`: an already opened GGUFModel.
+    The tokenizer is `tokenizer_dir`'s tokenizer.json if given, else the file's own; with
+    `require_tokenizer` (the command line), a model left without one is refused."""
     from ds4_mlx.convert.gguf import GGUFModel
 
     out = Path(out_dir).resolve()
@@ -47,10 +52,11 @@ def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log
         raise ValueError(f"{out}: already exists (use --force to replace it)")
     if model is None:  # validates before anything is written
         model = GGUFModel(gguf_path, expert_bits=expert_bits, group_size=group_size)
+    tokenizer = _tokenizer(model, gguf_path, tokenizer_dir, require_tokenizer)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
-        _write(model, tmp, int(shard_gb * 1e9), progress, log)
+        _write(model, tmp, int(shard_gb * 1e9), progress, log, tokenizer)
         if out.exists():  # --force or an empty folder: swap in, then drop the old one
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
@@ -66,12 +72,33 @@ def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log
     return out
 
 
-def _write(model, folder, shard_bytes, progress, log):
+def _tokenizer(model, gguf_path, tokenizer_dir, required):
+    """The tokenizer to save with the model, or None; checked before anything is written."""
+    from ds4_mlx.tokenizer import Tokenizer
+
+    if tokenizer_dir is None:
+        tokenizer = Tokenizer.from_gguf(model.metadata)
+        if tokenizer is None and required:
+            raise ValueError(f"{gguf_path}: the file carries no tokenizer, so the model could not read text; give "
+                             "one with --tokenizer DIR (a folder with its tokenizer.json)")
+        return tokenizer
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{tokenizer_dir}: no tokenizer.json in this folder (--tokenizer)")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises plain Exceptions on a bad file
+        raise ValueError(f"{path}: not a tokenizer ({' '.join(str(e).split())})") from None
+    if tokenizer.vocab_size > model.args.vocab_size:
+        raise ValueError(f"{path}: {tokenizer.vocab_size} tokens, more than the model's {model.args.vocab_size}")
+    return tokenizer
+
+
+def _write(model, folder, shard_bytes, progress, log, tokenizer):
     from tqdm import tqdm
 
     from ds4_mlx.convert.gguf import OpenFiles, WidenScales, convert_chunks
     from ds4_mlx.convert.writer import ShardWriter, header_capacity
-    from ds4_mlx.tokenizer import Tokenizer
 
     names = [n for p in model.tensors for n, _, _ in p.outputs()]
     writer = ShardWriter(str(folder), shard_bytes, header_capacity(names))
@@ -108,9 +135,8 @@ def _write(model, folder, shard_bytes, progress, log):
     config = model.args.to_dict()
     config["quantization"] = quantization
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    tok = Tokenizer.from_gguf(model.metadata)
-    if tok is not None:
-        tok.save(folder)
+    if tokenizer is not None:
+        tokenizer.save(folder)
 
 
 def main(argv=None):

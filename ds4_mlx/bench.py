@@ -1,7 +1,12 @@
-"""`ds4-mlx bench`: speed and memory figures. Every sub-command takes --json and then prints one
-JSON object with its figures on the last line."""
+"""`ds4-mlx bench`: speed and memory figures. Every sub-command prints a table of its figures, or with
+--json one JSON object with them on the last line.
 
+On a CPU the model benches default to the tiny preset (seconds); real widths there take hours, so they
+first measure a few tokens and say how long the whole run will take."""
+
+import argparse
 import json
+import sys
 import statistics
 import time
 
@@ -50,24 +55,37 @@ def real_args(layers=2, **overrides):
     return ModelArgs(num_hidden_layers=layers, compress_ratios=ratios, num_hash_layers=0, **overrides)
 
 
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where there is none to show (flags, defaults chosen at run time)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
 def register(subparsers):
-    p = subparsers.add_parser("bench", help="speed and memory benchmarks")
+    p = subparsers.add_parser("bench", help="speed and memory benchmarks",
+                              description="Speed and memory benchmarks. Each prints a table of its figures, "
+                                          "or with --json one JSON object on the last line.")
     sub = p.add_subparsers(dest="bench", required=True)
     for name, fn, extra in BENCHES:
-        q = sub.add_parser(name, help=fn.__doc__.splitlines()[0])
-        q.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-        q.add_argument("--device", choices=["cpu", "gpu"], default=None)
+        q = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__,
+                           formatter_class=_HelpWithDefaults)
+        q.add_argument("--json", action="store_true", help="print one JSON object on the last line instead of a table")
+        q.add_argument("--device", choices=["cpu", "gpu"], default=None, help="(default: MLX's default device)")
         extra(q)
         q.set_defaults(func=lambda a, fn=fn: _run(fn, a))
 
 
 def _run(fn, args):
+    from ds4_mlx.bench_report import format_figures
+
     if args.device:
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
+    if getattr(args, "preset", "") is None:  # the model benches: real widths take hours on a CPU
+        args.preset = "tiny" if mx.default_device() == mx.cpu else "real"
     figures = fn(args)
     figures["device"] = str(mx.default_device())
-    if args.json:
-        print(json.dumps(figures))
+    print(json.dumps(figures) if args.json else format_figures(figures))
     return 0
 
 
@@ -77,7 +95,9 @@ def _timed(fn):
     return time.perf_counter() - t, out
 
 
-def _model_for(a):
+def _model_for(a, *, prefill_tokens: int, decode_steps: int):
+    """The bench's model. Real widths on a CPU first time a short prefill and two decode steps and say
+    how long `prefill_tokens` and `decode_steps` will take (a lower bound: attention grows with context)."""
     if a.preset == "tiny":
         from ds4_mlx.testing import tiny_args
 
@@ -85,14 +105,46 @@ def _model_for(a):
     overrides = {}
     if a.experts:
         overrides["n_routed_experts"] = a.experts
-    return random_model(real_args(a.layers, **overrides), seed=0, expert_bits=a.expert_bits)
+    on_cpu = mx.default_device() == mx.cpu
+    if on_cpu:
+        print("real V4 Flash widths on a CPU: building the model and timing a few tokens to estimate the run...",
+              file=sys.stderr, flush=True)
+    model = random_model(real_args(a.layers, **overrides), seed=0, expert_bits=a.expert_bits)
+    if on_cpu:
+        per_token, per_step = _time_tokens(model)
+        estimate = prefill_tokens * per_token + decode_steps * per_step
+        print(f"this run prefills {prefill_tokens:,} tokens and decodes {decode_steps:,}: at the {per_token:.2f} s "
+              f"per prefill token and {per_step:.2f} s per decode step measured here, at least "
+              f"{_duration(estimate)} more. --preset tiny takes seconds; real figures need Apple Silicon or CUDA "
+              "(--device gpu).", file=sys.stderr, flush=True)
+    return model
+
+
+def _time_tokens(model, prompt=32):
+    from ds4_mlx.session import Session
+
+    s = Session(model, rewind_slack=0)
+    ids = np.random.default_rng(0).integers(0, model.args.vocab_size, prompt).tolist()
+    prefill_s, logits = _timed(lambda: s.sync(ids))
+    token = int(mx.argmax(logits))
+    step_s, _ = _timed(lambda: [mx.eval(s.step(token)) for _ in range(2)])
+    return prefill_s / prompt, step_s / 2
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _model_options(q):
-    q.add_argument("--preset", choices=["real", "tiny"], default="real",
-                   help="real: V4 Flash widths with --layers layers and random quantized experts")
-    q.add_argument("--layers", type=int, default=2)
-    q.add_argument("--experts", type=int, default=None, help="routed experts (default 256)")
+    q.add_argument("--preset", choices=["real", "tiny"], default=None,
+                   help="real: V4 Flash widths with --layers layers and random quantized experts; tiny: the "
+                        "test model (default: tiny on a CPU, real on a GPU)")
+    q.add_argument("--layers", type=int, default=2, help="layers at real widths")
+    q.add_argument("--experts", type=int, default=None, help="routed experts at real widths (default: 256)")
     q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
 
 
@@ -100,7 +152,7 @@ def bench_model(a):
     """Prefill and decode tokens/s of a model of given dims (random weights)."""
     from ds4_mlx.session import Session
 
-    model = _model_for(a)
+    model = _model_for(a, prefill_tokens=a.repeats * a.prompt, decode_steps=a.repeats * a.decode)
     vocab = model.args.vocab_size
     rng = np.random.default_rng(0)
     prefill, decode = [], []
@@ -116,30 +168,31 @@ def bench_model(a):
             token = int(mx.argmax(logits))
             steps.append(t)
         decode.append(1 / statistics.median(steps))
-    figures = {"layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
-               "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits, "prompt": a.prompt,
+    figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
+               "experts": model.args.n_routed_experts,
+               "expert_bits": a.expert_bits if a.preset == "real" else 0, "prompt": a.prompt,
                "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
-    print(f"prefill {figures['prefill_tok_s']:.1f} tok/s ({a.prompt} tokens), "
-          f"decode {figures['decode_tok_s']:.2f} tok/s (median of {a.decode} steps)")
     return figures
 
 
 def _bench_model_options(q):
     _model_options(q)
-    q.add_argument("--prompt", type=int, default=512)
-    q.add_argument("--decode", type=int, default=16)
-    q.add_argument("--repeats", type=int, default=1)
+    q.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    q.add_argument("--decode", type=int, default=16, help="decode steps (their median is reported)")
+    q.add_argument("--repeats", type=int, default=1, help="runs (their median is reported)")
 
 
 def bench_rewind(a):
     """Resend after an aborted stream against a cold prefill, at several context lengths."""
     from ds4_mlx.session import Session
 
-    model = _model_for(a)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    model = _model_for(a, prefill_tokens=sum(contexts) + a.repeats * len(contexts),
+                       decode_steps=a.repeats * a.generated * len(contexts))
     vocab = model.args.vocab_size
     rng = np.random.default_rng(0)
     rows = []
-    for ctx in [int(c) for c in a.contexts.split(",")]:
+    for ctx in contexts:
         prompt = rng.integers(0, vocab, ctx).tolist()
         s = Session(model)
         cold_s, cold_logits = _timed(lambda: s.sync(prompt))
@@ -158,15 +211,16 @@ def bench_rewind(a):
         rows.append(row)
         print(f"ctx {ctx}: cold {cold_s:.2f} s, resend {row['resend_s'] * 1000:.1f} ms "
               f"(computed {row['computed']} tokens), ratio {row['ratio']:.5f}, "
-              f"max |logit diff| {row['max_logit_diff']:.2e}, session {row['session_mb']:.0f} MB")
+              f"max |logit diff| {row['max_logit_diff']:.2e}, session {row['session_mb']:.0f} MB",
+              file=sys.stderr, flush=True)  # progress: the table (or JSON) on stdout comes at the end
     return {"generated": a.generated, "results": rows}
 
 
 def _bench_rewind_options(q):
     _model_options(q)
-    q.add_argument("--contexts", default="2048,8192,32768")
+    q.add_argument("--contexts", default="2048,8192,32768", help="context lengths, comma-separated")
     q.add_argument("--generated", type=int, default=37, help="tokens streamed before the abort")
-    q.add_argument("--repeats", type=int, default=3)
+    q.add_argument("--repeats", type=int, default=3, help="resends per context (their median is reported)")
 
 
 def bench_convert(a):

@@ -33,8 +33,11 @@ def load(path, *, quant_sim=None, progress=True):
     `$DS4_MLX_HOME/converted` (named by the files' size, modification time and header hash) and reused."""
     path = Path(path)
     quant_sim = True if quant_sim is None else quant_sim
-    if path.is_dir() and (path / "config.json").exists():
+    if path.is_dir() and (path / "config.json").is_file():
         return _load_folder(path, quant_sim)
+    if path.is_dir() and not any(path.glob("*.gguf")):
+        raise ValueError(f"{path}: not a model folder (no config.json, no .gguf files); give a .gguf file, a folder "
+                         "of GGUF shards or a folder made by `ds4-mlx convert`")
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     from ds4_mlx.convert.gguf import GGUFModel

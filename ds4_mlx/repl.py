@@ -6,13 +6,14 @@ template tokens around it: the session always holds a prefix of the next prompt.
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from ds4_mlx.chat import (DEFAULT_SYSTEM, ContentDelta, OutputParser, ReasoningDelta, render,
+from ds4_mlx.chat import (DEFAULT_SYSTEM, EOS, ContentDelta, OutputParser, ReasoningDelta, render,
                           render_next_user_turn)
 from ds4_mlx.generate import (DEMO_NOTE, FINISH_ABORT, SamplingParams, add_sampling_arguments,
                               load_for_cli, sampling_from_args, stream_generate)
@@ -25,6 +26,9 @@ HELP = """Commands:
   /system TEXT    set the system prompt and start a new conversation (/system alone: none)
   /reset          start a new conversation
   /read FILE      send the contents of FILE as your message
+  /max N          answer with at most N tokens, reasoning included (/max alone: the current limit)
+  /save FILE      write the conversation to FILE as JSON messages
+  /load FILE      continue the conversation saved in FILE
   /stats          cache and speed figures
   /quit           leave (also /exit or Ctrl+D)
 Ctrl+C stops an answer; what was written so far stays in the conversation."""
@@ -45,6 +49,7 @@ class Conversation:
         self.system, self.thinking = system, thinking
         self.sampling, self.max_tokens = sampling, max_tokens
         self.transcript = []
+        self.messages = []  # the same conversation as OpenAI-style messages, for /save
         self.turns = 0
         self.last_stats = None
 
@@ -52,7 +57,34 @@ class Conversation:
         if system is not None:
             self.system = system
         self.transcript = []
+        self.messages = []
         self.turns = 0
+
+    def saved_messages(self) -> list:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+
+    def load_messages(self, messages: list):
+        """Continue a saved conversation: a system message (optional), then user and assistant turns,
+        the last one an answer. Raises ValueError, changing nothing, on anything else."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("expected a JSON array of messages")
+        has_system = bool(messages) and messages[0].get("role") == "system"
+        system = messages[0].get("content") if has_system else ""
+        if not isinstance(system, str):
+            raise ValueError("message 0: expected a system message with text content")
+        turns = messages[1:] if has_system else messages
+        for i, m in enumerate(turns):
+            role = "user" if i % 2 == 0 else "assistant"
+            if m.get("role") != role or not isinstance(m.get("content"), str) \
+                    or not isinstance(m.get("reasoning_content", ""), str):
+                raise ValueError(f"message {i + has_system}: expected a {role} message with text content")
+        if not turns or len(turns) % 2:
+            raise ValueError("expected user and assistant turns, the last one an answer")
+        text = render(messages, thinking=self.thinking, add_generation_prompt=False)
+        self.reset(system=system)
+        self.transcript = self.tokenizer.encode(text[:-len(EOS)])  # as after an answer: EOS comes with the next turn
+        self.messages = [dict(m) for m in turns]
+        self.turns = len(turns) // 2
 
     def prompt_ids(self, user_text: str) -> list:
         if not self.transcript:
@@ -74,7 +106,18 @@ class Conversation:
                 if len(self.session.tokens) >= len(prompt):  # else the prompt itself was cut short
                     self.transcript = prompt + chunk.stats.output_ids
                     self.turns += 1
+                    self.messages += [{"role": "user", "content": user_text}, self._answer(chunk.stats.output_ids)]
             yield chunk
+
+
+    def _answer(self, output_ids) -> dict:
+        parser = OutputParser(thinking=self.thinking)
+        events = parser.feed(self.tokenizer.decode(output_ids)) + parser.finish()
+        answer = {"role": "assistant", "content": "".join(e.text for e in events if isinstance(e, ContentDelta))}
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        if reasoning:
+            answer["reasoning_content"] = reasoning
+        return answer
 
 
 class Terminal:
@@ -225,6 +268,31 @@ def run_command(line, conversation, terminal) -> bool:
             return True
         terminal.write(f"[sending {argument}: {len(text)} characters]\n", dim=True)
         stream_answer(conversation, terminal, text)
+    elif name == "/max":
+        if not argument:
+            terminal.write(f"answers stop after {conversation.max_tokens} tokens\n")
+        elif argument.isdigit() and int(argument) > 0:
+            conversation.max_tokens = int(argument)
+            terminal.write(f"answers stop after {conversation.max_tokens} tokens\n")
+        else:
+            terminal.write("usage: /max N, a number of tokens above 0\n")
+    elif name in ("/save", "/load"):
+        if not argument:
+            terminal.write(f"usage: {name} FILE\n")
+            return True
+        path = Path(argument).expanduser()
+        try:
+            if name == "/save":
+                path.write_text(json.dumps(conversation.saved_messages(), ensure_ascii=False, indent=2) + "\n")
+                terminal.write(f"saved {conversation.turns} turn(s) to {argument}\n")
+            else:
+                conversation.load_messages(json.loads(path.read_text(encoding="utf-8")))
+                terminal.write(f"loaded {conversation.turns} turn(s) from {argument}; "
+                               f"{len(conversation.transcript)} tokens to read with the next message\n")
+        except OSError as e:
+            terminal.write(f"cannot {name[1:]} {argument}: {e.strerror or e}\n")
+        except ValueError as e:  # a JSON error is a ValueError too
+            terminal.write(f"cannot load {argument}: {e}\n")
     elif name == "/stats":
         terminal.write(stats_report(conversation) + "\n")
     else:

@@ -15,9 +15,13 @@ from aiohttp import web
 from ds4_mlx.server import anthropic_api, openai_api, responses_api
 from ds4_mlx.server.assembly import Answer, ToolCallMemory
 from ds4_mlx.server.errors import APIError, context_exceeded
+from ds4_mlx.server.loading import start_in_background
+from ds4_mlx.server.metrics import ServerMetrics
+from ds4_mlx.server.middleware import Access, add_cors_headers, gates
 from ds4_mlx.server.openapi import openapi_spec
 from ds4_mlx.server.protocol import Prepared, ServerInfo, parse_body
 from ds4_mlx.server.sse import COMMENT_KEEPALIVE, sse
+from ds4_mlx.server.tokens_api import routes as token_routes
 from ds4_mlx.server.worker import GenerationRequest, Job, Worker
 
 log = logging.getLogger("ds4_mlx.server")
@@ -30,14 +34,17 @@ def is_anthropic(request: web.Request) -> bool:
 
 
 class Server:
-    def __init__(self, worker: Worker, info: ServerInfo, *, keepalive_s: float = 5.0):
+    def __init__(self, worker: Worker, info: ServerInfo, *, keepalive_s: float = 5.0, access: Access = Access()):
         self.worker = worker
         self.info = info
         self.keepalive_s = keepalive_s
         self.tool_memory = ToolCallMemory()
+        self.access = access
+        self.metrics = ServerMetrics(self)
+        self.loaded = None  # the model load, a future once the app starts
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=256 * 2**20)
+        app = web.Application(middlewares=[self._errors, *gates(self.access, self)], client_max_size=256 * 2**20)
         app.add_routes([
             web.get("/health", self.health),
             web.get("/v1/models", self.models),
@@ -48,19 +55,32 @@ class Server:
             web.post("/v1/messages", self.messages),
             web.post("/v1/messages/count_tokens", self.count_tokens),
             web.post("/v1/responses", self.responses),
+            *token_routes(self),
         ])
+        self.metrics.install(app)
+        add_cors_headers(app, self.access)
         app.on_startup.append(self._start_worker)
         app.on_shutdown.append(self._fail_jobs)
         app.on_cleanup.append(self._stop_worker)
         return app
 
     async def _start_worker(self, app):
-        self.worker.start()  # loads the model: the server listens once it is ready
+        self.loaded = start_in_background(self.worker)  # the port is served meanwhile: 503s until ready
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded is not None and self.loaded.done() and not self.load_failed
+
+    @property
+    def load_failed(self) -> bool:
+        return self.loaded is not None and self.loaded.done() and self.loaded.exception() is not None
 
     async def _fail_jobs(self, app):
         self.worker.shutdown()  # open requests get an error now, so the server need not wait for them
 
     async def _stop_worker(self, app):
+        if not self.loaded.done():
+            return  # leaving during the load: the loading thread is a daemon, nothing to wait for
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
 
     # -- plain endpoints ------------------------------------------------------------------------------
@@ -148,6 +168,7 @@ class Server:
             elif kind == "error":
                 error = payload
             elif kind == "done":
+                self.metrics.finished(job.request.label, payload)
                 break
         if error is not None:
             raise APIError(500, error)
@@ -168,6 +189,7 @@ class Server:
                 except asyncio.TimeoutError:
                     kind, payload = "keepalive", None
                 if kind == "done":
+                    self.metrics.finished(job.request.label, payload)
                     if payload is not None and payload.finish_reason not in ("abort", "error"):
                         await self._write(response, responder.end(payload, answer))
                     break

@@ -9,13 +9,15 @@ from aiohttp import web
 
 from ds4_mlx.generate import stream_generate
 from ds4_mlx.server.app import Server
+from ds4_mlx.server.middleware import Access
 from ds4_mlx.server.protocol import ServerInfo
 from ds4_mlx.server.worker import Worker
 
 
 def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: int,
                  rewind_slack: int = 4096, checkpoint_every: int = 2048, keepalive_s: float = 5.0,
-                 generate=partial(stream_generate, yield_prefill=True), max_tokens: int | None = None) -> Server:
+                 generate=partial(stream_generate, yield_prefill=True), max_tokens: int | None = None,
+                 access: Access = Access()) -> Server:
     """`max_tokens` caps every request's output (a request asking for more stops there, as `length`)."""
     from ds4_mlx import Session
 
@@ -25,7 +27,7 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
                     session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every),
                     generate=generate)
-    return Server(worker, ServerInfo(model_id=model_id, ctx=ctx), keepalive_s=keepalive_s)
+    return Server(worker, ServerInfo(model_id=model_id, ctx=ctx), keepalive_s=keepalive_s, access=access)
 
 
 def capped(generate, cap: int):
@@ -41,8 +43,9 @@ class BackgroundServer:
             OpenAI(base_url=bg.url + "/v1", api_key="-")
     """
 
-    def __init__(self, server: Server, host: str = "127.0.0.1"):
+    def __init__(self, server: Server, host: str = "127.0.0.1", *, wait_ready: bool = True):
         self.server = server
+        self.wait_ready = wait_ready
         self.host = host
         with socket.socket() as s:
             s.bind((host, 0))
@@ -66,3 +69,5 @@ class BackgroundServer:
         self._runner = web.AppRunner(self.server.app(), access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
+        if self.wait_ready:
+            await self.server.loaded

@@ -1,14 +1,25 @@
-"""`ds4-mlx serve`: the OpenAI and Anthropic compatible HTTP server."""
+"""`ds4-mlx serve`: the OpenAI and Anthropic compatible HTTP server.
 
+The port is bound first, so a busy port fails at once; the model loads after, while `/health` answers
+`loading` and generation requests get 503; a `ready:` line says when requests are served.
+"""
+
+import asyncio
+import errno
 import logging
+import os
+import signal
+import socket
 import sys
+
+THINKING_NOTE = ("thinking is on by default: answers start with reasoning (reasoning_content, thinking blocks); "
+                 "for a direct answer send \"thinking\": {\"type\": \"disabled\"} or use the model name deepseek-chat")
 
 
 def run_serve(args):
-    from aiohttp import web
-
     from ds4_mlx.generate import DEMO_NOTE, load_for_cli
     from ds4_mlx.server.build import build_server
+    from ds4_mlx.server.middleware import Access
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s",
                         datefmt="%m%d %H:%M:%S")
@@ -17,19 +28,72 @@ def run_serve(args):
         raise ValueError("--sessions must be at least 1 and --ctx at least 2")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+
     def load():
         model, tokenizer, is_demo = load_for_cli(args.model)
         if is_demo:
             log.info(DEMO_NOTE)
+        server.info.ctx = fit_context(args.ctx, model.args.max_position_embeddings, log)
         return model, tokenizer
 
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
-                          checkpoint_every=args.checkpoint_every, max_tokens=args.max_tokens)
-    log.info(f"loading the model, then serving {args.model_id} on http://{args.host}:{args.port} "
-             f"(ctx {args.ctx}, {args.sessions} live session(s), {args.cache_gib:g} GiB for them)")
-    web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
-    return 0
+                          checkpoint_every=args.checkpoint_every, max_tokens=args.max_tokens,
+                          access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ())))
+    sock = listen(args.host, args.port)
+    return asyncio.run(serve(server, sock, log))
+
+
+def fit_context(requested: int, model_max: int, log) -> int:
+    """The context to serve: --ctx, or the model's own limit when --ctx asks for more."""
+    if requested <= model_max:
+        return requested
+    log.warning(f"--ctx {requested} is more than this model's context of {model_max} tokens: serving {model_max}")
+    return model_max
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket, before anything loads: a busy port is refused at once."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be from 0 to 65535, not {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}: {e.strerror}") from None
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        hint = " (another server is running there? pick another with --port)" if e.errno == errno.EADDRINUSE else ""
+        raise OSError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}{hint}") from None
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve(server, sock: socket.socket, log) -> int:
+    from aiohttp import web
+
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()  # starts loading the model in the background
+    try:
+        await web.SockSite(runner, sock).start()
+        url = url_of(sock)
+        log.info(f"listening on {url}; loading the model ({url}/health says \"loading\" until it is ready)")
+        await server.loaded
+        info, n = server.info, len(server.worker.slots)
+        log.info(f"serving {info.model_id} (ctx {info.ctx}, {n} live session(s))")
+        log.info(THINKING_NOTE)
+        log.info(f"ready: {url} (OpenAI: /v1, Anthropic: /v1/messages)")
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        return 0
+    finally:
+        await runner.cleanup()
 
 
 def register(subparsers):
@@ -40,8 +104,9 @@ def register(subparsers):
     p.add_argument("-m", "--model", help="a .gguf file or converted MLX folder "
                    "(default: the built-in demo model, random weights: gibberish text)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--ctx", type=int, default=32768, help="context length in tokens (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="(default %(default)s; 0 picks a free port)")
+    p.add_argument("--ctx", type=int, default=32768,
+                   help="context length in tokens, at most the model's (default %(default)s)")
     p.add_argument("--sessions", type=int, default=2, help="live sessions kept in memory (default %(default)s)")
     p.add_argument("--cache-gib", type=float, default=16.0,
                    help="memory budget of the live sessions; least recently used ones are emptied beyond it")
@@ -50,4 +115,8 @@ def register(subparsers):
     p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints")
     p.add_argument("--max-tokens", type=int, help="most tokens any request may generate (default: the "
                    "context); a request asking for more stops there with finish reason length")
+    p.add_argument("--api-key", help="require this key from clients, as 'Authorization: Bearer KEY' or "
+                   "'x-api-key: KEY' (/health stays open)")
+    p.add_argument("--cors", action="append", metavar="ORIGIN",
+                   help="let web pages from ORIGIN call the server (repeatable; * for any origin)")
     p.set_defaults(func=run_serve)

@@ -54,14 +54,33 @@ class Outcome:
     def cached_tokens(self) -> int:
         return self.reused
 
+    RATE_MIN_TOKENS = 16  # below this, a speed measures overhead, not the model
+
     def log_line(self, label: str) -> str:
-        prefill_tps = (self.computed + self.replayed) / self.prefill_s if self.prefill_s > 0 else 0.0
-        decode_tps = self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
-        return (f"{label} slot={self.slot} live={self.live} prompt={self.prompt_tokens} common={self.common} "
-                f"reused={self.reused} replayed={self.replayed} computed={self.computed} "
-                f"gen={self.completion_tokens} prefill={self.prefill_s:.3f}s ({prefill_tps:.1f} t/s) "
-                f"decode={self.decode_s:.3f}s ({decode_tps:.1f} t/s) finish={self.finish_reason} "
-                f"miss={self.miss or '-'}")
+        """One line a user can act on: hit, partial hit or miss and why, then the work done (speeds only
+        for at least `RATE_MIN_TOKENS` tokens)."""
+        def took(seconds: float, tokens: int) -> str:
+            rate = f" ({tokens / seconds:.1f} t/s)" if tokens >= self.RATE_MIN_TOKENS and seconds > 0 else ""
+            return f"{seconds:.2f} s{rate}"
+
+        slot = f"slot {self.slot}"
+        if self.miss is None:
+            kind = "hit: " + (f"{slot} already holds this prompt (a resend)" if self.prompt_tokens <= self.live
+                              else f"{slot} continues its conversation")
+        elif self.live == 0:
+            kind = f"miss: new conversation in empty {slot}"
+        elif self.miss.startswith("diverged"):
+            kind = (f"partial hit: the prompt leaves {slot}'s conversation at token {self.common} of "
+                    f"{self.live} (an edited or regenerated turn)")
+        else:
+            kind = (f"miss: the prompt continues no live session; {slot}'s other conversation ({self.live} "
+                    f"tokens, {self.common} in common) was dropped for it (--sessions keeps more)")
+        prompt = f"prompt {self.prompt_tokens} tokens: {self.reused} reused"
+        if self.replayed:
+            prompt += f", {self.replayed} replayed"
+        prompt += f", {self.computed} computed in {took(self.prefill_s, self.replayed + self.computed)}"
+        answer = f"answer {self.completion_tokens} tokens in {took(self.decode_s, self.completion_tokens)}"
+        return f"{label} {kind}; {prompt}; {answer}, finish {self.finish_reason}"
 
 
 class Job:
@@ -234,7 +253,7 @@ class Worker:
         slot.busy = False
         slot.last_used = time.monotonic()
         outcome = self._outcome(run, last_chunk)
-        log.info(outcome.log_line(run.job.request.label))
+        log.info(outcome.log_line(run.job.request.label), extra={"outcome": outcome})  # tests read the figures
         self._keep_within_budget(slot)
         for s in self.slots:
             s.nbytes = s.session.nbytes

@@ -1,5 +1,7 @@
 """Sampling, stop conditions, streaming text, and the cache contract of stream_generate."""
 
+import re
+
 import mlx.core as mx
 import pytest
 
@@ -202,13 +204,47 @@ def test_follow_up_reuses_the_whole_cache(demo):
         prompt = session.tokens + follow_up
 
 
-def test_generate_command_prints_a_completion(demo):
+def _generate_cli(*args):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "generate", "-p", "Hi", "-n", "4",
-                             "--nothink", "--temp", "0"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "generate", "-p", "Hi", "--temp", "0", *args],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "gibberish" in result.stderr
-    assert "[length: prompt 10 tokens" in result.stderr and "generated 4 tokens" in result.stderr
-    assert result.stdout.strip()
+    return result.stdout, result.stderr
+
+
+def _expected(demo, n, thinking):
+    """(reasoning, answer) of the same greedy run, streamed in-process."""
+    from ds4_mlx import Session
+    from ds4_mlx.chat import DEFAULT_SYSTEM, ContentDelta, OutputParser, ReasoningDelta, render
+
+    model, tokenizer = demo
+    prompt = render([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": "Hi"}], thinking=thinking)
+    parser = OutputParser(thinking=thinking)
+    text = "".join(c.text for c in stream_generate(Session(model), tokenizer, tokenizer.encode(prompt), max_tokens=n,
+                                                    sampling=SamplingParams(temperature=0)))
+    events = parser.feed(text) + parser.finish()
+    return ("".join(e.text for e in events if isinstance(e, ReasoningDelta)),
+            "".join(e.text for e in events if isinstance(e, ContentDelta)))
+
+
+def test_generate_command_answer_on_stdout_figures_on_their_own_line(demo):
+    _, answer = _expected(demo, 4, thinking=False)
+    out, err = _generate_cli("-n", "4", "--nothink")
+    assert out == answer.lstrip() + "\n" and answer.strip()
+    lines = err.splitlines()
+    assert "gibberish" in lines[0]
+    assert re.fullmatch(r"\[length: prompt 10 tokens, \d+\.\d\d s; generated 4 tokens, \d+\.\d\d s\]", lines[-1])
+
+
+def test_generate_command_shows_reasoning_only_when_asked(demo):
+    reasoning, answer = _expected(demo, 24, thinking=True)
+    assert reasoning.strip() and not answer  # the demo model never ends its reasoning this soon
+    out, err = _generate_cli("-n", "24")
+    assert out == "" and reasoning not in err
+    assert "no answer yet: all 24 tokens went to reasoning" in err
+    assert re.fullmatch(r"\[length: prompt 10 tokens, .*; generated 24 tokens, .* t/s\]", err.splitlines()[-1])
+    out, err = _generate_cli("-n", "24", "--show-reasoning")
+    assert out == "" and reasoning in err
+    assert err.splitlines()[-1].startswith("[length: prompt 10 tokens")  # not glued to the reasoning

@@ -3,7 +3,6 @@ and resend scenario, slots for alternating clients, miss reasons, an abort durin
 
 import contextlib
 import logging
-import re
 import threading
 import time
 
@@ -27,9 +26,11 @@ def served(*, sessions=2, keepalive_s=5.0, ctx=8192, budget_bytes=2**32):
 
 
 def request_lines(caplog) -> list[dict]:
-    """The per-request log lines, as dicts of their key=value fields."""
-    lines = [r.getMessage() for r in caplog.records if r.name == "ds4_mlx.server" and " slot=" in r.getMessage()]
-    return [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines]
+    """The figures of the per-request log lines (the `Outcome` each record carries)."""
+    outcomes = [r.outcome for r in caplog.records if r.name == "ds4_mlx.server" and hasattr(r, "outcome")]
+    return [{"slot": str(o.slot), "live": str(o.live), "prompt": str(o.prompt_tokens), "common": str(o.common),
+             "reused": str(o.reused), "replayed": str(o.replayed), "computed": str(o.computed),
+             "gen": str(o.completion_tokens), "finish": o.finish_reason, "miss": o.miss or "-"} for o in outcomes]
 
 
 def streamed_text(stream) -> str:

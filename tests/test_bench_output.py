@@ -1,0 +1,52 @@
+"""`ds4-mlx bench`: a table without --json, one JSON object on the last line with it, defaults in --help,
+and the tiny preset by default on a CPU."""
+
+import json
+
+import pytest
+
+from ds4_mlx import cli
+
+
+def bench(capsys, *argv):
+    assert cli.main(["bench", *argv]) == 0
+    return capsys.readouterr()
+
+
+def test_model_bench_prints_a_table_or_json(capsys):
+    out = bench(capsys, "model", "--prompt", "64", "--decode", "4").out.splitlines()
+    assert out[0].split() == ["figure", "value"] and set(out[1]) == {"-", " "}
+    rows = dict(line.split(None, 1) for line in out[2:])
+    assert rows["preset"] == "tiny"  # the default on a CPU
+    assert float(rows["prefill_tok_s"].replace(",", "")) > 0 and rows["prompt"] == "64"
+    last = bench(capsys, "model", "--prompt", "64", "--decode", "4", "--json").out.splitlines()[-1]
+    figures = json.loads(last)
+    assert figures["preset"] == "tiny" and set(figures) == set(rows)
+
+
+def test_rewind_bench_table_has_a_row_per_context(capsys):
+    captured = bench(capsys, "rewind", "--contexts", "64,128", "--repeats", "1")
+    lines = captured.out.splitlines()
+    header = lines.index("results:") + 1
+    assert lines[header].split() == ["context", "cold_s", "resend_s", "ratio", "computed", "max_logit_diff",
+                                     "session_mb"]
+    assert [line.split()[0] for line in lines[header + 2:]] == ["64", "128"]
+    assert captured.err.count("ctx ") == 2  # progress goes to stderr
+
+
+def test_convert_bench_prints_a_table(capsys, monkeypatch):
+    from ds4_mlx.convert import bench as convert_bench
+
+    monkeypatch.setattr(convert_bench, "bench_convert", lambda size_gb: {"gguf_gb": size_gb, "mb_per_s": 812.5,
+                                                                          "within_bound": True})
+    out = bench(capsys, "convert", "--size-gb", "0.5").out
+    assert [line.split() for line in out.splitlines()[2:5]] == [["gguf_gb", "0.5"], ["mb_per_s", "812.50"],
+                                                                ["within_bound", "True"]]
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "rewind", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 2048,8192,32768)" in text and "(default: 37)" in text
+    assert "(default: tiny on a CPU, real on a GPU)" in text
