@@ -13,11 +13,12 @@ import traceback
 
 from aiohttp import web
 
-from ds4_mlx.server import anthropic_api, openai_api, responses_api
+from ds4_mlx.server import anthropic_api, openai_api, responses_api, webui
 from ds4_mlx.server.assembly import Answer, ToolCallMemory
 from ds4_mlx.server.errors import APIError, context_exceeded
 from ds4_mlx.server.openapi import openapi_spec
 from ds4_mlx.server.protocol import Prepared, ServerInfo
+from ds4_mlx.server.sessions_api import sessions_snapshot
 from ds4_mlx.server.sse import COMMENT_KEEPALIVE, sse
 from ds4_mlx.server.worker import GenerationRequest, Job, Worker
 
@@ -49,6 +50,8 @@ class Server:
             web.post("/v1/messages", self.messages),
             web.post("/v1/messages/count_tokens", self.count_tokens),
             web.post("/v1/responses", self.responses),
+            web.get("/v1/sessions", self.sessions),
+            *webui.routes(),
         ])
         app.on_startup.append(self._start_worker)
         app.on_cleanup.append(self._stop_worker)
@@ -81,6 +84,9 @@ class Server:
 
     async def openapi(self, request):
         return web.json_response(openapi_spec(self.info))
+
+    async def sessions(self, request):
+        return web.json_response(sessions_snapshot(self.worker, self.info))
 
     # -- generation endpoints -------------------------------------------------------------------------
 
