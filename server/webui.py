@@ -10,7 +10,7 @@ WEB_DIR = Path(__file__).parent / "web"
 # even if it reached the DOM as markup (the page builds text nodes, this is a second lock).
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                               "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",
 }

@@ -23,8 +23,9 @@ ARTIFACTS = Path(os.environ.get("DS4_MLX_ARTIFACTS", Path(__file__).parent.paren
 # A prompt holding MARKER gets MARKUP as the start of its answer, before the model's own text: output a
 # page must show as text. The rest (prefill, session, figures) is the real generation.
 MARKER = "show me some markup"
-MARKUP = ['<script>document.title = "pwned"</script> ', '<img src=x onerror="document.title = \'pwned\'">',
-          " <b>bold tag</b> and **real bold**\n\n", "```html\n<script>alert(1)</script>\n```\n"]
+MARKUP = ['<script>document.title = "pwned"</script>\n\n', '<img src=x onerror="document.title = \'pwned\'">',
+          " <b>bold tag</b> and **real bold**\n\n", "- <b>item</b>\n\n", "```html\n<script>alert(1)</script>\n```\n",
+          "[run](javascript:alert(1)) [docs](https://example.com/docs)\n"]
 
 
 def generate_with_markup(session, tokenizer, prompt_ids, **kwargs):
@@ -90,17 +91,21 @@ def test_sessions_report_the_figures_of_each_request_and_no_text(server):
 
 @pytest.fixture(scope="module")
 def browser():
+    playwright = None
     try:
         from playwright.sync_api import sync_playwright
 
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
-            yield browser
-            browser.close()
+        playwright = sync_playwright().start()
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
     except Exception as e:  # noqa: BLE001 - no browser is a skip here, and a failure under CI
+        if playwright is not None:
+            playwright.stop()
         if os.environ.get("CI") == "true":
             pytest.fail(f"no browser: {type(e).__name__}: {e}")
         pytest.skip(f"no browser ({CHROMIUM}): {type(e).__name__}: {e}")
+    yield browser
+    browser.close()
+    playwright.stop()
 
 
 @pytest.fixture
@@ -118,13 +123,15 @@ def page(browser, server):
 
     context.route("**/*", only_the_server)
     page = context.new_page()
-    dialogs = []
+    dialogs, errors = [], []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    page.on("console", lambda message: message.type == "error" and errors.append(message.text))
+    page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(server.url + "/")
     page.wait_for_selector("#slots tbody tr")  # the script ran and read /v1/sessions
     yield page
     context.close()
-    assert elsewhere == [] and dialogs == []
+    assert elsewhere == [] and dialogs == [] and errors == []
 
 
 def send(page, text, *, thinking, max_tokens=None):
@@ -138,14 +145,15 @@ def answers(page):
     return page.locator(".turn.assistant")
 
 
-def save_screenshot(page, request, name):
+def save_screenshot(page, capsys, name):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / name
     page.screenshot(path=str(path), full_page=True)
-    request.config.pluginmanager.get_plugin("terminalreporter").write_line(f"\nweb page screenshot: {path}")
+    with capsys.disabled():
+        print(f"\nweb page screenshot: {path}")
 
 
-def test_chat_streams_stops_and_the_next_message_reuses_the_session(page, request):
+def test_chat_streams_stops_and_the_next_message_reuses_the_session(page, capsys):
     long_message = "Summarize these items: " + " ".join(f"item{i}" for i in range(300))
     send(page, long_message, thinking=False)
     first = answers(page).nth(0)
@@ -171,7 +179,7 @@ def test_chat_streams_stops_and_the_next_message_reuses_the_session(page, reques
     page.wait_for_function("""() => [...document.querySelectorAll('#slots td[data-field="reused"]')]
                                     .some(cell => Number(cell.textContent) > 300)""")
     assert page.locator("#chart rect.reused").count() >= 2
-    save_screenshot(page, request, "web-chat.png")
+    save_screenshot(page, capsys, "web-chat.png")
 
     send(page, "Think first, then answer.", thinking=True, max_tokens=5)
     page.wait_for_selector('.turn.assistant[data-state="done"] >> nth=1')
@@ -183,15 +191,18 @@ def test_chat_streams_stops_and_the_next_message_reuses_the_session(page, reques
     assert answers(page).count() == 0
 
 
-def test_model_output_markup_is_shown_as_text(page, request):
+def test_model_output_markup_is_shown_as_text(page, capsys):
     send(page, MARKER, thinking=False, max_tokens=3)
     page.wait_for_selector('.turn.assistant[data-state="done"]', timeout=60_000)
     content = answers(page).nth(0).locator(".content")
     text = content.text_content()
     assert '<script>document.title = "pwned"</script>' in text
     assert "<img src=x onerror=\"document.title = 'pwned'\">" in text and "<b>bold tag</b>" in text
+    assert content.locator("li").text_content() == "<b>item</b>"
     assert content.locator("code").text_content() == "<script>alert(1)</script>"  # a fenced block
     assert content.locator("strong").text_content() == "real bold"  # Markdown still renders
+    assert "[run](javascript:alert(1))" in text  # only http(s) links become links
+    assert [a.get_attribute("href") for a in content.locator("a").all()] == ["https://example.com/docs"]
     assert page.locator("#messages img, #messages script, #messages b").count() == 0
     assert page.title() == "ds4-mlx"
 
@@ -201,4 +212,4 @@ def test_model_output_markup_is_shown_as_text(page, request):
     assert reasoning.startswith('<script>document.title = "pwned"</script>')
     assert page.locator("#messages img, #messages script, #messages b").count() == 0
     assert page.title() == "ds4-mlx"
-    save_screenshot(page, request, "web-markup.png")
+    save_screenshot(page, capsys, "web-markup.png")
