@@ -107,6 +107,12 @@ function scrollToEnd() {
   box.scrollTop = box.scrollHeight;
 }
 
+// a reader who scrolled up to read is left there while the answer grows
+function atEnd() {
+  const box = $("messages");
+  return box.scrollHeight - box.scrollTop - box.clientHeight < 60;
+}
+
 class AnswerView {
   constructor() {
     this.node = addTurn("assistant");
@@ -127,20 +133,21 @@ class AnswerView {
   add(delta) {
     if (delta.reasoning_content) this.reasoning += delta.reasoning_content;
     if (delta.content) this.content += delta.content;
-    if (!this.pending) { // one render per frame, however fast tokens come
+    if (!this.pending) { // one render per 30 ms, however fast tokens come
       this.pending = true;
       setTimeout(() => { this.pending = false; this.render(); }, 30);
     }
   }
 
   render() {
+    const follow = atEnd();
     if (this.reasoning) {
       this.thinking.hidden = false;
       this.reasoningNode.textContent = this.reasoning;
     }
     renderMarkdown(this.contentNode, this.content);
     if (this.node.dataset.state === "streaming") this.figuresNode.textContent = "answering…";
-    scrollToEnd();
+    if (follow) scrollToEnd();
   }
 
   finish(state, figures) {
@@ -373,7 +380,9 @@ document.addEventListener("DOMContentLoaded", () => {
       $("composer").requestSubmit();
     }
   });
-  $("stop").addEventListener("click", () => chat.controller && chat.controller.abort());
+  const stop = () => chat.controller && chat.controller.abort();
+  $("stop").addEventListener("click", stop);
+  document.addEventListener("keydown", (event) => { if (event.key === "Escape") stop(); });
   $("new-chat").addEventListener("click", newChat);
   pollSessions();
 });
