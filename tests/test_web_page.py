@@ -172,7 +172,9 @@ def test_chat_streams_stops_and_the_next_message_reuses_the_session(page, capsys
     page.wait_for_selector('.turn.assistant[data-state="done"]', timeout=60_000)
     cost = second.locator(".figures").text_content()
     reused = int(cost.split(" tokens: ")[1].split(" reused")[0])
-    assert reused > 300  # the long first message came from the cache
+    stopped, resent = requests.get(page.url + "v1/sessions", timeout=10).json()["requests"][-2:]
+    assert stopped["finish_reason"] == "abort" and resent["reused_tokens"] == reused
+    assert reused >= stopped["prompt_tokens"] > 300  # the first prompt, kept through the stop, came from the cache
     assert "6 generated at" in cost and "computed" in cost and "prefill" in cost
 
     # the table reads the same figures from /v1/sessions
