@@ -12,7 +12,7 @@ import traceback
 
 from aiohttp import web
 
-from ds4_mlx.server import anthropic_api, openai_api, responses_api
+from ds4_mlx.server import anthropic_api, openai_api, responses_api, webui
 from ds4_mlx.server.assembly import Answer, ToolCallMemory
 from ds4_mlx.server.errors import APIError, context_exceeded
 from ds4_mlx.server.loading import start_in_background
@@ -20,6 +20,7 @@ from ds4_mlx.server.metrics import ServerMetrics
 from ds4_mlx.server.middleware import Access, add_cors_headers, gates
 from ds4_mlx.server.openapi import openapi_spec
 from ds4_mlx.server.protocol import Prepared, ServerInfo, parse_body
+from ds4_mlx.server.sessions_api import sessions_snapshot
 from ds4_mlx.server.sse import COMMENT_KEEPALIVE, sse
 from ds4_mlx.server.tokens_api import routes as token_routes
 from ds4_mlx.server.worker import GenerationRequest, Job, Worker
@@ -56,6 +57,8 @@ class Server:
             web.post("/v1/messages/count_tokens", self.count_tokens),
             web.post("/v1/responses", self.responses),
             *token_routes(self),
+            web.get("/v1/sessions", self.sessions),
+            *webui.routes(),
         ])
         self.metrics.install(app)
         add_cors_headers(app, self.access)
@@ -104,6 +107,9 @@ class Server:
 
     async def openapi(self, request):
         return web.json_response(openapi_spec(self.info))
+
+    async def sessions(self, request):
+        return web.json_response(sessions_snapshot(self.worker, self.info))
 
     # -- generation endpoints -------------------------------------------------------------------------
 

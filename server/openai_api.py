@@ -11,6 +11,7 @@ from ds4_mlx.server.constraints import constrained, forced_tool_call, response_f
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
+from ds4_mlx.server.sessions_api import request_figures
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -116,7 +117,8 @@ def include_usage(body: dict) -> bool:
 def usage(outcome) -> dict:
     return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+            "ds4_mlx": request_figures(outcome)}  # an extension OpenAI clients ignore: what the prompt cost
 
 
 def tool_call_json(call: ToolCall, index: int | None = None) -> dict:

@@ -1,5 +1,7 @@
 """`/openapi.json`: the endpoints this server answers, with their main request fields."""
 
+from ds4_mlx.server.sessions_api import SESSIONS_SCHEMA
+
 
 def _post(summary: str, required: list[str], properties: dict) -> dict:
     schema = {"type": "object", "required": required, "properties": properties}
@@ -30,6 +32,12 @@ def openapi_spec(info) -> dict:
         "paths": {
             "/health": _get("server status: slots, their token counts, queue length"),
             "/v1/models": _get("the served model, with its context_length"),
+            "/v1/sessions": {"get": {
+                "summary": "the live session slots (tokens held, bytes, idle seconds, the last request's figures) "
+                           "and recent requests' figures: prompt tokens reused, replayed and computed, prefill "
+                           "and decode tokens/s; counts only, never text",
+                "responses": {"200": {"description": "OK",
+                                      "content": {"application/json": {"schema": SESSIONS_SCHEMA}}}}}},
             "/v1/chat/completions": _post("OpenAI chat completion", ["messages"], {
                 "model": S, "messages": A, "tools": A, "tool_choice": {"oneOf": [S, O]}, "stream": B,
                 "stream_options": O, "max_tokens": I, "max_completion_tokens": I, "stop": {"oneOf": [S, A]},

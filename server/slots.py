@@ -26,6 +26,7 @@ class Slot:
     busy: bool = False
     last_used: float = 0.0
     nbytes: int = 0  # the session's bytes, refreshed by the worker thread (readers must not touch arrays)
+    last_outcome: object = None  # the worker's Outcome of the last request served here (plain numbers)
 
     @property
     def tokens(self) -> list[int]:

@@ -24,6 +24,8 @@ from ds4_mlx.server.slots import Placement, Slot, place
 
 log = logging.getLogger("ds4_mlx.server")
 
+RECENT_REQUESTS = 200  # finished requests whose figures /v1/sessions reports
+
 
 @dataclass
 class GenerationRequest:
@@ -125,6 +127,7 @@ class Worker:
         self._load_error = None
         self._generate = generate
         self._pending: deque[Job] = deque()
+        self.recent: deque[tuple[float, Outcome]] = deque(maxlen=RECENT_REQUESTS)  # (unix time, outcome)
         self._running: list[_Running] = []
         self._cond = threading.Condition()
         self._stopping = False
@@ -254,6 +257,8 @@ class Worker:
         slot.last_used = time.monotonic()
         outcome = self._outcome(run, last_chunk)
         log.info(outcome.log_line(run.job.request.label), extra={"outcome": outcome})  # tests read the figures
+        slot.last_outcome = outcome
+        self.recent.append((time.time(), outcome))
         self._keep_within_budget(slot)
         for s in self.slots:
             s.nbytes = s.session.nbytes
