@@ -32,7 +32,9 @@ def load(path, *, quant_sim=None):
             weights.update(mx.load(str(f)))
         args = dsv4.ModelArgs.from_dict(config)
         tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-        return build_model(args, weights, quantization, quant_sim=quant_sim), tok
+        model = build_model(args, weights, quantization, quant_sim=quant_sim)
+        model.weight_files = [(f.name, f.stat().st_size) for f in sorted(path.glob("*.safetensors"))]
+        return model, tok
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     from ds4_mlx.convert.gguf import GGUFModel
@@ -40,4 +42,6 @@ def load(path, *, quant_sim=None):
     g = GGUFModel(path)
     quantization = {}
     weights = dict(g.iter_weights(quantization))
-    return build_model(g.args, weights, quantization, quant_sim=quant_sim), Tokenizer.from_gguf(g.metadata)
+    model = build_model(g.args, weights, quantization, quant_sim=quant_sim)
+    model.weight_files = [(path.name, path.stat().st_size)]  # names and sizes identify saved sessions' model
+    return model, Tokenizer.from_gguf(g.metadata)

@@ -102,6 +102,20 @@ class Session:
         for c, s in zip(self.cache, layers):
             c.restore(s)
 
+    def save(self, path, *, history=512):
+        """Write the session to one safetensors file (`ds4_mlx.cache.state`), with what a rewind of up
+        to `history` tokens needs after loading; returns the file size."""
+        from ds4_mlx.cache.state import export_session, write_state_file
+
+        return write_state_file(path, *export_session(self, history))
+
+    def load(self, path):
+        """Hold the state saved in `path`. Raises `StateFileError` (the session unchanged) for a file
+        that is corrupt, truncated, or written by another model or setting."""
+        from ds4_mlx.cache.state import import_session, read_state_file
+
+        import_session(self, *read_state_file(path))
+
     @property
     def nbytes(self):
         layers = sum(c.nbytes for c in self.cache)
