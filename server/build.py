@@ -14,12 +14,12 @@ from ds4_mlx.server.worker import Worker
 
 def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: int,
                  rewind_slack: int = 4096, checkpoint_every: int = 2048, keepalive_s: float = 5.0,
-                 generate=stream_generate) -> Server:
+                 generate=stream_generate, disk=None) -> Server:
     from ds4_mlx import Session
 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
                     session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every),
-                    generate=generate)
+                    generate=generate, disk=disk)
     return Server(worker, ServerInfo(model_id=model_id, ctx=ctx), keepalive_s=keepalive_s)
 
 

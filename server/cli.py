@@ -3,6 +3,8 @@
 import logging
 import sys
 
+from ds4_mlx.cache import add_disk_arguments
+
 
 def run_serve(args):
     from aiohttp import web
@@ -21,9 +23,11 @@ def run_serve(args):
             log.info(DEMO_NOTE)
         return model, tokenizer
 
+    from ds4_mlx.cache import disk_store_from_args
+
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
-                          checkpoint_every=args.checkpoint_every)
+                          checkpoint_every=args.checkpoint_every, disk=disk_store_from_args(args))
     log.info(f"loading the model, then serving {args.model_id} on http://{args.host}:{args.port} "
              f"(ctx {args.ctx}, {args.sessions} live session(s), {args.cache_gib:g} GiB for them)")
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
@@ -46,4 +50,5 @@ def register(subparsers):
     p.add_argument("--model-id", default="deepseek-v4-flash", help="the model name clients use")
     p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay")
     p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints")
+    add_disk_arguments(p)
     p.set_defaults(func=run_serve)

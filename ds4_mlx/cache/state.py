@@ -27,11 +27,11 @@ class StateFileError(Exception):
 
 
 def model_identity(model) -> str:
-    """A hash of the model config, its weight files' names and sizes (set by the loader) and the first
-    embedding row, so that a state is only ever loaded into the model that wrote it."""
+    """A hash of the model config, `quant_sim`, its weight files' names and sizes (set by the loader)
+    and the first embedding row, so that a state is only ever loaded into the model that wrote it."""
     probe = getattr(model, "embed", None)
     probe = np.asarray(probe.weight[:1].astype(mx.float32)).tobytes().hex() if probe is not None else None
-    facts = {"config": model.args.to_dict(), "weights": getattr(model, "weight_files", None), "probe": probe}
+    facts = {"config": model.args.to_dict(), "quant_sim": bool(getattr(model, "quant_sim", False)), "weights": getattr(model, "weight_files", None), "probe": probe}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -166,6 +166,6 @@ def import_session(session, arrays, header):
         mx.eval([r.rows for c in session.cache for r in c.rings() if r.rows is not None],
                 [b.rows for c in session.cache for b in c.buffers() if b.rows is not None],
                 [] if session.logits is None else session.logits)
-    except (KeyError, ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, the session is as it was
         session.restore(before)
-        raise StateFileError(f"does not fit the model: {e}") from e
+        raise StateFileError(f"does not fit the model: {type(e).__name__}: {e}") from e
