@@ -328,7 +328,7 @@ def run_generate(args):
         prompt_text = render(messages + [{"role": "user", "content": args.prompt}], thinking=args.think)
     parser = OutputParser(thinking=prompt_text.endswith(THINK_START))
     dim = ("\x1b[2m", "\x1b[0m") if sys.stderr.isatty() else ("", "")
-    session = Session(model)
+    session = Session(model, rewind_slack=0)  # it never rewinds: no slack rows
     for chunk in stream_generate(session, tokenizer, tokenizer.encode(prompt_text),
                                  max_tokens=args.max_tokens, sampling=sampling_from_args(args)):
         events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
