@@ -250,9 +250,23 @@ def _bench_speed_options(q):
     options(q)
 
 
+def bench_memory(a):
+    """Session memory at real widths (43 layers) at several context lengths, no forward pass."""
+    from ds4_mlx.cache.bench import bench_memory as run
+
+    return run(a)
+
+
+def _bench_memory_options(q):
+    from ds4_mlx.cache.bench import memory_options
+
+    memory_options(q)
+
+
 BENCHES = [
     ("model", bench_model, _bench_model_options),
     ("rewind", bench_rewind, _bench_rewind_options),
     ("convert", bench_convert, _bench_convert_options),
     ("speed", bench_speed, _bench_speed_options),
+    ("memory", bench_memory, _bench_memory_options),
 ]

@@ -430,7 +430,8 @@ def run_generate(args):
     err = _Stderr()
     answered = False
     reasoning_tokens = 0
-    for chunk in stream_generate(Session(model), tokenizer, tokenizer.encode(prompt_text),
+    session = Session(model, rewind_slack=0)  # it never rewinds: no slack rows
+    for chunk in stream_generate(session, tokenizer, tokenizer.encode(prompt_text),
                                  max_tokens=args.max_tokens, sampling=sampling_from_args(args)):
         events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
         for event in events:

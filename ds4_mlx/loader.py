@@ -48,7 +48,9 @@ def load(path, *, quant_sim=None, progress=True):
         return _load_folder(_converted_once(g, progress), quant_sim)
     quantization = {}
     weights = dict(g.iter_weights(quantization))
-    return build_model(g.args, weights, quantization, quant_sim=quant_sim), Tokenizer.from_gguf(g.metadata)
+    model = build_model(g.args, weights, quantization, quant_sim=quant_sim)
+    model.weight_files = [(path.name, path.stat().st_size)]  # names and sizes identify saved sessions' model
+    return model, Tokenizer.from_gguf(g.metadata)
 
 
 def _load_folder(path, quant_sim):
@@ -61,7 +63,9 @@ def _load_folder(path, quant_sim):
         weights.update(mx.load(str(f)))
     args = dsv4.ModelArgs.from_dict(config)
     tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-    return build_model(args, weights, quantization, quant_sim=quant_sim), tok
+    model = build_model(args, weights, quantization, quant_sim=quant_sim)
+    model.weight_files = [(f.name, f.stat().st_size) for f in sorted(path.glob("*.safetensors"))]
+    return model, tok
 
 
 def converted_folder(g) -> Path:

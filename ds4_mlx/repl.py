@@ -13,6 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ds4_mlx.cache import add_disk_arguments, disk_store_from_args
 from ds4_mlx.chat import (DEFAULT_SYSTEM, EOS, ContentDelta, OutputParser, ReasoningDelta, render,
                           render_next_user_turn)
 from ds4_mlx.generate import (DEMO_NOTE, FINISH_ABORT, SamplingParams, add_sampling_arguments,
@@ -30,6 +31,7 @@ HELP = """Commands:
   /save FILE      write the conversation to FILE as JSON messages
   /load FILE      continue the conversation saved in FILE
   /stats          cache and speed figures
+  /resume         continue the last conversation saved in --kv-disk-dir (no prompt recomputed)
   /quit           leave (also /exit or Ctrl+D)
 Ctrl+C stops an answer; what was written so far stays in the conversation."""
 
@@ -44,8 +46,9 @@ class Conversation:
     transcript, so the next turn reuses all of it."""
 
     def __init__(self, session, tokenizer, *, system=DEFAULT_SYSTEM, thinking=True,
-                 sampling=SamplingParams(), max_tokens=1024):
+                 sampling=SamplingParams(), max_tokens=1024, disk=None):
         self.session, self.tokenizer = session, tokenizer
+        self.disk, self.saved = disk, None  # a DiskStore; the entry of this conversation's last turn
         self.system, self.thinking = system, thinking
         self.sampling, self.max_tokens = sampling, max_tokens
         self.transcript = []
@@ -59,6 +62,7 @@ class Conversation:
         self.transcript = []
         self.messages = []
         self.turns = 0
+        self.saved = None
 
     def saved_messages(self) -> list:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -107,7 +111,27 @@ class Conversation:
                     self.transcript = prompt + chunk.stats.output_ids
                     self.turns += 1
                     self.messages += [{"role": "user", "content": user_text}, self._answer(chunk.stats.output_ids)]
+                    self.save_turn()
             yield chunk
+
+    def save_turn(self):
+        """Keep the conversation on disk at each turn's end, replacing its previous turn."""
+        if self.disk is None or self.session.tokens != self.transcript:
+            return
+        entry = self.disk.save(self.session, "chat")
+        if self.saved is not None and entry is not None and self.saved.name != entry.name \
+                and self.saved.name in self.disk.entries:
+            self.disk.remove(self.saved)
+        self.saved = entry or self.saved
+
+    def resume(self) -> bool:
+        """Continue the last conversation saved on disk; False when there is none (or it is unusable)."""
+        entry = self.disk.latest("chat") if self.disk is not None else None
+        if entry is None or not self.disk.load(self.session, entry):
+            return False
+        self.transcript, self.saved = list(self.session.tokens), entry
+        self.turns = max(self.turns, 1)
+        return True
 
 
     def _answer(self, output_ids) -> dict:
@@ -295,9 +319,20 @@ def run_command(line, conversation, terminal) -> bool:
             terminal.write(f"cannot load {argument}: {e}\n")
     elif name == "/stats":
         terminal.write(stats_report(conversation) + "\n")
+    elif name == "/resume":
+        write_resumed(conversation, terminal)
     else:
         terminal.write(f"unknown command {name}; /help lists them\n")
     return True
+
+
+def write_resumed(conversation, terminal):
+    if conversation.disk is None:
+        terminal.write("/resume needs --kv-disk-dir\n")
+    elif conversation.resume():
+        terminal.write(f"resumed the last conversation ({len(conversation.transcript)} tokens)\n")
+    else:
+        terminal.write("no saved conversation to resume\n")
 
 
 def run_chat(args):
@@ -307,8 +342,11 @@ def run_chat(args):
     if is_demo:
         terminal.write(DEMO_NOTE + "\n")
     conversation = Conversation(Session(model), tokenizer, system=args.system, thinking=args.think,
-                                sampling=sampling_from_args(args), max_tokens=args.max_tokens)
+                                sampling=sampling_from_args(args), max_tokens=args.max_tokens,
+                                disk=disk_store_from_args(args, min_tokens=1))
     terminal.write("ds4-mlx chat: type a message, /help for commands, /quit to leave.\n")
+    if args.resume:
+        write_resumed(conversation, terminal)
     while True:
         try:
             line = terminal.read_line("ds4> ")
@@ -332,4 +370,6 @@ def register(subparsers):
                               description="An interactive chat with streamed answers.", epilog=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sampling_arguments(p)
+    add_disk_arguments(p)
+    p.add_argument("--resume", action="store_true", help="continue the last conversation (with --kv-disk-dir)")
     p.set_defaults(func=run_chat)

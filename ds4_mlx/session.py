@@ -1,17 +1,24 @@
 """One conversation's tokens and cache, able to go back to any earlier position exactly.
 
-Rewind policy (see shared/design/rewind.md):
-- within the last `rewind_slack` tokens: every layer trims in place (the rings still hold the raw
+Rewind policy (see docs/sessions.md):
+- within the last `frontier_horizon` tokens: every layer trims in place (the rings still hold the raw
   and compressor rows), nothing is recomputed;
+- within the last `rewind_slack` tokens: the raw ring still holds the window, and a lane (the few
+  compressor rows a position that is a multiple of every compression ratio needs, 128 in V4 Flash) is
+  kept at each such position, so the session restores the lane at or before the target and replays
+  fewer than 128 tokens;
 - deeper: restore the nearest checkpoint at or before the target (taken every `checkpoint_every`
-  tokens, a few rows a layer) and replay at most `checkpoint_every` tokens;
+  tokens, a few rows a layer) and replay from there. The newest `recent_checkpoints` checkpoints are
+  `checkpoint_every` apart; further back the spacing doubles each time the distance doubles, so a
+  million-token session keeps a few dozen, and a rewind replays at most about as many tokens as it
+  goes back;
 - the next-token logits come from feeding the last prompt token again, or are kept when the prompt
   equals the live tokens.
 """
 
 import mlx.core as mx
 
-from ds4_mlx.cache.layers import LayerCache
+from ds4_mlx.cache.layers import LayerCache, lane_every
 
 
 class SyncInterrupted(Exception):
@@ -27,17 +34,25 @@ def common_prefix(a, b):
 
 
 class Session:
-    def __init__(self, model, *, rewind_slack=4096, checkpoint_every=2048, max_chunk=256):
-        if checkpoint_every <= 0 or rewind_slack < 0 or max_chunk <= 0:
-            raise ValueError("checkpoint_every and max_chunk must be positive, rewind_slack >= 0")
+    def __init__(self, model, *, rewind_slack=4096, checkpoint_every=2048, max_chunk=256,
+                 frontier_horizon=512, recent_checkpoints=4):
+        if checkpoint_every <= 0 or max_chunk <= 0 or recent_checkpoints <= 0:
+            raise ValueError("checkpoint_every, max_chunk and recent_checkpoints must be positive")
+        if rewind_slack < 0 or frontier_horizon < 0:
+            raise ValueError("rewind_slack and frontier_horizon must be >= 0")
         self.model = model
         self.rewind_slack, self.checkpoint_every, self.max_chunk = rewind_slack, checkpoint_every, max_chunk
+        self.frontier_horizon, self.recent_checkpoints = frontier_horizon, recent_checkpoints
         self.reset()
 
     def reset(self):
-        self.cache: list[LayerCache] = self.model.make_cache(max_chunk=self.max_chunk, history=self.rewind_slack)
+        self.cache: list[LayerCache] = self.model.make_cache(
+            max_chunk=self.max_chunk, history=self.rewind_slack, frontier_history=self.frontier_horizon)
+        self.lane_every = lane_every(self.cache)
         self.tokens: list[int] = []
-        self.checkpoints: dict[int, list] = {}  # position -> per-layer checkpoint, on the live history
+        # position -> per-layer checkpoint, on the live history: full ones at multiples of
+        # checkpoint_every, lanes (no raw rows) at the other multiples of lane_every
+        self.checkpoints: dict[int, list] = {}
         self.logits = None  # next-token logits after self.tokens, when known
         self.last_sync = {"reused": 0, "replayed": 0, "computed": 0}
 
@@ -107,6 +122,20 @@ class Session:
         for c, s in zip(self.cache, layers):
             c.restore(s)
 
+    def save(self, path, *, history=512):
+        """Write the session to one safetensors file (`ds4_mlx.cache.state`), with what a rewind of up
+        to `history` tokens needs after loading; returns the file size."""
+        from ds4_mlx.cache.state import export_session, write_state_file
+
+        return write_state_file(path, *export_session(self, history))
+
+    def load(self, path):
+        """Hold the state saved in `path`. Raises `StateFileError` (the session unchanged) for a file
+        that is corrupt, truncated, or written by another model or setting."""
+        from ds4_mlx.cache.state import import_session, read_state_file
+
+        import_session(self, *read_state_file(path))
+
     @property
     def nbytes(self):
         layers = sum(c.nbytes for c in self.cache)
@@ -126,7 +155,8 @@ class Session:
                 c.trim(target)
             del self.tokens[target:]
             return target, 0
-        start = max((p for p in self.checkpoints), default=0)
+        start = max((q for q, cp in self.checkpoints.items()
+                     if all(c.can_restore(layer) for c, layer in zip(self.cache, cp))), default=0)
         replay = self.tokens[start:target]
         if start:
             for c, cp in zip(self.cache, self.checkpoints[start]):
@@ -177,8 +207,36 @@ class Session:
             self.tokens.extend(chunk)
             self.logits = logits
             done += n
-            if len(self.tokens) % self.checkpoint_every == 0:
-                self.checkpoints[len(self.tokens)] = [c.checkpoint() for c in self.cache]
+            self._take_checkpoints(pos, len(self.tokens))
             if progress is not None:
                 progress(done)
         return self.logits
+
+    def _take_checkpoints(self, start, end):
+        """Checkpoints for the positions in (start, end] (the chunk just fed), then thinning."""
+        step = self.lane_every or self.checkpoint_every
+        taken = False
+        for q in range(start + step - start % step, end + 1, step):
+            full = q % self.checkpoint_every == 0
+            if full or self.lane_every:
+                self.checkpoints[q] = [c.checkpoint(q, raw=full) for c in self.cache]
+                taken = True
+        if end % self.checkpoint_every == 0 and end not in self.checkpoints:
+            self.checkpoints[end] = [c.checkpoint(end) for c in self.cache]
+            taken = True
+        if taken:
+            self._thin(end)
+
+    def checkpoint_spacing(self, distance):
+        """How far apart the full checkpoints are kept `distance` tokens behind the live position."""
+        return self.checkpoint_every << (distance // (self.checkpoint_every * self.recent_checkpoints)).bit_length()
+
+    def _thin(self, end):
+        """Drop the lanes whose window the raw ring no longer holds, and the full checkpoints off the
+        geometric grid (a set that only ever thins: a kept one was on every earlier grid too)."""
+        for q, cp in list(self.checkpoints.items()):
+            if q % self.checkpoint_every:
+                if not all(c.can_restore(layer) for c, layer in zip(self.cache, cp)):
+                    del self.checkpoints[q]
+            elif q % self.checkpoint_spacing(end - q):
+                del self.checkpoints[q]

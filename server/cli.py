@@ -14,6 +14,7 @@ import sys
 
 THINKING_NOTE = ("thinking is on by default: answers start with reasoning (reasoning_content, thinking blocks); "
                  "for a direct answer send \"thinking\": {\"type\": \"disabled\"} or use the model name deepseek-chat")
+from ds4_mlx.cache import add_disk_arguments
 
 
 def run_serve(args):
@@ -38,9 +39,12 @@ def run_serve(args):
         server.info.ctx = fit_context(args.ctx, model.args.max_position_embeddings, log)
         return model, tokenizer
 
+    from ds4_mlx.cache import disk_store_from_args
+
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
                           checkpoint_every=args.checkpoint_every, max_tokens=args.max_tokens,
+                          disk=disk_store_from_args(args),
                           access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ())))
     sock = listen(args.host, args.port)
     return asyncio.run(serve(server, sock, log))
@@ -119,4 +123,5 @@ def register(subparsers):
                    "'x-api-key: KEY' (/health stays open)")
     p.add_argument("--cors", action="append", metavar="ORIGIN",
                    help="let web pages from ORIGIN call the server (repeatable; * for any origin)")
+    add_disk_arguments(p)
     p.set_defaults(func=run_serve)

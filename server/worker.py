@@ -113,10 +113,13 @@ class _Running:
 
 
 class Worker:
-    def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate):
+    def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate, disk=None):
         """`load()` returns (model, tokenizer) and runs on the worker thread, which owns the model from
         then on (MLX arrays belong to the thread that made them); `session_factory(model)` makes a
-        Session; `generate` is `ds4_mlx.generate.stream_generate`."""
+        Session; `generate` is `ds4_mlx.generate.stream_generate`; `disk` a `ds4_mlx.cache.store.DiskStore`
+        (or None): sessions are saved there when evicted, at shutdown and during long prompts, and a
+        request that no slot serves well looks there for its longest prefix."""
+        self.disk = disk
         self._load = load
         self.model = self.tokenizer = None
         self.budget_bytes = budget_bytes
@@ -187,6 +190,8 @@ class Worker:
                 if self.shutting_down:
                     self._fail_all("the server is shutting down")
                 if self._stopping:
+                    for slot in self.slots if self.disk is not None else []:
+                        self.disk.save(slot.session, "shutdown")
                     return
                 self._admit()
             for run in list(self._running):
@@ -225,11 +230,21 @@ class Worker:
             self._running.append(self._start(job, placement))
 
     def _start(self, job: Job, placement: Placement) -> _Running:
-        request = job.request
+        request, session = job.request, placement.slot.session
+        if self.disk is not None:
+            if len(session.tokens) - placement.common >= self.disk.min_tokens:
+                self.disk.save(session, "evict")  # the request is about to discard these tokens
+            self.disk.restore(session, request.prompt_ids, placement.common)
+
+        def on_prefill(done, total):
+            if self.disk is not None:
+                self.disk.during_prefill(session)
+            job.emit("prefill", (done, total))
+
         chunks = self._generate(
-            placement.slot.session, self.tokenizer, request.prompt_ids,
+            session, self.tokenizer, request.prompt_ids,
             max_tokens=request.max_tokens, sampling=request.sampling, stop_strings=request.stop_strings,
-            should_abort=job.should_abort, on_prefill=lambda done, total: job.emit("prefill", (done, total)))
+            should_abort=job.should_abort, on_prefill=on_prefill)
         return _Running(job, placement, iter(chunks))
 
     def _advance(self, run: _Running):
@@ -284,6 +299,8 @@ class Worker:
             if slot is just_used or slot.busy or not slot.tokens:
                 continue
             freed = slot.session.nbytes
+            if self.disk is not None:
+                self.disk.save(slot.session, "evict")
             slot.session.reset()
             total -= freed
             log.info(f"slot={slot.index} emptied to stay within the session budget ({freed / 2**20:.1f} MiB freed)")

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ds4_mlx.bench import random_model
+from ds4_mlx.cache.layers import make_caches
 from ds4_mlx.session import Session, SyncInterrupted
 from ds4_mlx.testing import tiny_args
 
@@ -14,10 +15,24 @@ SEEDS = [0, 3, 5]
 _models = {}
 
 
-def model_for(seed):
-    if seed not in _models:
-        _models[seed] = random_model(tiny_args(seed), seed=seed)
-    return _models[seed]
+def model_for(seed, quant_sim=False):
+    """A tiny random model; with `quant_sim` its KV and indexer rows are rounded, and stored, as float16."""
+    if (seed, quant_sim) not in _models:
+        _models[seed, quant_sim] = random_model(tiny_args(seed), seed=seed, quant_sim=quant_sim)
+    return _models[seed, quant_sim]
+
+
+class Float32Rows:
+    """The same model with every cache row stored as float32 (the storage before float16 rows)."""
+
+    def __init__(self, model):
+        self.model, self.args, self.quant_sim = model, model.args, model.quant_sim
+
+    def make_cache(self, **kwargs):
+        return make_caches(self.args, row_dtype=mx.float32, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
 
 def cold_logits(model, tokens):
@@ -34,11 +49,13 @@ def assert_exact(session, logits):
 @given(data=st.data())
 def test_random_histories_equal_cold_prefill(data):
     seed = data.draw(st.sampled_from(SEEDS))
-    model = model_for(seed)
+    model = model_for(seed, quant_sim=data.draw(st.booleans()))
     vocab = model.args.vocab_size
-    session = Session(model, rewind_slack=data.draw(st.sampled_from([0, 3, 24])),
+    session = Session(model, rewind_slack=data.draw(st.sampled_from([0, 3, 24, 40])),
+                      frontier_horizon=data.draw(st.sampled_from([0, 5, 512])),
                       checkpoint_every=data.draw(st.sampled_from([8, 16, 32])),
-                      max_chunk=data.draw(st.sampled_from([1, 5, 16, 64])))
+                      max_chunk=data.draw(st.sampled_from([1, 5, 16, 64])),
+                      recent_checkpoints=data.draw(st.sampled_from([1, 2, 10**6])))
     tokens = st.integers(0, vocab - 1)
     snapshots = []
     for _ in range(data.draw(st.integers(1, 6))):
@@ -50,7 +67,8 @@ def test_random_histories_equal_cold_prefill(data):
             assert session.tokens == prompt
             s = session.last_sync
             assert s["reused"] + s["replayed"] + s["computed"] >= len(prompt) - 1
-            assert s["replayed"] <= session.checkpoint_every
+            if session.recent_checkpoints == 10**6:  # no thinning
+                assert s["replayed"] <= session.checkpoint_every
         elif op == "step":
             logits = session.step(data.draw(tokens))
         elif op == "snapshot":
@@ -106,14 +124,63 @@ def test_resend_after_abort_replays_almost_nothing():
 def test_deep_rewind_replays_from_the_nearest_checkpoint():
     model = model_for(3)
     rng = np.random.default_rng(2)
-    session = Session(model, rewind_slack=8, checkpoint_every=64, max_chunk=32)
+    session = Session(model, rewind_slack=8, checkpoint_every=64, max_chunk=32, recent_checkpoints=10**6)
     prompt = rng.integers(0, model.args.vocab_size, 400).tolist()
     session.sync(prompt)
-    assert sorted(session.checkpoints) == [64, 128, 192, 256, 320, 384]
+    full = lambda: sorted(q for q in session.checkpoints if q % 64 == 0)  # noqa: E731
+    assert full() == [64, 128, 192, 256, 320, 384]
     logits = session.sync(prompt[:200] + [1, 2, 3])
     assert session.last_sync == {"reused": 192, "replayed": 8, "computed": 3}
     assert_exact(session, logits)
-    assert sorted(session.checkpoints) == [64, 128, 192]
+    assert full() == [64, 128, 192]
+
+
+def test_old_checkpoints_thin_out_geometrically():
+    """Spacing 16 for the 2 newest, then doubling with the distance; a deep rewind is still exact."""
+    model = model_for(0)  # lanes every lcm(4, 16) = 16 tokens
+    rng = np.random.default_rng(7)
+    session = Session(model, rewind_slack=0, checkpoint_every=16, max_chunk=16, recent_checkpoints=2)
+    prompt = rng.integers(0, model.args.vocab_size, 300).tolist()
+    session.sync(prompt)
+    # distance behind 288 below 32: every 16; below 64: every 32; below 128: every 64; below 256: every 128
+    assert sorted(session.checkpoints) == [128, 192, 256, 272, 288]
+    logits = session.sync(prompt[:150] + [5, 6])
+    assert session.last_sync == {"reused": 128, "replayed": 22, "computed": 2}
+    assert_exact(session, logits)
+
+
+def test_rewind_inside_the_slack_replays_less_than_a_lane():
+    """Beyond the compressor horizon but inside the slack: restore the lane at or before the target."""
+    model = model_for(0)
+    rng = np.random.default_rng(8)
+    session = Session(model, rewind_slack=200, frontier_horizon=10, checkpoint_every=10**6, max_chunk=16)
+    assert session.lane_every == 16
+    prompt = rng.integers(0, model.args.vocab_size, 300).tolist()
+    session.sync(prompt)
+    for target in (250, 170):
+        logits = session.sync(prompt[:target] + [9])
+        assert session.last_sync == {"reused": target // 16 * 16, "replayed": target % 16, "computed": 1}
+        assert_exact(session, logits)
+        session.sync(prompt)
+
+
+def test_float16_rows_are_exact_under_quant_sim():
+    """quant_sim rounds KV and indexer rows to float16 values: storing them as float16 changes nothing."""
+    model = model_for(0, quant_sim=True)
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, model.args.vocab_size, 120).tolist()
+    half, full = Session(model, max_chunk=16), Session(Float32Rows(model), max_chunk=16)
+    layer = half.cache[2]  # a ratio-4 layer: raw, compressed and indexer rows, two compressor rings
+    assert layer.ratio == 4 and layer.index_rows is not None
+    for s in (half, full):
+        s.sync(prompt)
+        s.sync(prompt[:90] + [3, 4, 5])
+    assert [layer.raw.dtype, layer.rows.dtype, layer.index_rows.dtype] == [mx.float16] * 3
+    assert [layer.frontier.dtype, layer.index_frontier.dtype] == [mx.float32] * 2
+    assert full.cache[2].raw.dtype == mx.float32
+    assert mx.array_equal(half.logits, full.logits)
+    assert mx.array_equal(half.cache[2].rows.view(), full.cache[2].rows.view())
+    assert model_for(0).make_cache()[2].raw.dtype == mx.float32  # no quant_sim: float32 as the reference
 
 
 def test_rewind_within_the_slack_replays_nothing():
@@ -157,9 +224,9 @@ def test_nbytes_counts_slack_and_checkpoints():
     model = model_for(0)
     rng = np.random.default_rng(6)
     small = Session(model, rewind_slack=0, checkpoint_every=10**6)
-    large = Session(model, rewind_slack=512, checkpoint_every=64)
+    large = Session(model, rewind_slack=512, checkpoint_every=64, recent_checkpoints=10**6)
     prompt = rng.integers(0, model.args.vocab_size, 300).tolist()
     small.sync(prompt)
     large.sync(prompt)
-    assert len(large.checkpoints) == 4
+    assert sorted(q for q in large.checkpoints if q % 64 == 0) == [64, 128, 192, 256]
     assert large.nbytes > small.nbytes > 0

@@ -3,26 +3,42 @@
 Two kinds of storage, and nothing else:
 - `TokenRing`: one row per token (raw KV rows; the compressor's pre-pooling kv and score rows),
   kept for the last `capacity` positions. Position p lives in slot p % capacity, so rewinding is
-  moving `pos` back: the rows of the earlier positions are still there as long as the ring holds them.
+  moving `pos` back: the rows of the earlier positions are still there as long as the ring holds them
+  (from `floor` on).
 - `RowBuffer`: append-only compressed rows (attention and indexer). Row i depends only on tokens
   before (i + 1) * ratio, so a rewind truncates the count.
 
+Rows the model has already rounded to float16 (with `quant_sim`: the FP8/float16 raw and compressed
+KV rows, the FP4/float16 indexer rows) are stored as float16, which is exact; the compressor inputs
+are float32 in the reference and stay so. Without `quant_sim` every row stays float32.
+
 Arrays are only ever replaced (`mx.slice_update` and rebinding), never written through a shared
 handle, so holding the old arrays is a valid snapshot and writing after a snapshot copies on write.
+
+State protocol (as mlx-lm's caches): `state` is the named arrays position `pos` needs, in position
+order; `meta_state` a dict of counters; `load_state(state, meta_state)` rebuilds the cache from them.
 """
 
+import math
+
 import mlx.core as mx
+
+RING_NAMES = ("raw", "frontier", "index_frontier")
+BUFFER_NAMES = ("rows", "index_rows")
 
 
 class TokenRing:
     def __init__(self, capacity, width, dtype=mx.float32):
         self.capacity, self.width, self.dtype = capacity, width, dtype
         self.rows = None
+        self.floor = 0  # the oldest position whose row is still held
 
     def write(self, start, rows):
         """Store rows for positions start, start + 1, ... (at most `capacity` of them)."""
         n = rows.shape[0]
         assert n <= self.capacity, "chunk larger than the ring"
+        if n == 0:
+            return
         if self.rows is None:
             self.rows = mx.zeros((self.capacity, self.width), self.dtype)
         rows = rows.astype(self.dtype)
@@ -37,13 +53,24 @@ class TokenRing:
         that the caller masks)."""
         return self.rows[positions % self.capacity]
 
+    def read(self, start, stop):
+        """Rows of positions [start, stop), in order (the caller checked they are held)."""
+        if stop <= start or self.rows is None:
+            return mx.zeros((0, self.width), self.dtype)
+        return self.gather(mx.arange(start, stop))
+
+    def passed(self, pos):
+        """The ring has been written up to `pos`: rows older than one capacity are gone."""
+        self.floor = max(self.floor, pos - self.capacity)
+
     @property
     def nbytes(self):
         return 0 if self.rows is None else self.rows.nbytes
 
 
 class RowBuffer:
-    """Append-only rows with a live count; capacity grows in steps so appends are amortised O(rows)."""
+    """Append-only rows with a live count. Capacity grows by a sixteenth (in steps of `step` rows), so
+    appends cost amortised O(rows) and at most ~6% of the bytes are spare."""
 
     step = 256
 
@@ -58,7 +85,7 @@ class RowBuffer:
             return
         need = self.count + n
         if self.rows is None or need > self.rows.shape[0]:
-            size = (need + self.step - 1) // self.step * self.step
+            size = -(-max(need, self.count + self.count // 16) // self.step) * self.step
             grown = mx.zeros((size, self.width), self.dtype)
             if self.count:
                 grown = mx.slice_update(grown, self.rows[: self.count], mx.array([0]), axes=(0,))
@@ -68,6 +95,9 @@ class RowBuffer:
 
     def view(self):
         return self.rows[: self.count] if self.count else mx.zeros((0, self.width), self.dtype)
+
+    def set(self, rows):
+        self.rows, self.count = (rows.astype(self.dtype), rows.shape[0]) if rows.shape[0] else (None, 0)
 
     @property
     def nbytes(self):
@@ -80,24 +110,25 @@ class LayerCache:
     `ratio` 0: sliding window only. Otherwise a compressor with `frontier` rows of width 2 * W
     (kv | score, W = comp_width), the compressed `rows`, and for the overlapping ratio-4 layers an
     indexer with its own `index_frontier` and `index_rows`.
-    `history` extra positions are kept in every ring beyond what one chunk needs, so any rewind of up
-    to `history` tokens restores the state with no recomputation.
+    The raw ring keeps `history` positions beyond what one chunk needs, the compressor rings
+    `frontier_history`, so any rewind that deep restores the state with no recomputation.
     """
 
     def __init__(self, *, window, head_dim, ratio=0, comp_width=0, index_dim=0, index_width=0,
-                 max_chunk=512, history=0, dtype=mx.float32):
+                 max_chunk=512, history=0, frontier_history=None, row_dtype=mx.float32):
         self.window, self.ratio, self.pos = window, ratio, 0
         self.overlap = ratio == 4
         self.max_chunk = max_chunk
-        # a chunk of T tokens reads positions back to p0 - reach
-        self.reach = max(window - 1, (2 * ratio if self.overlap else ratio) - 1, 0)
-        capacity = self.reach + max_chunk + history
-        self.raw = TokenRing(capacity, head_dim, dtype)
-        self.frontier = TokenRing(capacity, 2 * comp_width, dtype) if ratio else None
-        self.rows = RowBuffer(head_dim, dtype) if ratio else None
-        self.index_frontier = TokenRing(capacity, 2 * index_width, dtype) if index_dim else None
-        self.index_rows = RowBuffer(index_dim, dtype) if index_dim else None
-        self.floor = 0  # the oldest position whose ring rows are still valid
+        frontier_history = history if frontier_history is None else min(frontier_history, history)
+        # a chunk of T tokens reads rows back to p0 - reach
+        raw_reach = window - 1
+        frontier_reach = (2 * ratio if self.overlap else ratio) - 1
+        self.raw = TokenRing(raw_reach + max_chunk + history, head_dim, row_dtype)
+        frontier_capacity = frontier_reach + max_chunk + frontier_history
+        self.frontier = TokenRing(frontier_capacity, 2 * comp_width) if ratio else None
+        self.rows = RowBuffer(head_dim, row_dtype) if ratio else None
+        self.index_frontier = TokenRing(frontier_capacity, 2 * index_width) if index_dim else None
+        self.index_rows = RowBuffer(index_dim, row_dtype) if index_dim else None
 
     def rings(self):
         return [r for r in (self.raw, self.frontier, self.index_frontier) if r is not None]
@@ -107,7 +138,8 @@ class LayerCache:
 
     def advance(self, n):
         self.pos += n
-        self.floor = max(self.floor, self.pos - self.raw.capacity)
+        for ring in self.rings():
+            ring.passed(self.pos)
 
     def ring_needs(self, p):
         """For each ring, how many positions before p it must hold for the state at p: the window
@@ -118,11 +150,8 @@ class LayerCache:
             needs += [frontier] * (len(self.rings()) - 1)
         return needs
 
-    def needed(self, p):
-        return max(self.ring_needs(p))
-
     def can_trim(self, p):
-        return 0 <= p <= self.pos and p - self.needed(p) >= self.floor
+        return 0 <= p <= self.pos and all(p - n >= ring.floor for ring, n in zip(self.rings(), self.ring_needs(p)))
 
     def trim(self, p):
         """Go back to position p exactly (caller checked `can_trim`)."""
@@ -131,34 +160,110 @@ class LayerCache:
             b.count = p // self.ratio
 
     # Checkpoints and snapshots ---------------------------------------------------------------
-    def checkpoint(self):
-        """Copy what position `pos` needs from the rings (a few rows); compressed rows are not copied:
-        they stay valid while the live history passes through `pos`."""
-        p = self.pos
-        rows = [ring.gather(mx.arange(p - n, p)) if n and ring.rows is not None else None
+    def checkpoint(self, p=None, *, raw=True):
+        """Copy what position p (default `pos`, at most one chunk back) needs from the rings: a few
+        rows; without `raw`, only the compressor rows (a lane: the raw ring must still hold p's window
+        when it is restored). Compressed rows are not copied: they stay valid while the live history
+        passes through p."""
+        p = self.pos if p is None else p
+        rows = [ring.read(p - n, p) if raw or ring is not self.raw else None
                 for ring, n in zip(self.rings(), self.ring_needs(p))]
         mx.eval([r for r in rows if r is not None])
         return {"pos": p, "rows": rows}
+
+    def can_restore(self, cp):
+        p = cp["pos"]
+        return p <= self.pos and all(
+            rows is not None or p - n >= ring.floor
+            for ring, rows, n in zip(self.rings(), cp["rows"], self.ring_needs(p)))
 
     def restore_checkpoint(self, cp):
         p = cp["pos"]
         for ring, rows, n in zip(self.rings(), cp["rows"], self.ring_needs(p)):
             if rows is not None:
                 ring.write(p - n, rows)
+                ring.floor = p - n
         self.trim(p)
-        self.floor = p - self.needed(p)
 
     def snapshot(self):
         """Hold the current arrays: O(1); the live cache copies a buffer on its next write."""
-        return (self.pos, self.floor, [r.rows for r in self.rings()], [(b.rows, b.count) for b in self.buffers()])
+        return (self.pos, [(r.rows, r.floor) for r in self.rings()], [(b.rows, b.count) for b in self.buffers()])
 
     def restore(self, snap):
-        self.pos, self.floor, ring_rows, buffers = snap
-        for ring, rows in zip(self.rings(), ring_rows):
-            ring.rows = rows
+        self.pos, rings, buffers = snap
+        for ring, (rows, floor) in zip(self.rings(), rings):
+            ring.rows, ring.floor = rows, floor
         for buf, (rows, count) in zip(self.buffers(), buffers):
             buf.rows, buf.count = rows, count
+
+    # State protocol --------------------------------------------------------------------------
+    def _named_rings(self):
+        return [(n, r) for n, r in zip(RING_NAMES, (self.raw, self.frontier, self.index_frontier)) if r is not None]
+
+    def _named_buffers(self):
+        return [(n, b) for n, b in zip(BUFFER_NAMES, (self.rows, self.index_rows)) if b is not None]
+
+    def export_state(self, raw_from=None):
+        """`state`, with the raw rows from `raw_from` on (if held) rather than only the window."""
+        p = self.pos
+        out = {}
+        for (name, ring), n in zip(self._named_rings(), self.ring_needs(p)):
+            start = p - n if raw_from is None or ring is not self.raw else max(min(raw_from, p - n), ring.floor)
+            out[name] = ring.read(start, p)
+        for name, buf in self._named_buffers():
+            out[name] = buf.view()
+        return out
+
+    @property
+    def state(self):
+        return self.export_state()
+
+    @property
+    def meta_state(self):
+        return {"pos": self.pos, "ratio": self.ratio, "window": self.window}
+
+    def load_state(self, state, meta_state):
+        """Rebuild from `state` / `meta_state` (raises ValueError when they do not fit this layer)."""
+        p = int(meta_state["pos"])
+        if meta_state.get("ratio") != self.ratio or meta_state.get("window") != self.window:
+            raise ValueError("state of another layer kind")
+        names = {n for n, _ in self._named_rings()} | {n for n, _ in self._named_buffers()}
+        if set(state) != names:
+            raise ValueError(f"state arrays {sorted(state)}, expected {sorted(names)}")
+        for (name, ring), n in zip(self._named_rings(), self.ring_needs(p)):
+            rows = state[name]
+            if rows.ndim != 2 or rows.shape[1] != ring.width or not n <= rows.shape[0]:
+                raise ValueError(f"{name}: rows of shape {rows.shape} for position {p}")
+            rows = rows[-ring.capacity:]
+            ring.rows, ring.floor = None, p - rows.shape[0]
+            ring.write(p - rows.shape[0], rows)
+        for name, buf in self._named_buffers():
+            rows = state[name]
+            if rows.ndim != 2 or rows.shape[1] != buf.width or rows.shape[0] != p // self.ratio:
+                raise ValueError(f"{name}: rows of shape {rows.shape} for position {p}")
+            buf.set(rows)
+        self.pos = p
 
     @property
     def nbytes(self):
         return sum(r.nbytes for r in self.rings()) + sum(b.nbytes for b in self.buffers())
+
+
+def make_caches(args, *, max_chunk=512, history=0, frontier_history=None, row_dtype=mx.float32):
+    """The per-layer caches of a V4 model (`ModelArgs`)."""
+    caches = []
+    for ratio in args.compress_ratios[: args.num_hidden_layers]:
+        csa = ratio == 4
+        caches.append(LayerCache(
+            window=args.sliding_window, head_dim=args.head_dim, ratio=ratio,
+            comp_width=args.head_dim * (2 if csa else 1) if ratio else 0,
+            index_dim=args.index_head_dim if csa else 0, index_width=2 * args.index_head_dim if csa else 0,
+            max_chunk=max_chunk, history=history, frontier_history=frontier_history, row_dtype=row_dtype))
+    return caches
+
+
+def lane_every(caches):
+    """Positions that are multiples of every compression ratio (128 in V4 Flash): there the compressor
+    state is only the overlap lane of the ratio-4 layers, a few rows."""
+    ratios = [c.ratio for c in caches if c.ratio]
+    return math.lcm(*ratios) if ratios else None

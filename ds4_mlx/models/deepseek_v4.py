@@ -656,21 +656,14 @@ class Model(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def make_cache(self, *, max_chunk=512, history=0):
-        """Per-layer caches; `history` extra positions kept so rewinds of that many tokens are free."""
-        from ds4_mlx.cache.layers import LayerCache
+    def make_cache(self, *, max_chunk=512, history=0, frontier_history=None):
+        """Per-layer caches; `history` extra positions kept so rewinds of that many tokens are free
+        (`frontier_history` of them for the compressor inputs). Rows rounded to float16 by `quant_sim`
+        are stored as float16."""
+        from ds4_mlx.cache.layers import make_caches
 
-        a = self.args
-        caches = []
-        for i in range(a.num_hidden_layers):
-            kind, ratio = a.layer_type(i), a.compress_ratios[i]
-            caches.append(LayerCache(
-                window=a.sliding_window, head_dim=a.head_dim, ratio=ratio,
-                comp_width=a.head_dim * (2 if kind == CSA else 1) if ratio else 0,
-                index_dim=a.index_head_dim if kind == CSA else 0,
-                index_width=2 * a.index_head_dim if kind == CSA else 0,
-                max_chunk=max_chunk, history=history))
-        return caches
+        return make_caches(self.args, max_chunk=max_chunk, history=history, frontier_history=frontier_history,
+                           row_dtype=mx.float16 if self.quant_sim else mx.float32)
 
     def __call__(self, inputs, cache=None, *, last_only=False):
         """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""

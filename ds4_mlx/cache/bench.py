@@ -1,0 +1,82 @@
+"""`ds4-mlx bench memory`: what a session holds at real V4 Flash widths.
+
+A real-width 43-layer session is filled by writing rows straight into its caches (no forward pass):
+the `RowWriter` below stands in for the model, so the session chunks, checkpoints and thins exactly as
+with the real model, and `session.nbytes` is what a real prefill of that many tokens would hold.
+"""
+
+import gc
+
+import mlx.core as mx
+
+from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
+
+
+class RowWriter:
+    """A stand-in for the model: writes each chunk's rows (raw KV, compressor inputs, compressed and
+    indexer rows) into the caches and returns zero logits. Rows come from one fixed random block, so
+    the fill costs memory traffic only."""
+
+    def __init__(self, args: ModelArgs, quant_sim=True):
+        self.args, self.quant_sim = args, quant_sim
+        self._blocks = {}
+        self._logits = mx.zeros((1, 1, args.vocab_size))
+
+    def make_cache(self, **kwargs):
+        return Model.make_cache(self, **kwargs)
+
+    def _block(self, n, width, dtype):
+        key = (width, dtype)
+        if key not in self._blocks or self._blocks[key].shape[0] < n:
+            self._blocks[key] = mx.random.normal((max(n, 256), width)).astype(dtype)
+        return self._blocks[key][:n]
+
+    def __call__(self, inputs, cache, *, last_only=True):
+        T = inputs.shape[-1]
+        for c in cache:
+            p0 = c.pos
+            for ring in c.rings():
+                ring.write(p0, self._block(T, ring.width, ring.dtype))
+            for buf in c.buffers():
+                buf.append(self._block((p0 + T) // c.ratio - p0 // c.ratio, buf.width, buf.dtype))
+            c.advance(T)
+        return self._logits
+
+
+def session_parts(session) -> dict:
+    """Bytes by kind: token rings, compressed rows (attention and indexer), checkpoints."""
+    rings = sum(r.nbytes for c in session.cache for r in c.rings())
+    rows = sum(b.nbytes for c in session.cache for b in c.buffers())
+    return {"rings": rings, "rows": rows, "checkpoints": session.nbytes - rings - rows}
+
+
+def bench_memory(a):
+    """Session memory at real widths (43 layers) filled to each context length, no forward pass."""
+    from ds4_mlx.session import Session
+
+    contexts = sorted(int(c) for c in a.contexts.split(","))
+    writer = RowWriter(ModelArgs(), quant_sim=not a.float32)
+    session = Session(writer, **({} if a.rewind_slack is None else {"rewind_slack": a.rewind_slack}))
+    results, done = [], 0
+    for ctx in contexts:
+        step = 1 << 20
+        while done < ctx:  # sync in pieces so the token list, not the fill, sets the pace
+            n = min(step, ctx - done)
+            session.sync(session.tokens + [0] * n)
+            done += n
+        parts = session_parts(session)
+        row = {"context": ctx, "nbytes": session.nbytes, **parts,
+               "bytes_per_token": session.nbytes / ctx, "checkpoints_kept": len(session.checkpoints)}
+        results.append(row)
+        print(f"{ctx:>9,} tokens: {session.nbytes / 1e9:6.3f} GB  (rings {parts['rings'] / 1e9:.3f}, "
+              f"compressed rows {parts['rows'] / 1e9:.3f}, checkpoints {parts['checkpoints'] / 1e9:.3f}; "
+              f"{row['bytes_per_token']:,.0f} B/token, {row['checkpoints_kept']} checkpoints)", flush=True)
+    del session
+    gc.collect()
+    return {"layers": ModelArgs().num_hidden_layers, "quant_sim": not a.float32, "results": results}
+
+
+def memory_options(q):
+    q.add_argument("--contexts", default="32768,131072,1048576", help="context lengths, comma separated")
+    q.add_argument("--rewind-slack", type=int, default=None, help="the session's slack (default: Session's)")
+    q.add_argument("--float32", action="store_true", help="a quant_sim=False session (float32 rows)")

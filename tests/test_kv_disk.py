@@ -1,0 +1,197 @@
+"""The disk KV store: a restarted server resumes a long conversation from disk, damaged and foreign files
+are refused (deleted, logged, the request served cold), the folder stays within its budget while the
+most-hit shared prefix survives, and `chat` resumes its last conversation."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+from openai import OpenAI
+
+from ds4_mlx.cache import state as state_module
+from ds4_mlx.cache.store import INDEX, DiskStore
+from ds4_mlx.chat import render
+from ds4_mlx.generate import SamplingParams, load_for_cli
+from ds4_mlx.repl import Conversation
+from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.session import Session
+from test_server_sessions import MODEL, long_conversation, request_lines
+from test_session import assert_exact, model_for
+
+
+def folder_bytes(path):
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def filled(model, tokens, **options):
+    session = Session(model, rewind_slack=256, checkpoint_every=64, max_chunk=32, **options)
+    session.sync(tokens)
+    return session
+
+
+def random_tokens(model, n, seed):
+    return np.random.default_rng(seed).integers(0, model.args.vocab_size, n).tolist()
+
+
+# -- the server, stopped and started again ---------------------------------------------------------
+
+
+def serve(disk_dir=None):
+    disk = DiskStore(disk_dir, 64) if disk_dir else None
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=1,
+                          budget_bytes=2**32, disk=disk)
+    return BackgroundServer(server)
+
+
+def ask(bg, messages):
+    client = OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)
+
+
+def test_restarted_server_resumes_from_disk_and_answers_as_a_cold_run(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    messages = long_conversation()
+    with serve(tmp_path) as bg:  # a cold run; the session is saved at shutdown
+        prompt_ids = bg.server.worker.tokenizer.encode(render(messages))
+        assert len(prompt_ids) >= 2000
+        cold = ask(bg, messages).choices[0].message
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+    with serve(tmp_path) as bg:
+        warm = ask(bg, messages).choices[0].message
+    line = request_lines(caplog)[-1]
+    assert int(line["prompt"]) == len(prompt_ids)
+    assert int(line["computed"]) + int(line["replayed"]) <= 128, line
+    assert (warm.content, warm.reasoning_content) == (cold.content, cold.reasoning_content)
+    assert any("kv disk: hit" in r.getMessage() for r in caplog.records)
+
+
+def test_damaged_file_is_deleted_and_the_request_served_cold(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    messages = long_conversation(words=300)
+    with serve(tmp_path) as bg:
+        cold = ask(bg, messages).choices[0].message.content
+    (stored,) = [p for p in tmp_path.iterdir() if p.name.endswith(".safetensors")]
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    with serve(tmp_path) as bg:
+        again = ask(bg, messages)
+        line = request_lines(caplog)[-1]
+        assert int(line["computed"]) == again.usage.prompt_tokens  # cold
+        assert again.choices[0].message.content == cold
+        assert not stored.exists()
+    assert any(r.levelno == logging.WARNING and "unusable" in r.getMessage() and "checksum" in r.getMessage()
+               for r in caplog.records)
+
+
+# -- the store on its own ---------------------------------------------------------------------------
+
+
+def test_truncated_file_is_deleted_and_never_used(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    model = model_for(0)
+    tokens = random_tokens(model, 300, 1)
+    store = DiskStore(tmp_path, 16, min_tokens=64)
+    entry = store.save(filled(model, tokens), "evict")
+    path = tmp_path / entry.name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    session = Session(model)
+    assert store.restore(session, tokens + [1], 0) == 0
+    assert session.tokens == [] and not path.exists() and entry.name not in store.entries
+    assert any(r.levelno == logging.WARNING and entry.name in r.getMessage() for r in caplog.records)
+    assert_exact(session, session.sync(tokens + [1]))  # the request goes on, cold
+
+
+def test_a_file_of_another_model_config_is_never_loaded(tmp_path):
+    tokens = random_tokens(model_for(0), 300, 2)
+    store = DiskStore(tmp_path, 16, min_tokens=64)
+    for other in (model_for(0, quant_sim=True), model_for(3)):
+        entry = store.save(filled(model_for(0), tokens), "evict")
+        session = Session(other)
+        assert store.find(other, tokens) is None
+        assert store.restore(session, tokens, 0) == 0 and session.tokens == []
+        assert not (tmp_path / entry.name).exists()  # deleted as foreign
+    # and a foreign file put in the folder by hand is refused at load time too
+    entry = DiskStore(tmp_path / "a", 16, min_tokens=64).save(filled(model_for(3), tokens[:200]), "evict")
+    other = DiskStore(tmp_path / "b", 16, min_tokens=64)
+    other.save(filled(model_for(0), tokens[:200]), "evict")
+    (tmp_path / "b" / other.latest().name).write_bytes((tmp_path / "a" / entry.name).read_bytes())
+    session = Session(model_for(0))
+    assert not other.load(session, other.latest()) and session.tokens == []
+
+
+def test_hit_extends_and_rewinds_exactly_and_survives_a_reopen(tmp_path):
+    model = model_for(5)
+    tokens = random_tokens(model, 400, 3)
+    DiskStore(tmp_path, 16, min_tokens=64).save(filled(model, tokens), "shutdown")
+    store = DiskStore(tmp_path, 16, min_tokens=64)  # reopened: the index lists the file
+    assert len(store.entries) == 1
+    for prompt in (tokens + [4, 5, 6], tokens[:300] + [7, 8]):
+        found = store.find(model, prompt)
+        assert found is not None and found[1] == (400 if len(prompt) > 400 else 256)
+        session = Session(model, checkpoint_every=64, max_chunk=32)
+        assert store.restore(session, prompt, 0) == found[1]
+        logits = session.sync(prompt)
+        assert session.last_sync["replayed"] + session.last_sync["computed"] <= 128 + 3
+        assert_exact(session, logits)
+    (tmp_path / INDEX).write_text("{broken")
+    assert len(DiskStore(tmp_path, 16, min_tokens=64).entries) == 1  # rebuilt from the file headers
+
+
+def test_budget_holds_at_every_moment_and_the_shared_prefix_survives(tmp_path, monkeypatch):
+    model = model_for(0)
+    budget_mb = 1.0
+    peaks = []
+    replace = os.replace
+
+    def measured_replace(src, dst):  # the fullest moment: the new file written, not yet renamed
+        peaks.append(folder_bytes(tmp_path))
+        replace(src, dst)
+
+    monkeypatch.setattr(state_module.os, "replace", measured_replace)
+    clock = [1000.0]
+    store = DiskStore(tmp_path, budget_mb, min_tokens=64, clock=lambda: clock[0])
+    system = random_tokens(model, 130, 4)
+    shared = store.save(filled(model, system), "prefill")
+    written = 0
+    for i in range(12):  # one-off conversations that all start with the shared prefix
+        clock[0] += 60
+        conversation = system + random_tokens(model, 200, 100 + i)
+        assert store.find(model, conversation)[0].name == shared.name
+        store.restore(Session(model, checkpoint_every=64, max_chunk=32), conversation, 0)
+        entry = store.save(filled(model, conversation), "evict")
+        written += entry.size
+        peaks.append(folder_bytes(tmp_path))
+    assert written > 4 * budget_mb * 2**20
+    assert max(peaks) <= budget_mb * 2**20
+    assert shared.name in store.entries and store.entries[shared.name].hits == 12
+
+
+def test_chat_resumes_the_last_conversation_without_recomputing_it(tmp_path):
+    model, tokenizer, _ = load_for_cli(None)
+    options = dict(sampling=SamplingParams(temperature=0), max_tokens=5, thinking=False)
+    first = Conversation(Session(model), tokenizer, disk=DiskStore(tmp_path, 64, min_tokens=1), **options)
+    for _ in first.ask("hello there, how are you?"):
+        pass
+    resumed = Conversation(Session(model), tokenizer, disk=DiskStore(tmp_path, 64, min_tokens=1), **options)
+    assert resumed.resume() and resumed.transcript == first.transcript
+    turn = [list(c.token for c in conv.ask("and tomorrow?") if c.token is not None) for conv in (first, resumed)]
+    assert turn[0] == turn[1]
+    new_tokens = len(resumed.transcript) - len(first.transcript) + 0  # same transcript after the turn
+    assert new_tokens == 0
+    assert resumed.last_stats.computed_tokens == first.last_stats.computed_tokens  # only the new turn
+    assert resumed.last_stats.reused_tokens == first.last_stats.reused_tokens > 0
+    assert len([e for e in resumed.disk.entries.values() if e.reason == "chat"]) == 1
+
+
+@pytest.mark.parametrize("flag", ["--kv-disk-space-mb=0"])
+def test_bad_budget_is_a_clear_error(tmp_path, flag):
+    import argparse
+
+    from ds4_mlx.cache import add_disk_arguments, disk_store_from_args
+
+    parser = argparse.ArgumentParser()
+    add_disk_arguments(parser)
+    with pytest.raises(ValueError, match="kv-disk-space-mb"):
+        disk_store_from_args(parser.parse_args([f"--kv-disk-dir={tmp_path}", flag]))
