@@ -6,6 +6,7 @@ turned into the API's response by its responder. The app never touches the model
 """
 
 import asyncio
+import json
 import logging
 import time
 import traceback
