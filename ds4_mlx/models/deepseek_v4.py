@@ -360,8 +360,10 @@ class QuantizedSwitchLinear(nn.Module):
             self.biases = biases[0]
         self.freeze()
 
+    # x is not cast to the scales' dtype: the compute dtype is x's. Converted scales are float16 (or
+    # uint8 for MXFP4) whatever the compute dtype, and MLX promotes them, as nn.QuantizedLinear relies on.
     def __call__(self, x, indices, sorted_indices=False):
-        return mx.gather_qmm(x.astype(self.scales.dtype), self.weight, self.scales, self.get("biases"),
+        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
                              mode=self.mode, sorted_indices=sorted_indices)
 
@@ -370,7 +372,7 @@ class QuantizedSwitchLinear(nn.Module):
 
     def one(self, x, i):
         biases = self.get("biases")
-        return mx.quantized_matmul(x.astype(self.scales.dtype), self.weight[i], self.scales[i],
+        return mx.quantized_matmul(x, self.weight[i], self.scales[i],
                                    None if biases is None else biases[i], transpose=True,
                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
 
