@@ -36,8 +36,8 @@ def load(path, *, quant_sim=None, progress=True):
     if path.is_dir() and (path / "config.json").is_file():
         return _load_folder(path, quant_sim)
     if path.is_dir() and not any(path.glob("*.gguf")):
-        raise ValueError(f"{path}: not a model folder (no config.json, no .gguf files); give a .gguf file, a folder "
-                         "of GGUF shards or a folder made by `ds4-mlx convert`")
+        raise ValueError(f"{path}: not a model folder (no config.json); give a .gguf file or a folder made by "
+                         "`ds4-mlx convert`")
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     from ds4_mlx.convert.gguf import GGUFModel
