@@ -51,6 +51,7 @@ class Outcome:
     prefill_s: float
     decode_s: float
     miss: str | None
+    source: int | None = None  # the slot a fork started from (slots.place)
 
     @property
     def cached_tokens(self) -> int:
@@ -69,6 +70,9 @@ class Outcome:
         if self.miss is None:
             kind = "hit: " + (f"{slot} already holds this prompt (a resend)" if self.prompt_tokens <= self.live
                               else f"{slot} continues its conversation")
+        elif self.source is not None:
+            kind = (f"partial hit: {slot} starts from a snapshot of slot {self.source}'s conversation "
+                    f"({self.common} tokens in common" + (f"; its own {self.live} were dropped)" if self.live else ")"))
         elif self.live == 0:
             kind = f"miss: new conversation in empty {slot}"
         elif self.miss.startswith("diverged"):
@@ -288,7 +292,8 @@ class Worker:
             prompt_tokens=len(run.job.request.prompt_ids), completion_tokens=stats.completion_tokens,
             live=placement.live, common=placement.common, reused=stats.reused_tokens,
             replayed=stats.replayed_tokens, computed=stats.computed_tokens, prefill_s=stats.prefill_seconds,
-            decode_s=stats.decode_seconds, miss=placement.miss)
+            decode_s=stats.decode_seconds, miss=placement.miss,
+            source=placement.source.index if placement.source is not None else None)
 
     def _keep_within_budget(self, just_used: Slot):
         """Empty idle slots, least recently used first, until the sessions fit the byte budget."""

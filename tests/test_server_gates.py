@@ -197,3 +197,8 @@ def test_log_line_says_hit_partial_hit_or_miss_in_words():
     assert other.startswith("chat miss: the prompt continues no live session; slot 0's other conversation "
                             "(25 tokens, 5 in common) was dropped for it")
     assert "300 computed in 3.00 s (100.0 t/s)" in other
+    fork = Outcome(slot=1, finish_reason="length", prompt_tokens=300, completion_tokens=8, live=0, common=280,
+                   reused=280, replayed=0, computed=20, prefill_s=0.1, decode_s=0.2,
+                   miss="fork(from=0,share=280,live=0)", source=0).log_line("chat")
+    assert fork.startswith("chat partial hit: slot 1 starts from a snapshot of slot 0's conversation "
+                           "(280 tokens in common); prompt 300 tokens: 280 reused, 20 computed")
