@@ -4,7 +4,6 @@ holds is a hit; a prompt sharing a long prefix with another conversation starts 
 
 import contextlib
 import logging
-import re
 import threading
 
 from openai import OpenAI
@@ -27,8 +26,11 @@ def served(*, sessions=2, generate=None):
 
 
 def request_lines(caplog) -> list[dict]:
-    lines = [r.getMessage() for r in caplog.records if r.name == "ds4_mlx.server" and " slot=" in r.getMessage()]
-    return [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines]
+    """The figures of the per-request log lines (the `Outcome` each record carries; the line is in words)."""
+    records = [r for r in caplog.records if r.name == "ds4_mlx.server" and hasattr(r, "outcome")]
+    return [{"slot": str(o.slot), "live": str(o.live), "prompt": str(o.prompt_tokens), "reused": str(o.reused),
+             "replayed": str(o.replayed), "computed": str(o.computed), "miss": o.miss or "-", "line": r.getMessage()}
+            for r, o in ((r, r.outcome) for r in records)]
 
 
 def answer_text(done) -> str:
@@ -105,6 +107,11 @@ def test_a_long_shared_prefix_is_forked_into_a_free_slot_and_is_exact(caplog):
     shared = next(i for i, (a, b) in enumerate(zip(conversation, side_ids)) if a != b)
     assert shared >= MIN_SHARE and len(conversation) - shared > shared  # continuing slot 0 would lose more
     assert forked["slot"] == "1" and forked["miss"] == f"fork(from=0,share={shared},live=0)"
-    assert int(forked["reused"]) == shared and int(forked["computed"]) == len(side_ids) - shared
+    assert "partial hit: slot 1 starts from a snapshot of slot 0's conversation" in forked["line"]
+    # the snapshot holds the whole conversation; going back that far restores the compressor lane at or
+    # before `shared` and replays the rest of the share (the session's rewind policy), computing only the tail
+    assert int(forked["reused"]) + int(forked["replayed"]) == shared
+    assert int(forked["computed"]) == len(side_ids) - shared
+    assert int(forked["replayed"]) < bg.server.worker.slots[1].session.lane_every
     assert back["slot"] == "0" and back["miss"] == "-"
     assert side_answer == cold_answer(model=MODEL, messages=side, temperature=0, max_tokens=8)
