@@ -89,14 +89,17 @@ class Session:
         """`step` for a token id the device is still computing (an int32 array holding one id, e.g. a
         sampler's lazy draw): the logits come back with their evaluation started, so the caller builds
         this step while the device finishes the last one. Call `settle()` before using the session again."""
+        pos = len(self.tokens)
+        try:
+            logits = self.model(token.reshape(1, 1).astype(mx.int32), self.cache, last_only=True)[0, -1]
+        except BaseException:  # as in `_feed`: every layer back at the last token
+            self._undo_chunk(1)
+            raise
         self.tokens.append(token)
-        logits = self.model(token.reshape(1, 1).astype(mx.int32), self.cache, last_only=True)[0, -1]
         self.logits = logits
         mx.async_eval(logits, [r.rows for c in self.cache for r in c.rings()],
                       [b.rows for c in self.cache for b in c.buffers()])
-        if len(self.tokens) % self.checkpoint_every == 0:
-            self.settle()
-            self.checkpoints[len(self.tokens)] = [c.checkpoint() for c in self.cache]
+        self._take_checkpoints(pos, pos + 1)  # the same lanes and full checkpoints as `step`
         return logits
 
     def settle(self):

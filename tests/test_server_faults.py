@@ -78,6 +78,10 @@ def test_a_failed_prefill_chunk_leaves_the_session_at_its_last_computed_token(mo
     with pytest.raises(RuntimeError):
         session.step(5)
     assert session.tokens == prompt
+    failing.arm(1)  # the pipelined step the generation loop uses
+    with pytest.raises(RuntimeError):
+        session.step_async(mx.array(5, dtype=mx.int32))
+    assert session.tokens == prompt and all(c.pos == len(prompt) for c in session.cache)
     assert_consistent_and_exact(session, session.sync(prompt[:120] + [1, 2, 3]))
 
 

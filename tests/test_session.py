@@ -164,6 +164,27 @@ def test_rewind_inside_the_slack_replays_less_than_a_lane():
         session.sync(prompt)
 
 
+def test_async_steps_keep_the_checkpoints_of_steps():
+    """The generation loop's pipelined steps take the same lanes and full checkpoints as `step`, so a
+    rewind into generated text replays less than a lane."""
+    model = model_for(0)  # lanes every 16 tokens
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, model.args.vocab_size, 40).tolist()
+    answer = rng.integers(0, model.args.vocab_size, 150).tolist()
+    stepped, pipelined = (Session(model, rewind_slack=200, frontier_horizon=10, checkpoint_every=32, max_chunk=16)
+                          for _ in range(2))
+    for session in (stepped, pipelined):
+        session.sync(prompt)
+    for token in answer:
+        stepped.step(token)
+        pipelined.step_async(mx.array(token, dtype=mx.int32))
+        pipelined.settle()
+    assert pipelined.tokens == stepped.tokens and sorted(pipelined.checkpoints) == sorted(stepped.checkpoints)
+    logits = pipelined.sync(pipelined.tokens[:100] + [9])
+    assert pipelined.last_sync == {"reused": 96, "replayed": 4, "computed": 1}
+    assert_exact(pipelined, logits)
+
+
 def test_float16_rows_are_exact_under_quant_sim():
     """quant_sim rounds KV and indexer rows to float16 values: storing them as float16 changes nothing."""
     model = model_for(0, quant_sim=True)
