@@ -28,10 +28,11 @@ def test_a_script_file_drives_a_tool_loop(tmp_path):
         deadline = time.time() + 60
         while time.time() < deadline:
             try:
-                requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except requests.exceptions.ConnectionError:
-                time.sleep(0.2)
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["status"] == "ok":
+                    break  # "loading" first: the port is bound before the model loads
+            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout):  # not listening yet, or busy
+                pass
+            time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         messages = [{"role": "user", "content": "What is here?"}]
         first = client.chat.completions.create(model="deepseek-v4-flash", messages=messages, tools=[TOOL])
