@@ -150,6 +150,7 @@ def bench_convert(size_gb=4.0, workdir=None) -> dict:
 # the published q2 / q4 files: converted size projected from real-width tensors, error, speed
 
 PUBLISHED = {"q2": ("IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K")}  # routed experts' (gate/up, down) types
+RATIO_TARGETS = {"q2": 1.15, "q4": 1.12}  # converted size / GGUF size
 
 
 def published_weights(variant):
@@ -255,22 +256,16 @@ def bench_published(rows=2048, expert_bits=None, group_size=None) -> dict:
 
 
 def run(size_gb=4.0, rows=2048, expert_bits=None, group_size=None) -> dict:
-    """`ds4-mlx bench convert`: the published files' projection, then (size_gb > 0) a synthetic file's
-    conversion; prints a table and returns the figures."""
-    figures = bench_published(rows=rows, expert_bits=expert_bits, group_size=group_size)
-    print(f"{'file':6} {'GGUF GiB':>9} {'converted GiB':>14} {'ratio':>6} {'target':>6} {'convert min':>12}")
-    for variant, target in (("q2", 1.15), ("q4", 1.12)):
-        print(f"{variant:6} {figures[variant + '_gguf_gib']:9.2f} {figures[variant + '_gib']:14.2f} "
-              f"{figures[variant + '_ratio']:6.3f} {target:6.2f} {figures[variant + '_convert_min']:12.1f}")
-    print(f"\n{'type':8} {'format':18} {'bytes/weight':>12} {'rel RMS':>8} {'M weights/s':>12}   ({figures['device']})")
-    for t, f in figures["types"].items():
-        print(f"{t:8} {f['format']:18} {f['bytes_per_weight']:12.4f} {f['rel_rms']:8.4f} {f['weights_per_s'] / 1e6:12.1f}")
+    """`ds4-mlx bench convert`'s figures: the published files' projection against their size targets,
+    a row per quantized type, then (size_gb > 0) a synthetic file's conversion. `ds4-mlx bench` prints
+    them as tables, or as JSON."""
+    figures = {}
+    for key, value in bench_published(rows=rows, expert_bits=expert_bits, group_size=group_size).items():
+        figures[key] = [{"type": t, **f} for t, f in value.items()] if key == "types" else value  # a table's rows
+        if key.endswith("_ratio"):
+            figures[key + "_target"] = RATIO_TARGETS[key.removesuffix("_ratio")]
     if size_gb > 0:
-        synthetic = bench_convert(size_gb)
-        print(f"\nsynthetic {synthetic['gguf_gb']} GB file: {synthetic['convert_s']} s, {synthetic['mb_per_s']} MB/s, "
-              f"peak RSS {synthetic['peak_rss_gb']} GB (bound {synthetic['rss_bound_gb']} GB), "
-              f"output {synthetic['output_gb']} GB")
-        figures.update(synthetic)
+        figures.update(bench_convert(size_gb))
     return figures
 
 
