@@ -229,15 +229,16 @@ class Worker:
                 return  # the head waits for its slot; later jobs wait behind it
             job = self._pending.popleft()
             placement.slot.busy = True
-            if placement.source is not None:  # start from the snapshot of a slot sharing a long prefix
-                placement.slot.session.restore(placement.source.session.snapshot())
             self._running.append(self._start(job, placement))
 
     def _start(self, job: Job, placement: Placement) -> _Running:
         request, session = job.request, placement.slot.session
+        kept = placement.common if placement.source is None else 0  # a fork replaces the slot's tokens
+        if self.disk is not None and len(session.tokens) - kept >= self.disk.min_tokens:
+            self.disk.save(session, "evict")  # the request is about to discard these tokens
+        if placement.source is not None:  # start from the snapshot of a slot sharing a long prefix
+            session.restore(placement.source.session.snapshot())
         if self.disk is not None:
-            if len(session.tokens) - placement.common >= self.disk.min_tokens:
-                self.disk.save(session, "evict")  # the request is about to discard these tokens
             self.disk.restore(session, request.prompt_ids, placement.common)
 
         def on_prefill(done, total):

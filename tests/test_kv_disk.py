@@ -66,6 +66,26 @@ def test_restarted_server_resumes_from_disk_and_answers_as_a_cold_run(tmp_path, 
     assert any("kv disk: hit" in r.getMessage() for r in caplog.records)
 
 
+def test_a_slot_a_fork_takes_over_is_saved_first(tmp_path):
+    """A side request forked from a long conversation into the slot of another one: that other
+    conversation is what gets saved, not the snapshot that replaces it."""
+    disk = DiskStore(tmp_path, 64, min_tokens=64)
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=2,
+                          budget_bytes=2**32, disk=disk)
+    system = {"role": "system", "content": "Rules: " + " ".join(f"rule{i}" for i in range(130))}
+    long_turn = [system, {"role": "user", "content": " ".join(f"fact{i}" for i in range(220))}]
+    other = [{"role": "user", "content": " ".join(f"other{i}" for i in range(40))}]
+    with BackgroundServer(server) as bg:
+        worker = bg.server.worker
+        ask(bg, long_turn)
+        ask(bg, other)
+        other_tokens = list(worker.slots[1].tokens)
+        ask(bg, [system, {"role": "user", "content": "a side question"}])
+        assert worker.slots[1].last_outcome.source == 0  # forked into the other conversation's slot
+        assert disk.find(worker.model, other_tokens)[1] == len(other_tokens)
+        assert disk.find(worker.model, list(worker.slots[0].tokens)) is None  # the long one is still live
+
+
 def test_damaged_file_is_deleted_and_the_request_served_cold(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     messages = long_conversation(words=300)
