@@ -83,12 +83,16 @@ def requantize(w, bits, group_size):
     starts, so this is never worse than `mx.quantize` plus its refit."""
     w = mx.array(w, mx.float32)
     fit = lambda x: _fit(x, bits, group_size)
-    if mx.default_device() == mx.gpu:  # fused kernels; MLX's CPU backend ran the compiled graph slower
+    if on_gpu():  # fused kernels; MLX's CPU backend ran the compiled graph slower
         key = (bits, group_size)
         fit = _compiled[key] = _compiled.get(key) or mx.compile(fit)
     q, s, b = fit(w.reshape(-1, group_size))
     rows = w.shape[0]
     return pack(q.reshape(rows, -1), bits), s.reshape(rows, -1), b.reshape(rows, -1)
+
+
+def on_gpu():
+    return mx.default_device() == mx.gpu
 
 
 def _fit(x, bits, group_size):

@@ -218,6 +218,10 @@ def _write_model(tmp_path, dtype=None, quant=None, llama_cpp=False):
         elif dtype == np.float16 and a.dtype == np.float32:
             tensors[name] = a.astype(np.float16)
             values[name] = tensors[name].astype(np.float32)
+        elif dtype == "BF16" and a.dtype == np.float32 and a.ndim >= 2:  # truncated: exactly representable
+            bf = (a.view(np.uint32) >> 16).astype(np.uint16)
+            tensors[name] = (bf.view(np.uint8).reshape(*a.shape[:-1], -1), T.BF16)
+            values[name] = (bf.astype(np.uint32) << 16).view(np.float32)
         else:
             values[name] = a
     meta = testing.gguf_metadata(args)
@@ -269,7 +273,7 @@ def _convert(gguf_path, out, shard_gb=0.0005, **options):
     return logs
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["F32", "F16"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "BF16"], ids=["F32", "F16", "BF16"])
 def test_tiny_model_float(tmp_path, dtype):
     pytest.importorskip("transformers")
     import ds4_mlx
@@ -280,7 +284,7 @@ def test_tiny_model_float(tmp_path, dtype):
     direct, _ = ds4_mlx.load(path, quant_sim=False)
     _convert(path, tmp_path / "out")
     folder, _ = ds4_mlx.load(tmp_path / "out", quant_sim=False)
-    want = mx.float16 if dtype == np.float16 else mx.float32  # F16 tensors stay F16
+    want = {np.float16: mx.float16, "BF16": mx.bfloat16}.get(dtype, mx.float32)  # F16 / BF16 stay as they are
     assert direct.embed.weight.dtype == folder.embed.weight.dtype == want
     a, b = _logits(direct, ids), _logits(folder, ids)
     assert np.array_equal(a, b)
