@@ -1,5 +1,6 @@
-"""GGUF -> MLX: per-type exactness, tiny models against transformers, converted folder == direct load,
-and bad input (one-line error, non-zero exit, nothing written)."""
+"""GGUF -> MLX: per-type exactness (float16 scales), requantization error on realistic codes, tiny models
+against transformers, converted folder == direct load, split shards, the one-time conversion cache,
+the published files' projected sizes, and bad input (one-line error, non-zero exit, nothing written)."""
 
 import json
 import os
