@@ -109,6 +109,8 @@ def split_files(path):
             alone = sorted(path.glob("*.gguf"))
             if len(firsts) == 0 and len(alone) == 1:
                 return alone
+            if not alone:
+                raise ValueError(f"{path}: no GGUF files here (and no config.json of a converted model)")
             raise ValueError(f"{path}: expected one set of GGUF shards (NAME-00001-of-0000N.gguf), "
                              f"found {len(firsts) or 'no'} first shards")
         path = firsts[0]
