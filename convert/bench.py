@@ -200,7 +200,7 @@ def measure_types(rows=2048, cols=4096, seed=0, expert_bits=None, group_size=Non
         if qtype in G.REQUANT_TYPES:
             bits, group = requant.DEFAULT_REQUANT[qtype]
             bits, group = expert_bits or bits, group_size or group
-            requant.convert_rows(raw[:8], qtype, cols, bits, group)  # warm-up (kernel compilation)
+            requant.convert_rows(raw, qtype, cols, bits, group)  # warm-up (kernel compilation)
         else:
             bits, group = G._EXACT_FORMATS[qtype]["bits"], G._EXACT_FORMATS[qtype]["group_size"]
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ def register(subparsers):
     p = subparsers.add_parser("convert", help="convert a deepseek4 GGUF file into an MLX model folder",
                               description="Convert a deepseek4 GGUF file into an MLX model folder "
                                           "(config.json, sharded safetensors, tokenizer).")
-    p.add_argument("gguf", help="the .gguf file")
+    p.add_argument("gguf", help="the .gguf file, one of its split shards (NAME-00001-of-0000N.gguf), or their folder")
     p.add_argument("out_dir", help="the folder to create")
     p.add_argument("--shard-size", type=float, default=5.0, metavar="GB", help="largest shard (default 5)")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it already exists")

@@ -109,6 +109,8 @@ def split_files(path):
             alone = sorted(path.glob("*.gguf"))
             if len(firsts) == 0 and len(alone) == 1:
                 return alone
+            if not alone:
+                raise ValueError(f"{path}: no GGUF files here (and no config.json of a converted model)")
             raise ValueError(f"{path}: expected one set of GGUF shards (NAME-00001-of-0000N.gguf), "
                              f"found {len(firsts) or 'no'} first shards")
         path = firsts[0]
@@ -254,8 +256,9 @@ def read_rows(f, plan, r0, r1):
 
 
 def to_half(x, dtype):
-    """float32 scales or biases -> uint16/float16 numpy in `dtype` ("F16" or "BF16", round to nearest
-    even). Raises WidenScales where float16 would overflow or flush a non-zero value to zero."""
+    """float32 values (scales, biases, dequantized weights) -> numpy float16 for "F16", or bfloat16 bits
+    as uint16 for "BF16" (round to nearest even). Raises WidenScales where float16 would overflow or
+    flush a non-zero value to zero."""
     x = np.asarray(x, np.float32)
     if dtype == "F16":
         with np.errstate(over="ignore"):
@@ -276,7 +279,7 @@ def convert_chunks(f, plan, log=None):
 
     err2 = ref2 = 0.0
     step = plan.chunk_rows()
-    if plan.type in REQUANT_TYPES and plan.quantized:  # bigger chunks: fewer round trips to the GPU
+    if plan.type in REQUANT_TYPES and plan.quantized and requant.on_gpu():  # fewer, bigger GPU launches
         step *= 4
     for r0 in range(0, plan.rows, step):
         r1 = min(plan.rows, r0 + step)

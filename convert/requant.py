@@ -61,22 +61,49 @@ def dequantize(raw, qtype, cols):
     raise ValueError(f"no MLX dequantizer for {qtype.name}")
 
 
-def requantize(w, bits, group_size, iters=3):
-    """Float rows (mx or numpy) -> (packed uint32 codes, scales, biases), all float32 mx arrays but the codes.
+_ITERS = 4
 
-    Least squares rather than MLX's min/max: the source formats put few distinct levels in a group, so
-    spanning the group with fewer than 2^bits - 1 steps and refitting scale and bias to the codes often
-    lands on those levels; each group keeps its best try. Never worse than `mx.quantize` (its start)."""
+
+def _starts(top):
+    """(shrink, steps) starting points of the fit: the group's range spanned by the last few step
+    counts down to about half of 2^bits - 1 (which can land on the source's levels exactly), and the
+    range shrunk by a fraction at each end (outliers cost less than the bulk)."""
+    half = (top + 1) // 2
+    return [(0.0, st) for st in range(top, max(half, top - 3) - 1, -1)] + \
+        [(shrink, st) for shrink in (0.1, 0.2, 0.3) for st in (top, half)]
+_compiled = {}
+
+
+def requantize(w, bits, group_size):
+    """Float rows (mx or numpy) -> (packed uint32 codes, scales, biases), the last two float32 mx arrays.
+
+    A least-squares fit rather than MLX's min/max: the source formats put few distinct levels in a
+    group, so each group tries several starting ranges, alternates rounding to codes with the exact
+    least-squares (scale, bias) of those codes, and keeps its best try. The plain range is one of the
+    starts, so this is never worse than `mx.quantize` plus its refit."""
     w = mx.array(w, mx.float32)
+    fit = lambda x: _fit(x, bits, group_size)
+    if on_gpu():  # fused kernels; MLX's CPU backend ran the compiled graph slower
+        key = (bits, group_size)
+        fit = _compiled[key] = _compiled.get(key) or mx.compile(fit)
+    q, s, b = fit(w.reshape(-1, group_size))
     rows = w.shape[0]
-    x = w.reshape(-1, group_size)
-    lo, hi = x.min(1, keepdims=True), x.max(1, keepdims=True)
+    return pack(q.reshape(rows, -1), bits), s.reshape(rows, -1), b.reshape(rows, -1)
+
+
+def on_gpu():
+    return mx.default_device() == mx.gpu
+
+
+def _fit(x, bits, group_size):
     top = 2**bits - 1
     n, sx = group_size, x.sum(1, keepdims=True)
+    lo, hi = x.min(1, keepdims=True), x.max(1, keepdims=True)
     best = None
-    for steps in range(top, (top + 1) // 2 - 1, -1):
-        s, b = mx.maximum((hi - lo) / steps, 1e-30), lo
-        for _ in range(iters):  # round, then the least-squares (scale, bias) of those codes
+    for shrink, steps in _starts(top):
+        b = lo + shrink * (hi - lo)
+        s = mx.maximum((1 - 2 * shrink) * (hi - lo) / steps, 1e-30)
+        for _ in range(_ITERS):  # round, then the least-squares (scale, bias) of those codes
             q = mx.clip(mx.round((x - b) / s), 0, top)
             sq = q.sum(1, keepdims=True)
             den = n * (q * q).sum(1, keepdims=True) - sq * sq
@@ -93,7 +120,7 @@ def requantize(w, bits, group_size, iters=3):
             best = tuple(mx.where(better, v, o) for v, o in zip((err, q, s, b), best))
     _, q, s, b = best
     s = mx.where(q.max(1, keepdims=True) == 0, 0.0, s)  # a constant group: its scale is unused
-    return pack(q.astype(mx.uint32).reshape(rows, -1), bits), s.reshape(rows, -1), b.reshape(rows, -1)
+    return q.astype(mx.uint32), s, b
 
 
 def pack(codes, bits):
