@@ -1,6 +1,6 @@
 """One conversation's tokens and cache, able to go back to any earlier position exactly.
 
-Rewind policy (see docs/sessions.md):
+Rewind policy (README, "How a session goes back"):
 - within the last `frontier_horizon` tokens: every layer trims in place (the rings still hold the raw
   and compressor rows), nothing is recomputed;
 - within the last `rewind_slack` tokens: the raw ring still holds the window, and a lane (the few
