@@ -85,7 +85,29 @@ def test_damaged_file_is_deleted_and_the_request_served_cold(tmp_path, caplog):
                for r in caplog.records)
 
 
+def test_a_conversation_taken_over_in_the_only_slot_comes_back_from_disk(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    first, other = long_conversation(words=150), long_conversation(words=160)
+    other[1]["content"] = "Count: " + other[1]["content"]
+    with serve(tmp_path) as bg:
+        for messages in (first, other, first):
+            ask(bg, messages)
+    lines = request_lines(caplog)
+    assert lines[1]["miss"].startswith("other-conversation") and lines[2]["miss"].startswith("other-conversation")
+    assert int(lines[2]["computed"]) + int(lines[2]["replayed"]) <= 128, lines[2]  # the first, from disk
+    assert any("reason=evict" in r.getMessage() for r in caplog.records)
+
+
 # -- the store on its own ---------------------------------------------------------------------------
+
+
+def test_long_prompts_are_saved_along_the_way(tmp_path):
+    model = model_for(0)
+    store = DiskStore(tmp_path, 16, min_tokens=64, prefill_every=128, history=64)
+    session = Session(model, checkpoint_every=64, max_chunk=32)
+    tokens = random_tokens(model, 300, 6)
+    session.sync(tokens, on_chunk=lambda done, total: store.during_prefill(session))
+    assert sorted(e.tokens for e in store.entries.values()) == [128, 256]
 
 
 def test_truncated_file_is_deleted_and_never_used(tmp_path, caplog):
