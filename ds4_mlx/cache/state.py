@@ -42,8 +42,10 @@ def _row_dtype(session):
 def export_session(session, history=512):
     """(arrays, header) for `session` at its current position."""
     pos = len(session.tokens)
+    # lanes, and full checkpoints used as lanes: their raw rows come from the saved run of raw rows
     lanes = sorted(q for q, cp in session.checkpoints.items()
-                   if pos - history <= q < pos and all(c.can_restore(layer) for c, layer in zip(session.cache, cp)))
+                   if pos - history <= q < pos and all(c.can_restore(layer) and q - c.ring_needs(q)[0] >= c.raw.floor
+                                                       for c, layer in zip(session.cache, cp)))
     arrays = {}
     for i, c in enumerate(session.cache):
         raw_from = min([pos] + [q - c.ring_needs(q)[0] for q in lanes])
