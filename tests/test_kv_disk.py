@@ -206,8 +206,7 @@ def test_chat_resumes_the_last_conversation_without_recomputing_it(tmp_path):
     assert len([e for e in resumed.disk.entries.values() if e.reason == "chat"]) == 1
 
 
-@pytest.mark.parametrize("flag", ["--kv-disk-space-mb=0"])
-def test_bad_budget_is_a_clear_error(tmp_path, flag):
+def test_bad_budget_is_a_clear_error(tmp_path):
     import argparse
 
     from ds4_mlx.cache import add_disk_arguments, disk_store_from_args
@@ -215,4 +214,4 @@ def test_bad_budget_is_a_clear_error(tmp_path, flag):
     parser = argparse.ArgumentParser()
     add_disk_arguments(parser)
     with pytest.raises(ValueError, match="kv-disk-space-mb"):
-        disk_store_from_args(parser.parse_args([f"--kv-disk-dir={tmp_path}", flag]))
+        disk_store_from_args(parser.parse_args([f"--kv-disk-dir={tmp_path}", "--kv-disk-space-mb=0"]))
