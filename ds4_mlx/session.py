@@ -1,6 +1,6 @@
 """One conversation's tokens and cache, able to go back to any earlier position exactly.
 
-Rewind policy (see docs/sessions.md):
+Rewind policy (README, "How a session goes back"):
 - within the last `frontier_horizon` tokens: every layer trims in place (the rings still hold the raw
   and compressor rows), nothing is recomputed;
 - within the last `rewind_slack` tokens: the raw ring still holds the window, and a lane (the few
@@ -216,18 +216,17 @@ class Session:
         return self.logits
 
     def _take_checkpoints(self, start, end):
-        """Checkpoints for the positions in (start, end] (the chunk just fed), then thinning."""
-        step = self.lane_every or self.checkpoint_every
-        taken = False
-        for q in range(start + step - start % step, end + 1, step):
-            full = q % self.checkpoint_every == 0
-            if full or self.lane_every:
-                self.checkpoints[q] = [c.checkpoint(q, raw=full) for c in self.cache]
-                taken = True
-        if end % self.checkpoint_every == 0 and end not in self.checkpoints:
+        """After feeding (start, end]: a lane at each multiple of `lane_every` in it, a full checkpoint
+        at `end` when it is a multiple of `checkpoint_every` (chunks end there); then thinning."""
+        every = self.lane_every
+        lanes = [q for q in range(start - start % every + every, end + 1, every)
+                 if q % self.checkpoint_every] if every else []
+        for q in lanes:
+            self.checkpoints[q] = [c.checkpoint(q, raw=False) for c in self.cache]
+        full = end % self.checkpoint_every == 0
+        if full:
             self.checkpoints[end] = [c.checkpoint(end) for c in self.cache]
-            taken = True
-        if taken:
+        if lanes or full:
             self._thin(end)
 
     def checkpoint_spacing(self, distance):

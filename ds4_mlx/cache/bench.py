@@ -52,6 +52,7 @@ def session_parts(session) -> dict:
 
 def bench_memory(a):
     """Session memory at real widths (43 layers) filled to each context length, no forward pass."""
+    from ds4_mlx.cache.state import export_session, file_size_bound
     from ds4_mlx.session import Session
 
     contexts = sorted(int(c) for c in a.contexts.split(","))
@@ -65,12 +66,15 @@ def bench_memory(a):
             session.sync(session.tokens + [0] * n)
             done += n
         parts = session_parts(session)
+        file_bytes = file_size_bound(*export_session(session))  # shapes only: nothing is computed
         row = {"context": ctx, "nbytes": session.nbytes, **parts,
-               "bytes_per_token": session.nbytes / ctx, "checkpoints_kept": len(session.checkpoints)}
+               "bytes_per_token": session.nbytes / ctx, "checkpoints_kept": len(session.checkpoints),
+               "file_bytes_at_most": file_bytes}
         results.append(row)
         print(f"{ctx:>9,} tokens: {session.nbytes / 1e9:6.3f} GB  (rings {parts['rings'] / 1e9:.3f}, "
               f"compressed rows {parts['rows'] / 1e9:.3f}, checkpoints {parts['checkpoints'] / 1e9:.3f}; "
-              f"{row['bytes_per_token']:,.0f} B/token, {row['checkpoints_kept']} checkpoints)", flush=True)
+              f"{row['bytes_per_token']:,.0f} B/token, {row['checkpoints_kept']} checkpoints); "
+              f"saved file <= {file_bytes / 1e9:.3f} GB", flush=True)
     del session
     gc.collect()
     return {"layers": ModelArgs().num_hidden_layers, "quant_sim": not a.float32, "results": results}

@@ -197,20 +197,20 @@ class LayerCache:
             buf.rows, buf.count = rows, count
 
     # State protocol --------------------------------------------------------------------------
-    def _named_rings(self):
+    def named_rings(self):
         return [(n, r) for n, r in zip(RING_NAMES, (self.raw, self.frontier, self.index_frontier)) if r is not None]
 
-    def _named_buffers(self):
+    def named_buffers(self):
         return [(n, b) for n, b in zip(BUFFER_NAMES, (self.rows, self.index_rows)) if b is not None]
 
     def export_state(self, raw_from=None):
         """`state`, with the raw rows from `raw_from` on (if held) rather than only the window."""
         p = self.pos
         out = {}
-        for (name, ring), n in zip(self._named_rings(), self.ring_needs(p)):
+        for (name, ring), n in zip(self.named_rings(), self.ring_needs(p)):
             start = p - n if raw_from is None or ring is not self.raw else max(min(raw_from, p - n), ring.floor)
             out[name] = ring.read(start, p)
-        for name, buf in self._named_buffers():
+        for name, buf in self.named_buffers():
             out[name] = buf.view()
         return out
 
@@ -227,17 +227,17 @@ class LayerCache:
         p = int(meta_state["pos"])
         if meta_state.get("ratio") != self.ratio or meta_state.get("window") != self.window:
             raise ValueError("state of another layer kind")
-        names = {n for n, _ in self._named_rings()} | {n for n, _ in self._named_buffers()}
+        names = {n for n, _ in self.named_rings()} | {n for n, _ in self.named_buffers()}
         if set(state) != names:
             raise ValueError(f"state arrays {sorted(state)}, expected {sorted(names)}")
-        for (name, ring), n in zip(self._named_rings(), self.ring_needs(p)):
+        for (name, ring), n in zip(self.named_rings(), self.ring_needs(p)):
             rows = state[name]
             if rows.ndim != 2 or rows.shape[1] != ring.width or not n <= rows.shape[0]:
                 raise ValueError(f"{name}: rows of shape {rows.shape} for position {p}")
             rows = rows[-ring.capacity:]
             ring.rows, ring.floor = None, p - rows.shape[0]
             ring.write(p - rows.shape[0], rows)
-        for name, buf in self._named_buffers():
+        for name, buf in self.named_buffers():
             rows = state[name]
             if rows.ndim != 2 or rows.shape[1] != buf.width or rows.shape[0] != p // self.ratio:
                 raise ValueError(f"{name}: rows of shape {rows.shape} for position {p}")

@@ -42,14 +42,16 @@ def _row_dtype(session):
 def export_session(session, history=512):
     """(arrays, header) for `session` at its current position."""
     pos = len(session.tokens)
+    # lanes, and full checkpoints used as lanes: their raw rows come from the saved run of raw rows
     lanes = sorted(q for q, cp in session.checkpoints.items()
-                   if pos - history <= q < pos and all(c.can_restore(layer) for c, layer in zip(session.cache, cp)))
+                   if pos - history <= q < pos and all(c.can_restore(layer) and q - c.ring_needs(q)[0] >= c.raw.floor
+                                                       for c, layer in zip(session.cache, cp)))
     arrays = {}
     for i, c in enumerate(session.cache):
         raw_from = min([pos] + [q - c.ring_needs(q)[0] for q in lanes])
         for name, rows in c.export_state(raw_from=raw_from).items():
             arrays[f"layers.{i}.{name}"] = rows
-        names = [n for n, _ in c._named_rings()]
+        names = [n for n, _ in c.named_rings()]
         for q in lanes:
             for name, rows in zip(names, session.checkpoints[q][i]["rows"]):
                 if name != "raw" and rows is not None:
@@ -147,7 +149,7 @@ def import_session(session, arrays, header):
         if len(layers) != len(session.cache):
             raise ValueError(f"{len(layers)} layers, the model has {len(session.cache)}")
         for i, (c, meta) in enumerate(zip(session.cache, layers)):
-            widths = {**{n: r.width for n, r in c._named_rings()}, **{n: b.width for n, b in c._named_buffers()}}
+            widths = {**{n: r.width for n, r in c.named_rings()}, **{n: b.width for n, b in c.named_buffers()}}
             state = {n: mx.array(arrays[f"layers.{i}.{n}"]) if f"layers.{i}.{n}" in arrays else mx.zeros((0, w))
                      for n, w in widths.items()}
             c.load_state(state, meta)
@@ -158,7 +160,7 @@ def import_session(session, arrays, header):
             lane = []
             for i, c in enumerate(session.cache):
                 rows = [None if n == "raw" else mx.array(arrays[f"lanes.{q}.{i}.{n}"])
-                        if f"lanes.{q}.{i}.{n}" in arrays else mx.zeros((0, r.width)) for n, r in c._named_rings()]
+                        if f"lanes.{q}.{i}.{n}" in arrays else mx.zeros((0, r.width)) for n, r in c.named_rings()]
                 lane.append({"pos": int(q), "rows": rows})
             session.checkpoints[int(q)] = lane
         session.tokens = tokens

@@ -101,7 +101,7 @@ class DiskStore:
         for old in [e for e in self.entries.values() if e.model == identity and e.name != name
                     and entry.keys.get(str(e.tokens)) == e.keys.get(str(e.tokens))]:
             entry.hits += old.hits  # the new file restores the old one's end: it takes its place
-            self._delete(old, "covered by a newer file")
+            self._delete(old, "covered")
         self.entries[name] = entry
         self._write_index()
         log.info(f"kv disk: stored tokens={n} reason={reason} size={size / 2**20:.2f} MiB "
@@ -194,14 +194,14 @@ class DiskStore:
     def _make_room(self, incoming: int):
         while self.entries and self.used_bytes + incoming + self._index_reserve > self.budget:
             victim = min(self.entries.values(), key=lambda e: (self._value(e), e.last_used))
-            log.info(f"kv disk: evicted tokens={victim.tokens} hits={victim.hits} "
-                     f"size={victim.size / 2**20:.2f} MiB file={victim.name}")
             self._delete(victim, "budget")
         self._write_index()
 
     def _delete(self, entry, why):
         self.entries.pop(entry.name, None)
         (self.dir / entry.name).unlink(missing_ok=True)
+        log.info(f"kv disk: removed tokens={entry.tokens} hits={entry.hits} size={entry.size / 2**20:.2f} MiB "
+                 f"reason={why} file={entry.name}")
 
     def _write_index(self):
         tmp = self.dir / f".{INDEX}.{os.getpid()}.tmp"
