@@ -13,23 +13,23 @@ each generation gets a fresh state:
                                                                       grammar=json_grammar(schema)))
 """
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.chat import THINK_END
 
-_ll_tokenizers = {}  # id(tokenizer) -> (tokenizer, llguidance tokenizer): building one takes seconds
+_ll_tokenizers = weakref.WeakKeyDictionary()  # tokenizer -> llguidance's view of it (seconds to build)
 
 
 def _ll_tokenizer(tokenizer):
     import llguidance
 
-    key = id(tokenizer)
-    if key not in _ll_tokenizers:
-        ll = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size,
-                                    eos_token=tokenizer.eos_id)
-        _ll_tokenizers[key] = (tokenizer, ll)  # the tokenizer is kept so its id is never reused
-    return _ll_tokenizers[key][1]
+    if tokenizer not in _ll_tokenizers:
+        _ll_tokenizers[tokenizer] = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size,
+                                                           eos_token=tokenizer.eos_id)
+    return _ll_tokenizers[tokenizer]
 
 
 def json_grammar(schema: dict | None) -> str:
@@ -50,7 +50,7 @@ class OutputConstraint:
     def __init__(self, tokenizer, *, thinking: bool, forced: tuple[str, ...] = (), grammar: str | None = None):
         self.eos_id = tokenizer.eos_id
         self.think_end_id = tokenizer.id_of(THINK_END)
-        self.forced = [tokenizer.encode(text) for text in forced]  # the alternatives still possible, left to write
+        self.forced = [tokenizer.encode(text) for text in forced]  # the alternatives still possible: what is left
         self.phase = "thinking" if thinking else "answer"
         self.matcher = None
         if grammar is not None:

@@ -22,6 +22,7 @@ import argparse
 import json
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ds4_mlx.chat import THINK_END, THINK_START, TOOLS_PROMPT_HEAD, render_tool_calls
 from ds4_mlx.generate import stream_generate
@@ -84,7 +85,7 @@ class ScriptedModel:
 
 
 def load_script(path) -> ScriptedModel:
-    spec = json.loads(open(path).read())
+    spec = json.loads(Path(path).read_text())
     turns = [Turn(text=t.get("text", ""), reasoning=t.get("reasoning", ""),
                   calls=[(name, arguments) for name, arguments in t.get("calls", [])]) for t in spec["turns"]]
     return ScriptedModel(turns, side=spec.get("side", "OK"))

@@ -127,6 +127,10 @@ class Tokenizer:
     def id_of(self, token: str):
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (for libraries that build their own view, such as llguidance)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

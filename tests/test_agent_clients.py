@@ -9,7 +9,6 @@ folder and talks to nothing but the local server.
 """
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -91,7 +90,7 @@ def test_claude_code_runs_a_tool_loop_reusing_the_cache(workdir):
                         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1")
         done = subprocess.run([str(claude), "-p", "What do the notes in this folder say?",
                                "--allowedTools", "Bash,Read"],
-                              cwd=work, env=env, capture_output=True, text=True, timeout=300)
+                              cwd=work, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout + done.stderr
     assert ANSWER in done.stdout
     loop = [s for s in model.served if s.tools]

@@ -236,8 +236,6 @@ def test_a_forced_tool_choice_opens_a_tool_call(bg, oai, claude):
     claude.messages.create(model=MODEL, max_tokens=CAP, messages=messages, tool_choice={"type": "tool", "name": "Bash"},
                            tools=[{"name": "Bash", "input_schema": {"type": "object"}}])
     assert answer_text(bg).startswith("</think>" + OPENING + 'Bash">\n')
-    auto = oai.chat.completions.create(model="deepseek-chat", messages=messages, tools=[WEATHER], max_tokens=3)
-    assert auto.choices[0].finish_reason == "length"
 
 
 VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "grade": {"enum": ["A", "B"]}},
