@@ -248,7 +248,7 @@ def test_the_serve_command_starts_a_server():
                 health = requests.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
                 if health["status"] == "ok":  # "loading" first: the port is bound before the model loads
                     break
-            except requests.exceptions.ConnectionError:
+            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout):  # not listening yet, or busy
                 pass
             time.sleep(0.2)
         assert health["context_length"] == 2048 and len(health["slots"]) == 1
