@@ -81,7 +81,7 @@ async def serve(server, sock: socket.socket, log) -> int:
         await web.SockSite(runner, sock).start()
         url = url_of(sock)
         log.info(f"listening on {url}; loading the model ({url}/health says \"loading\" until it is ready)")
-        await server.loaded
+        await asyncio.shield(server.loaded)  # Ctrl+C here ends the wait, not the load's future
         info, n = server.info, len(server.worker.slots)
         log.info(f"serving {info.model_id} (ctx {info.ctx}, {n} live session(s))")
         log.info(THINKING_NOTE)

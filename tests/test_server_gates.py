@@ -137,6 +137,16 @@ def test_served_while_loading():
                              json={"messages": HELLO, "max_tokens": 1}).status_code == 200
 
 
+def test_leaving_during_the_load_does_not_wait_for_it():
+    release = threading.Event()
+    server = build_server(lambda: release.wait(60) and load_for_cli(None)[:2], model_id="deepseek-v4-flash",
+                          ctx=4096, sessions=1, budget_bytes=2**32)
+    with BackgroundServer(server, wait_ready=False):
+        pass  # the cleanup would wait for the load (and time out) if it stopped the worker
+    assert not server.loaded.done() and not server.ready
+    release.set()
+
+
 # ---------------------------------------------------------------- the `serve` command
 
 
