@@ -65,7 +65,8 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def register(subparsers):
     p = subparsers.add_parser("bench", help="speed and memory benchmarks",
                               description="Speed and memory benchmarks. Each prints a table of its figures, "
-                                          "or with --json one JSON object on the last line.")
+                                          "or with --json one JSON object on the last line. On a CPU, model "
+                                          "and rewind use the tiny test model unless --preset real.")
     sub = p.add_subparsers(dest="bench", required=True)
     for name, fn, extra in BENCHES:
         q = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__,

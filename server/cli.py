@@ -101,16 +101,17 @@ def register(subparsers):
                                           "shares the longest token prefix with their prompt.")
     p.add_argument("-m", "--model", help="a .gguf file or converted MLX folder "
                    "(default: the built-in demo model, random weights: gibberish text)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="(default %(default)s; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="(default %(default)s; 0 picks a free port)")
     p.add_argument("--ctx", type=int, default=32768,
                    help="context length in tokens, at most the model's (default %(default)s)")
     p.add_argument("--sessions", type=int, default=2, help="live sessions kept in memory (default %(default)s)")
     p.add_argument("--cache-gib", type=float, default=16.0,
-                   help="memory budget of the live sessions; least recently used ones are emptied beyond it")
-    p.add_argument("--model-id", default="deepseek-v4-flash", help="the model name clients use")
-    p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay")
-    p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints")
+                   help="memory budget of the live sessions; least recently used ones are emptied beyond it "
+                        "(default %(default)s)")
+    p.add_argument("--model-id", default="deepseek-v4-flash", help="the model name clients use (default %(default)s)")
+    p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay (default %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints (default %(default)s)")
     p.add_argument("--api-key", help="require this key from clients, as 'Authorization: Bearer KEY' or "
                    "'x-api-key: KEY' (/health stays open)")
     p.add_argument("--cors", action="append", metavar="ORIGIN",
