@@ -29,7 +29,7 @@ def run_serve(args):
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
 
-    def load():
+    def load():  # runs on the worker thread once the app starts, so `server` below is set
         model, tokenizer, is_demo = load_for_cli(args.model)
         if is_demo:
             log.info(DEMO_NOTE)
