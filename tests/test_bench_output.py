@@ -48,7 +48,7 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "rewind", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 2048,8192,32768)" in text and "(default: 37)" in text
+    assert "(default: 2048,8192 on a CPU, 2048,8192,32768 on a GPU)" in text and "(default: 37)" in text
     assert "(default: tiny on a CPU, real on a GPU)" in text
 
 
