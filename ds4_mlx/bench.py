@@ -65,7 +65,8 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def register(subparsers):
     p = subparsers.add_parser("bench", help="speed and memory benchmarks",
                               description="Speed and memory benchmarks. Each prints a table of its figures, "
-                                          "or with --json one JSON object on the last line.")
+                                          "or with --json one JSON object on the last line. On a CPU, model "
+                                          "and rewind use the tiny test model unless --preset real.")
     sub = p.add_subparsers(dest="bench", required=True)
     for name, fn, extra in BENCHES:
         q = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__,
@@ -81,8 +82,11 @@ def _run(fn, args):
 
     if args.device:
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
+    on_cpu = mx.default_device() == mx.cpu
     if getattr(args, "preset", "") is None:  # the model benches: real widths take hours on a CPU
-        args.preset = "tiny" if mx.default_device() == mx.cpu else "real"
+        args.preset = "tiny" if on_cpu else "real"
+    if getattr(args, "contexts", "") is None:  # a 32k prefill takes minutes on a CPU even for the tiny model
+        args.contexts = "2048,8192" if on_cpu else "2048,8192,32768"
     figures = fn(args)
     figures["device"] = str(mx.default_device())
     print(json.dumps(figures) if args.json else format_figures(figures))
@@ -218,7 +222,8 @@ def bench_rewind(a):
 
 def _bench_rewind_options(q):
     _model_options(q)
-    q.add_argument("--contexts", default="2048,8192,32768", help="context lengths, comma-separated")
+    q.add_argument("--contexts", default=None, help="context lengths, comma-separated (default: 2048,8192 on a "
+                   "CPU, 2048,8192,32768 on a GPU)")
     q.add_argument("--generated", type=int, default=37, help="tokens streamed before the abort")
     q.add_argument("--repeats", type=int, default=3, help="resends per context (their median is reported)")
 

@@ -426,7 +426,8 @@ def run_generate(args):
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt_text = render(messages + [{"role": "user", "content": args.prompt}], thinking=args.think)
-    parser = OutputParser(thinking=prompt_text.endswith(THINK_START))
+    thinking = prompt_text.endswith(THINK_START)
+    parser = OutputParser(thinking=thinking)
     err = _Stderr()
     answered = False
     reasoning_tokens = 0
@@ -442,14 +443,14 @@ def run_generate(args):
                 sys.stdout.write(event.text if answered else event.text.lstrip())
                 sys.stdout.flush()
                 answered = True
-        if not answered and not args.show_reasoning and chunk.token is not None:
+        if thinking and not answered and not args.show_reasoning and chunk.token is not None:
             reasoning_tokens += 1
             err.progress(f"[thinking: {reasoning_tokens} tokens]")
         if chunk.finish_reason:
             if answered:
                 print(file=sys.stdout)
             err.end_line()
-            if not answered and chunk.finish_reason == FINISH_LENGTH:
+            if thinking and not answered and chunk.finish_reason == FINISH_LENGTH:
                 err.write(f"[no answer yet: all {args.max_tokens} tokens went to reasoning; raise --max-tokens, "
                           f"or --nothink to answer directly{'' if args.show_reasoning else ', or --show-reasoning'}]\n")
             err.write(stats_line(chunk.finish_reason, chunk.stats) + "\n", dim=True)
@@ -478,7 +479,10 @@ class _Stderr:
         if not text:
             return
         self._clear_progress()
-        sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if dim and self.tty else text)
+        if dim and self.tty:
+            body = text.rstrip("\n")  # the line ends after the colour does
+            text = f"\x1b[2m{body}\x1b[0m{text[len(body):]}"
+        sys.stderr.write(text)
         sys.stderr.flush()
         self.at_line_start = text.endswith("\n")
 

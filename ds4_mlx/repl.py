@@ -307,7 +307,8 @@ def run_command(line, conversation, terminal) -> bool:
         path = Path(argument).expanduser()
         try:
             if name == "/save":
-                path.write_text(json.dumps(conversation.saved_messages(), ensure_ascii=False, indent=2) + "\n")
+                path.write_text(json.dumps(conversation.saved_messages(), ensure_ascii=False, indent=2) + "\n",
+                                encoding="utf-8")
                 terminal.write(f"saved {conversation.turns} turn(s) to {argument}\n")
             else:
                 conversation.load_messages(json.loads(path.read_text(encoding="utf-8")))

@@ -73,18 +73,19 @@ class Server:
 
     @property
     def ready(self) -> bool:
-        return self.loaded is not None and self.loaded.done() and not self.load_failed
+        done = self.loaded is not None and self.loaded.done()
+        return done and not self.loaded.cancelled() and self.loaded.exception() is None
 
     @property
     def load_failed(self) -> bool:
-        return self.loaded is not None and self.loaded.done() and self.loaded.exception() is not None
+        return self.loaded is not None and self.loaded.done() and not self.ready
 
     async def _fail_jobs(self, app):
         self.worker.shutdown()  # open requests get an error now, so the server need not wait for them
 
     async def _stop_worker(self, app):
-        if not self.loaded.done():
-            return  # leaving during the load: the loading thread is a daemon, nothing to wait for
+        if not self.ready:
+            return  # left during the load, or it failed: the loading thread is a daemon, nothing to wait for
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
 
     # -- plain endpoints ------------------------------------------------------------------------------

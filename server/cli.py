@@ -32,7 +32,7 @@ def run_serve(args):
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
 
-    def load():
+    def load():  # runs on the worker thread once the app starts, so `server` below is set
         model, tokenizer, is_demo = load_for_cli(args.model)
         if is_demo:
             log.info(DEMO_NOTE)
@@ -87,7 +87,7 @@ async def serve(server, sock: socket.socket, log) -> int:
         await web.SockSite(runner, sock).start()
         url = url_of(sock)
         log.info(f"listening on {url}; loading the model ({url}/health says \"loading\" until it is ready)")
-        await server.loaded
+        await asyncio.shield(server.loaded)  # Ctrl+C here ends the wait, not the load's future
         info, n = server.info, len(server.worker.slots)
         log.info(f"serving {info.model_id} (ctx {info.ctx}, {n} live session(s))")
         log.info(THINKING_NOTE)
@@ -107,16 +107,17 @@ def register(subparsers):
                                           "shares the longest token prefix with their prompt.")
     p.add_argument("-m", "--model", help="a .gguf file or converted MLX folder "
                    "(default: the built-in demo model, random weights: gibberish text)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="(default %(default)s; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="(default %(default)s; 0 picks a free port)")
     p.add_argument("--ctx", type=int, default=32768,
                    help="context length in tokens, at most the model's (default %(default)s)")
     p.add_argument("--sessions", type=int, default=2, help="live sessions kept in memory (default %(default)s)")
     p.add_argument("--cache-gib", type=float, default=16.0,
-                   help="memory budget of the live sessions; least recently used ones are emptied beyond it")
-    p.add_argument("--model-id", default="deepseek-v4-flash", help="the model name clients use")
-    p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay")
-    p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints")
+                   help="memory budget of the live sessions; least recently used ones are emptied beyond it "
+                        "(default %(default)s)")
+    p.add_argument("--model-id", default="deepseek-v4-flash", help="the model name clients use (default %(default)s)")
+    p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay (default %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints (default %(default)s)")
     p.add_argument("--max-tokens", type=int, help="most tokens any request may generate (default: the "
                    "context); a request asking for more stops there with finish reason length")
     p.add_argument("--api-key", help="require this key from clients, as 'Authorization: Bearer KEY' or "

@@ -55,5 +55,21 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "rewind", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 2048,8192,32768)" in text and "(default: 37)" in text
+    assert "(default: 2048,8192 on a CPU, 2048,8192,32768 on a GPU)" in text and "(default: 37)" in text
     assert "(default: tiny on a CPU, real on a GPU)" in text
+
+
+def test_real_widths_on_a_cpu_say_how_long_first(capsys, monkeypatch):
+    from ds4_mlx import bench as bench_module
+    from ds4_mlx.testing import tiny_args
+
+    # the tiny shape stands in for real widths, which take minutes to build here: what is checked is
+    # that the work is counted and announced before it starts
+    monkeypatch.setattr(bench_module, "real_args", lambda layers, **overrides: tiny_args())
+    captured = bench(capsys, "rewind", "--preset", "real", "--contexts", "64,128", "--repeats", "2",
+                     "--generated", "3")
+    first, second = captured.err.splitlines()[:2]
+    assert first.startswith("real V4 Flash widths on a CPU: building the model and timing a few tokens")
+    assert second.startswith("this run prefills 196 tokens and decodes 12: at the ")  # 64+128 + 2 resends each
+    assert " s per prefill token and " in second and "at least " in second
+    assert captured.err.index("this run") < captured.err.index("ctx 64:")
