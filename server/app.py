@@ -6,6 +6,7 @@ turned into the API's response by its responder. The app never touches the model
 """
 
 import asyncio
+import gc
 import logging
 import time
 import traceback
@@ -61,7 +62,10 @@ class Server:
         self.worker.shutdown()  # open requests get an error now, so the server need not wait for them
 
     async def _stop_worker(self, app):
-        await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+        # on this thread, not an executor's: a thread still running as the process exits can crash it
+        # ("terminate called without an active exception"). It waits for one chunk at most (_fail_jobs).
+        self.worker.stop()
+        gc.collect()
 
     # -- plain endpoints ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ if generation failed, and last ("done", Outcome), or ("done", None) for a job dr
 """
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -165,6 +166,7 @@ class Worker:
                 if self.shutting_down:
                     self._fail_all("the server is shutting down")
                 if self._stopping:
+                    self._release()
                     return
                 self._admit()
             for run in list(self._running):
@@ -176,6 +178,14 @@ class Worker:
                         self._running.remove(run)
                         run.placement.slot.busy = False
                     run.job.emit("done", None)
+
+    def _release(self):
+        """Free the model and the sessions on this thread, which made them: arrays freed by another
+        thread while the process exits can crash it ("terminate called without an active exception")."""
+        self._running.clear()
+        self.slots = []
+        self.model = None
+        gc.collect()
 
     def _fail_all(self, message: str):
         while self._pending:
