@@ -6,7 +6,8 @@ forward runs at a time, and a running stream waits at most one chunk per other r
 tokens, however long their prompts. A job whose client has gone is dropped before it starts, and
 stops at its next token (or prefill chunk) when it goes while running; its session keeps what was
 computed. A job whose forward fails gets an error; its session stays consistent (see `Session`). On
-shutdown every job gets an error and the thread ends after the chunk it is computing. Events reach the handler through an asyncio queue: ("prefill", (done, total)) during the prefill,
+shutdown every job gets an error and the thread ends after the chunk it is computing.
+Events reach the handler through an asyncio queue: ("prefill", (done, total)) during the prefill,
 ("started", {prompt_tokens, reused, replayed, computed}) once it is over, ("chunk", GenerationChunk) per token, ("error", message)
 if generation failed, and last ("done", Outcome), or ("done", None) for a job dropped from the queue.
 """
