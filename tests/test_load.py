@@ -19,7 +19,7 @@ def fresh_server():
 
 
 def test_eight_clients_with_random_aborts_get_no_errors_and_exact_answers():
-    convs = conversations(4, words=20, max_tokens=(2, 5))
+    convs = conversations(4, words=12, max_tokens=(2, 4))
     with background_server(2) as bg:
         records = run_clients(bg.url, convs, clients=8, requests=104, abort_rate=0.3, seed=1)
     figures = summary(records, lone_answers(convs, fresh_server))
