@@ -149,7 +149,7 @@ class Server:
             elif kind == "done":
                 break
         if error is not None:
-            raise APIError(500, error)
+            raise APIError(503 if self.worker.shutting_down else 500, error)
         if payload is None or payload.finish_reason == "abort":
             return web.Response(status=499)  # the client left; nobody reads this
         return web.json_response(responder.body(payload, answer))

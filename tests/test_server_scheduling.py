@@ -78,13 +78,13 @@ def test_a_short_prompt_the_slot_holds_is_a_hit(caplog):
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
     request = dict(model=MODEL, messages=[{"role": "user", "content": "short question"}], temperature=0)
     with served(sessions=2) as (bg, client):
-        client.chat.completions.create(**request, max_tokens=40)
-        again = client.chat.completions.create(**request, max_tokens=5)
+        first_answer = answer_text(client.chat.completions.create(**request, max_tokens=40))
+        again = answer_text(client.chat.completions.create(**request, max_tokens=5))
         first, second = request_lines(caplog)
     assert int(second["prompt"]) < MIN_SHARE and int(second["live"]) > int(second["prompt"])
     assert second["slot"] == first["slot"] and second["miss"] == "-"
     assert int(second["reused"]) == int(second["prompt"]) - 1 and second["computed"] == "1"
-    assert answer_text(again) == cold_answer(**request, max_tokens=5)
+    assert first_answer.startswith(again)  # greedy: the same answer, cut shorter
 
 
 def test_a_long_shared_prefix_is_forked_into_a_free_slot_and_is_exact(caplog):

@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -46,9 +47,16 @@ def test_a_signal_while_streaming_ends_the_stream_and_the_process_cleanly(sig):
     process, url = start_server()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 100000,
             "temperature": 0, "stream": True}
+    plain = {}
+    waiting = threading.Thread(target=lambda: plain.update(response=requests.post(
+        url + "/v1/chat/completions", timeout=60, json={**body, "stream": False, "messages": [
+            {"role": "user", "content": "another"}]})))
     with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(6)]  # the stream is running
+        waiting.start()
+        while sum(s["busy"] for s in requests.get(url + "/health", timeout=10).json()["slots"]) < 2:
+            time.sleep(0.05)  # and so is a non-streamed request
         code, output = None, None
         try:
             code, output = stop(process, sig)
@@ -58,6 +66,8 @@ def test_a_signal_while_streaming_ends_the_stream_and_the_process_cleanly(sig):
     assert "terminate called" not in output and "Traceback" not in output, output
     events = [line for line in received + rest if line]
     assert b"shutting down" in events[-2] and events[-1] == b"data: [DONE]", events[-3:]
+    waiting.join()
+    assert plain["response"].status_code == 503 and "shutting down" in plain["response"].json()["error"]["message"]
 
 
 def test_a_signal_while_idle_ends_the_process_cleanly():
