@@ -6,7 +6,8 @@ Rewind policy (see shared/design/rewind.md):
 - deeper: restore the nearest checkpoint at or before the target (taken every `checkpoint_every`
   tokens, a few rows a layer) and replay at most `checkpoint_every` tokens;
 - the next-token logits come from feeding the last prompt token again, or are kept when the prompt
-  equals the live tokens.
+  equals the live tokens;
+- a chunk that fails (an exception, out of memory) leaves the session at the tokens computed before it.
 """
 
 import mlx.core as mx
