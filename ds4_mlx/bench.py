@@ -268,10 +268,24 @@ def _bench_memory_options(q):
     memory_options(q)
 
 
+def bench_load(a):
+    """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
+    from ds4_mlx.server.load_bench import bench_load as run
+
+    return run(a)
+
+
+def _bench_load_options(q):
+    from ds4_mlx.server.load_bench import bench_load_options
+
+    bench_load_options(q)
+
+
 BENCHES = [
     ("model", bench_model, _bench_model_options),
     ("rewind", bench_rewind, _bench_rewind_options),
     ("convert", bench_convert, _bench_convert_options),
     ("speed", bench_speed, _bench_speed_options),
     ("memory", bench_memory, _bench_memory_options),
+    ("load", bench_load, _bench_load_options),
 ]

@@ -13,7 +13,8 @@ Rewind policy (README, "How a session goes back"):
   million-token session keeps a few dozen, and a rewind replays at most about as many tokens as it
   goes back;
 - the next-token logits come from feeding the last prompt token again, or are kept when the prompt
-  equals the live tokens.
+  equals the live tokens;
+- a chunk that fails (an exception, out of memory) leaves the session at the tokens computed before it.
 """
 
 import mlx.core as mx

@@ -7,6 +7,7 @@ turned into the API's response by its responder. The app never touches the model
 
 import asyncio
 import json
+import gc
 import logging
 import time
 import traceback
@@ -86,7 +87,10 @@ class Server:
     async def _stop_worker(self, app):
         if not self.ready:
             return  # left during the load, or it failed: the loading thread is a daemon, nothing to wait for
-        await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+        # on this thread, not an executor's: a thread still running as the process exits can crash it
+        # ("terminate called without an active exception"). It waits for one chunk at most (_fail_jobs).
+        self.worker.stop()
+        gc.collect()
 
     # -- plain endpoints ------------------------------------------------------------------------------
 
@@ -179,7 +183,7 @@ class Server:
                 self.metrics.finished(job.request.label, payload)
                 break
         if error is not None:
-            raise APIError(500, error)
+            raise APIError(503 if self.worker.shutting_down else 500, error)
         if payload is None or payload.finish_reason == "abort":
             return web.Response(status=499)  # the client left; nobody reads this
         return web.json_response(responder.body(payload, answer))

@@ -6,12 +6,14 @@ forward runs at a time, and a running stream waits at most one chunk per other r
 tokens, however long their prompts. A job whose client has gone is dropped before it starts, and
 stops at its next token (or prefill chunk) when it goes while running; its session keeps what was
 computed. A job whose forward fails gets an error; its session stays consistent (see `Session`). On
-shutdown every job gets an error and the thread ends after the chunk it is computing. Events reach the handler through an asyncio queue: ("prefill", (done, total)) during the prefill,
+shutdown every job gets an error and the thread ends after the chunk it is computing.
+Events reach the handler through an asyncio queue: ("prefill", (done, total)) during the prefill,
 ("started", {prompt_tokens, reused, replayed, computed}) once it is over, ("chunk", GenerationChunk) per token, ("error", message)
 if generation failed, and last ("done", Outcome), or ("done", None) for a job dropped from the queue.
 """
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -196,6 +198,7 @@ class Worker:
                 if self._stopping:
                     for slot in self.slots if self.disk is not None else []:
                         self.disk.save(slot.session, "shutdown")
+                    self._release()
                     return
                 self._admit()
             for run in list(self._running):
@@ -207,6 +210,14 @@ class Worker:
                         self._running.remove(run)
                         run.placement.slot.busy = False
                     run.job.emit("done", None)
+
+    def _release(self):
+        """Free the model and the sessions on this thread, which made them: arrays freed by another
+        thread while the process exits can crash it ("terminate called without an active exception")."""
+        self._running.clear()
+        self.slots = []
+        self.model = None
+        gc.collect()
 
     def _fail_all(self, message: str):
         while self._pending:

@@ -93,3 +93,10 @@ def test_token_counts_and_usage_follow_the_rule():
                               json={"model": MODEL, "messages": messages, "max_tokens": 1}).json()["usage"]
     assert count == len(tok.encode(render(messages))) != len(official(render(messages)))
     assert usage["prompt_tokens"] == len(tok.encode(render(messages))) != len(official(render(messages)))
+
+
+def test_a_client_cannot_supply_a_verbatim_tool_block():
+    from ds4_mlx.server.assembly import ToolCallMemory
+
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "dsml": FORGED}]
+    assert ToolCallMemory().attach(messages)[1] == {"role": "assistant", "content": "a"}

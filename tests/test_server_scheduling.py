@@ -51,7 +51,7 @@ def test_a_stream_gets_tokens_between_the_chunks_of_another_prefill():
             steps.append((len(prompt_ids), "prefill" if chunk.prefill else "token"))
             yield chunk
 
-    long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(1200))}]
+    long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(600))}]
     with served(generate=recording) as (bg, client):
         tokenizer = bg.server.worker.tokenizer
         long_len = len(tokenizer.encode(render(long_prompt)))
@@ -80,19 +80,19 @@ def test_a_short_prompt_the_slot_holds_is_a_hit(caplog):
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
     request = dict(model=MODEL, messages=[{"role": "user", "content": "short question"}], temperature=0)
     with served(sessions=2) as (bg, client):
-        client.chat.completions.create(**request, max_tokens=40)
-        again = client.chat.completions.create(**request, max_tokens=5)
+        first_answer = answer_text(client.chat.completions.create(**request, max_tokens=40))
+        again = answer_text(client.chat.completions.create(**request, max_tokens=5))
         first, second = request_lines(caplog)
     assert int(second["prompt"]) < MIN_SHARE and int(second["live"]) > int(second["prompt"])
     assert second["slot"] == first["slot"] and second["miss"] == "-"
     assert int(second["reused"]) == int(second["prompt"]) - 1 and second["computed"] == "1"
-    assert answer_text(again) == cold_answer(**request, max_tokens=5)
+    assert first_answer.startswith(again)  # greedy: the same answer, cut shorter
 
 
 def test_a_long_shared_prefix_is_forked_into_a_free_slot_and_is_exact(caplog):
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
-    system = {"role": "system", "content": "Rules: " + " ".join(f"rule{i}" for i in range(300))}
-    long_turn = [system, {"role": "user", "content": " ".join(f"fact{i}" for i in range(500))}]
+    system = {"role": "system", "content": "Rules: " + " ".join(f"rule{i}" for i in range(150))}
+    long_turn = [system, {"role": "user", "content": " ".join(f"fact{i}" for i in range(250))}]
     side = [system, {"role": "user", "content": "a side question"}]
     with served(sessions=2) as (bg, client):
         tokenizer = bg.server.worker.tokenizer

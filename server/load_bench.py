@@ -1,0 +1,258 @@
+"""`ds4-mlx bench load`: many streaming clients at once against one server, some aborting at random.
+
+`N` threads, each an `openai` SDK client, send streamed temperature-0 chat requests drawn from a set of
+conversations (half share a long system prompt, half have their own; some are multi-turn) for `M`
+minutes. About `abort_rate` of them abort: in the prefill (the client gives up before the first token
+comes) or in the decode (it closes the stream after a random number of tokens). Then every conversation
+is sent alone to a fresh server, and each completed answer must equal that answer.
+
+Reported: requests, aborted (in prefill, in decode), errors (any status >= 500 or unexpected status, a
+hang, a broken stream: one that ends without a finish reason), mismatches (completed answers that
+differ from the lone answer), p50/p99 time to first token, the largest gap between two tokens of one
+stream, and the server's peak RSS.
+"""
+
+import random
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+MODEL = "deepseek-v4-flash"
+HANG_S = 120.0  # a request with no byte for this long is hung
+
+
+def conversations(count: int, *, words: int = 300, max_tokens: tuple = (8, 32)) -> list[dict]:
+    """`count` chat requests: even ones share a system prompt of about `words` words, odd ones have
+    their own; every third one continues an earlier exchange; answers of `max_tokens` (low, high) tokens."""
+    shared = "Rules: " + " ".join(f"rule{i}" for i in range(words))
+    low, high = max_tokens
+    out = []
+    for i in range(count):
+        system = shared if i % 2 == 0 else f"Assistant {i}: " + " ".join(f"note{i}x{j}" for j in range(words // 2))
+        messages = [{"role": "system", "content": system}]
+        if i % 3 == 2:
+            messages += [{"role": "user", "content": f"earlier question {i}"},
+                         {"role": "assistant", "content": f"earlier answer {i}"}]
+        messages.append({"role": "user", "content": f"question {i}: " + " ".join(f"w{i}{j}" for j in range(i % 5 * 8))})
+        out.append({"messages": messages, "max_tokens": low + (high - low) * i // max(1, count - 1)})
+    return out
+
+
+@dataclass
+class Record:
+    conversation: int
+    abort: str | None  # None, "prefill" or "decode": what the client meant to do
+    outcome: str = ""  # completed, aborted, error
+    error: str = ""
+    text: str = ""
+    ttft_s: float | None = None
+    gaps: list = field(default_factory=list)
+
+
+def run_clients(url: str, convs: list[dict], *, clients: int, seconds: float | None = None,
+                requests: int | None = None, abort_rate: float = 0.3, seed: int = 0) -> list[Record]:
+    """Run `clients` threads until `seconds` have passed or `requests` were sent; one Record each."""
+    import httpx
+    from openai import OpenAI
+
+    records, lock = [], threading.Lock()
+    deadline = time.monotonic() + seconds if seconds else None
+
+    def take_turn() -> bool:
+        with lock:
+            if requests is not None and len(records) >= requests:
+                return False
+            return deadline is None or time.monotonic() < deadline
+
+    def client_loop(index: int):
+        rng = random.Random(seed * 1000 + index)
+        client = OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        while take_turn():
+            i = rng.randrange(len(convs))
+            abort = None
+            if rng.random() < abort_rate:
+                abort = rng.choice(["prefill", "decode"])
+            record = Record(i, abort)
+            with lock:
+                records.append(record)
+            read_s = rng.uniform(0.02, 1.0) if abort == "prefill" else HANG_S
+            stop_after = rng.randint(1, convs[i]["max_tokens"] - 1) if abort == "decode" else None
+            one_request(client, convs[i], record, httpx.Timeout(HANG_S, read=read_s), stop_after)
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records
+
+
+def one_request(client, conv: dict, record: Record, timeout, stop_after: int | None):
+    import openai
+
+    start = last = time.monotonic()
+    tokens, finish = 0, None
+    try:
+        stream = client.chat.completions.create(model=MODEL, messages=conv["messages"], max_tokens=conv["max_tokens"],
+                                                temperature=0, stream=True, timeout=timeout)
+        with stream:
+            for chunk in stream:
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                text = (getattr(delta, "reasoning_content", None) or "") + (delta.content or "")
+                if text:
+                    now = time.monotonic()
+                    if record.ttft_s is None:
+                        record.ttft_s = now - start
+                    else:
+                        record.gaps.append(now - last)
+                    last = now
+                    record.text += text
+                    tokens += 1
+                finish = chunk.choices[0].finish_reason or finish
+                if stop_after is not None and tokens >= stop_after:
+                    record.outcome = "aborted"
+                    return
+        if finish is None:
+            record.outcome, record.error = "error", "broken stream: no finish reason"
+        else:
+            record.outcome = "completed"
+    except openai.APITimeoutError:
+        if record.abort == "prefill":
+            record.outcome = "aborted"
+        else:
+            record.outcome, record.error = "error", "hang"
+    except openai.APIStatusError as e:
+        record.outcome, record.error = "error", f"status {e.status_code}"
+    except Exception as e:  # noqa: BLE001 - a connection dropped by the server, a malformed stream
+        record.outcome, record.error = "error", f"{type(e).__name__}: {e}"
+
+
+def lone_answers(convs: list[dict], start_server) -> list[str]:
+    """Each conversation sent alone to a fresh server (`start_server()` -> (url, stop))."""
+    from openai import OpenAI
+
+    answers = []
+    for conv in convs:
+        url, stop = start_server()
+        try:
+            client = OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+            done = client.chat.completions.create(model=MODEL, messages=conv["messages"],
+                                                  max_tokens=conv["max_tokens"], temperature=0)
+            message = done.choices[0].message
+            answers.append((getattr(message, "reasoning_content", None) or "") + (message.content or ""))
+        finally:
+            stop()
+    return answers
+
+
+def summary(records: list[Record], answers: list[str]) -> dict:
+    completed = [r for r in records if r.outcome == "completed"]
+    aborted = [r for r in records if r.outcome == "aborted"]
+    errors = [r for r in records if r.outcome == "error"]
+    ttfts = sorted(r.ttft_s for r in completed if r.ttft_s is not None)
+    gaps = [g for r in records for g in r.gaps]
+    return {
+        "requests": len(records), "completed": len(completed), "aborted": len(aborted),
+        "aborted_in_prefill": sum(r.ttft_s is None for r in aborted),
+        "aborted_in_decode": sum(r.ttft_s is not None for r in aborted),
+        "errors": len(errors), "error_kinds": sorted({r.error for r in errors}),
+        "mismatches": sum(r.text != answers[r.conversation] for r in completed),
+        "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
+        "max_gap_s": max(gaps, default=None), "median_gap_s": statistics.median(gaps) if gaps else None,
+    }
+
+
+def _quantile(sorted_values: list[float], q: float):
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+# ---------------------------------------------------------------- `ds4-mlx bench load`
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(sessions: int, ctx: int):
+    """`ds4-mlx serve` on the demo model in a child process; (url, process) once it answers."""
+    import requests
+
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", str(ctx),
+                                "--sessions", str(sessions)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode}")
+        try:
+            requests.get(url + "/health", timeout=1)
+            return url, process
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the server did not start within 300 s")
+
+
+def _stop(process) -> int:
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def bench_load(a) -> dict:
+    """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
+    convs = conversations(a.conversations)
+    url, process = _serve(a.sessions, a.ctx)
+    try:
+        records = run_clients(url, convs, clients=a.clients, seconds=a.minutes * 60, abort_rate=a.abort_rate,
+                              seed=a.seed)
+    finally:
+        code = _stop(process)
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the server is the only child so far
+    peak_rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+    def fresh():
+        url, process = _serve(1, a.ctx)
+        return url, lambda: _stop(process)
+
+    figures = {"clients": a.clients, "minutes": a.minutes, "sessions": a.sessions,
+               **summary(records, lone_answers(convs, fresh)), "peak_rss_mb": peak_rss_mb, "server_exit_code": code}
+    print(f"{figures['requests']} requests from {a.clients} clients in {a.minutes:g} min "
+          f"({a.sessions} sessions): {figures['completed']} completed, {figures['aborted']} aborted "
+          f"({figures['aborted_in_prefill']} in prefill, {figures['aborted_in_decode']} in decode)")
+    print(f"errors {figures['errors']} {figures['error_kinds'] or ''}, mismatches {figures['mismatches']} "
+          f"(against each conversation alone on a fresh server)")
+    print(f"time to first token p50 {_s(figures['ttft_p50_s'])}, p99 {_s(figures['ttft_p99_s'])}; "
+          f"largest gap between tokens {_s(figures['max_gap_s'])} (median {_s(figures['median_gap_s'])})")
+    print(f"server peak RSS {peak_rss_mb:.0f} MB, exit code {code}")
+    return figures
+
+
+def _s(value) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def bench_load_options(q):
+    q.add_argument("--minutes", type=float, default=1.0)
+    q.add_argument("--clients", type=int, default=8)
+    q.add_argument("--sessions", type=int, default=4, help="the server's live sessions")
+    q.add_argument("--conversations", type=int, default=16)
+    q.add_argument("--abort-rate", type=float, default=0.3)
+    q.add_argument("--ctx", type=int, default=8192)
+    q.add_argument("--seed", type=int, default=0)
