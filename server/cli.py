@@ -93,7 +93,8 @@ async def serve(server, sock: socket.socket, log) -> int:
         log.info(THINKING_NOTE)
         log.info(f"ready: {url} (OpenAI: /v1, Anthropic: /v1/messages)")
         stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a clean shutdown, exit 0, once serving
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         return 0
     finally:
