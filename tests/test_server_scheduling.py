@@ -103,6 +103,7 @@ def test_a_long_shared_prefix_is_forked_into_a_free_slot_and_is_exact(caplog):
         assert bg.server.worker.slots[0].tokens == conversation  # the long conversation is kept
         client.chat.completions.create(model=MODEL, messages=long_turn, temperature=0, max_tokens=4)
         first, forked, back = request_lines(caplog)
+        lane_every = bg.server.worker.slots[1].session.lane_every
     side_ids = tokenizer.encode(render(side))
     shared = next(i for i, (a, b) in enumerate(zip(conversation, side_ids)) if a != b)
     assert shared >= MIN_SHARE and len(conversation) - shared > shared  # continuing slot 0 would lose more
@@ -112,6 +113,6 @@ def test_a_long_shared_prefix_is_forked_into_a_free_slot_and_is_exact(caplog):
     # before `shared` and replays the rest of the share (the session's rewind policy), computing only the tail
     assert int(forked["reused"]) + int(forked["replayed"]) == shared
     assert int(forked["computed"]) == len(side_ids) - shared
-    assert int(forked["replayed"]) < bg.server.worker.slots[1].session.lane_every
+    assert int(forked["replayed"]) < lane_every
     assert back["slot"] == "0" and back["miss"] == "-"
     assert side_answer == cold_answer(model=MODEL, messages=side, temperature=0, max_tokens=8)
