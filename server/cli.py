@@ -47,7 +47,14 @@ def run_serve(args):
                           disk=disk_store_from_args(args),
                           access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ())))
     sock = listen(args.host, args.port)
-    return asyncio.run(serve(server, sock, log))
+    code = asyncio.run(serve(server, sock, log))
+    # Everything is answered, saved and closed by now. Leave without the interpreter's teardown: it frees
+    # MLX's compile cache after MLX's stream threads, which aborts the process ("terminate called without
+    # an active exception", exit 134) instead of exiting 0.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def fit_context(requested: int, model_max: int, log) -> int:
