@@ -58,8 +58,7 @@ class Record:
 def run_clients(url: str, convs: list[dict], *, clients: int, seconds: float | None = None,
                 requests: int | None = None, abort_rate: float = 0.3, seed: int = 0) -> list[Record]:
     """Run `clients` threads until `seconds` have passed or `requests` were sent; one Record each."""
-    import httpx
-    from openai import OpenAI
+    from openai import OpenAI, Timeout  # the SDK's own timeout type (its HTTP library's, whichever it is)
 
     records, lock = [], threading.Lock()
     deadline = time.monotonic() + seconds if seconds else None
@@ -83,7 +82,7 @@ def run_clients(url: str, convs: list[dict], *, clients: int, seconds: float | N
                 records.append(record)
             read_s = rng.uniform(0.02, 1.0) if abort == "prefill" else HANG_S
             stop_after = rng.randint(1, convs[i]["max_tokens"] - 1) if abort == "decode" else None
-            one_request(client, convs[i], record, httpx.Timeout(HANG_S, read=read_s), stop_after)
+            one_request(client, convs[i], record, Timeout(HANG_S, read=read_s), stop_after)
 
     threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
