@@ -6,6 +6,7 @@ Handlers raise `APIError`; the app turns it into the error body of the API the c
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -14,6 +15,7 @@ _OPENAI_TYPES = {
 }
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
     422: "invalid_request_error",

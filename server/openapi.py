@@ -32,6 +32,11 @@ def openapi_spec(info) -> dict:
         "paths": {
             "/health": _get("server status: slots, their token counts, queue length"),
             "/v1/models": _get("the served model, with its context_length"),
+            "/metrics": _get("Prometheus metrics: requests, prompt tokens reused and computed, prefill and decode "
+                             "speed, queue, memory (text exposition format)"),
+            "/tokenize": _post("token ids of a text, as is (special-token strings become their ids)", ["content"], {
+                "content": S, "with_pieces": B}),
+            "/detokenize": _post("the text of token ids", ["tokens"], {"tokens": {"type": "array", "items": I}}),
             "/v1/sessions": {"get": {
                 "summary": "the live session slots (tokens held, bytes, idle seconds, the last request's figures) "
                            "and recent requests' figures: prompt tokens reused, replayed and computed, prefill "
