@@ -1,6 +1,7 @@
-"""Each fused kernel of `ds4_mlx.models.kernels` against the plain-MLX function it replaces, on the GPU
-backend that runs it (Metal or CUDA). Skipped where MLX has no GPU (this CPU CI): the device run calls
-`run_all()` (see docs/PERFORMANCE.md)."""
+"""The fast paths against the plain ones they replace: each fused kernel of `ds4_mlx.models.kernels` on
+the GPU backend that runs it (Metal or CUDA; skipped where MLX has no GPU, as on this CPU CI: the device
+run is in docs/PERFORMANCE.md), and the per-backend choices of `deepseek_v4` (attention, expert
+products) against each other, on any device."""
 
 import mlx.core as mx
 import pytest
@@ -39,6 +40,40 @@ def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0):
 @pytest.mark.parametrize("T,H", [(1, 4096), (3, 64), (517, 4096)])
 def test_hc_mix_kernel_matches_reference(T, H):
     check_hc_mix(T, H)
+
+
+@pytest.mark.parametrize("T,K", [(1, 700), (37, 19)])
+def test_attention_paths_agree(monkeypatch, T, K):
+    from ds4_mlx.models import deepseek_v4 as dv
+
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(T), 4)
+    q, keys = mx.random.normal((T, 8, 64), key=k1), mx.random.normal((T, K, 64), key=k2)
+    mask = mx.random.uniform(key=k3, shape=(T, K)) < 0.7
+    mask[:, 0] = True  # every query sees at least one key, as the window's own row guarantees
+    sinks = mx.random.normal((8,), key=k4)
+    out = {}
+    for path in ("sdpa", "matmul"):
+        monkeypatch.setenv("DS4_MLX_ATTENTION", path)
+        out[path] = dv.attend(q, keys, mask, sinks, 64 ** -0.5)
+    assert float(mx.abs(out["sdpa"] - out["matmul"]).max()) < 1e-5
+
+
+def test_expert_paths_agree(monkeypatch):
+    """The per-expert loop and sorted gather_qmm give the same routed outputs (4-bit experts)."""
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.testing import tiny_args
+
+    model = random_model(tiny_args(0, num_hash_layers=0), expert_bits=4)
+    moe = model.layers[0].ffn
+    k1, k2 = mx.random.split(mx.random.key(1))
+    x = mx.random.normal((50, model.args.hidden_size), key=k1)
+    chosen = mx.random.randint(0, model.args.n_routed_experts, (50, model.args.num_experts_per_tok), key=k2)
+    out = {}
+    for path in ("gather", "loop"):
+        monkeypatch.setenv("DS4_MLX_EXPERT_PATH", path)
+        out[path] = moe._experts(x, chosen)
+    assert out["loop"].shape == (50, model.args.num_experts_per_tok, model.args.hidden_size)
+    assert float(mx.abs(out["gather"] - out["loop"]).max()) < 1e-4 * float(mx.abs(out["gather"]).max())
 
 
 def run_all():

@@ -7,8 +7,10 @@ The model only does math: all per-layer state lives in `ds4_mlx.cache` objects p
 """
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
@@ -22,10 +24,17 @@ from ds4_mlx.models.kernels import backend, hc_mix
 EXPERT_PATHS = {"cuda": "loop"}
 
 
-def expert_path():
-    import os
+# attention over each token's own keys: "sdpa" (mx.fast.scaled_dot_product_attention, one query a batch)
+# or "matmul" (two batched products over the token's heads); DS4_MLX_ATTENTION overrides
+ATTENTION_PATHS = {"cuda": "matmul"}
 
+
+def expert_path():
     return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
+
+
+def attention_path():
+    return os.environ.get("DS4_MLX_ATTENTION") or ATTENTION_PATHS.get(backend(), "sdpa")
 
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -292,6 +301,26 @@ def hadamard_fp4_sim(x):
     return f16_round(fp4_e2m1_sim(x))
 
 
+def attend(q, keys, mask, sinks, scale):
+    """Each token's heads q [T, nh, hd] over its own keys (= values) [T, K, hd] where mask [T, K], with a
+    per-head sink logit in the softmax denominator. -> [T, nh, hd]"""
+    if attention_path() == "sdpa":
+        keys = keys[:, None]
+        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, keys, scale=scale,
+                                                   mask=mask[:, None, None, :], sinks=sinks)
+        return out[:, :, 0, :]
+    # as two batched products over a token's heads (M = nh rows each)
+    scores = mx.where(mask[:, None, :], (q @ keys.swapaxes(-1, -2)) * scale, -mx.inf)
+    return _softmax_with_sinks(scores, sinks[:, None]) @ keys
+
+
+@partial(mx.compile, shapeless=True)
+def _softmax_with_sinks(scores, sinks):
+    top = mx.maximum(scores.max(axis=-1, keepdims=True), sinks)
+    e = mx.exp(scores - top)
+    return e / (e.sum(axis=-1, keepdims=True) + mx.exp(sinks - top))
+
+
 @mx.compile
 def clamped_swiglu(gate, up, limit):
     gate = mx.minimum(gate, limit)
@@ -427,9 +456,10 @@ class Compressor(nn.Module):
         (before norm and RoPE), starting at row `first_row`."""
         T = xn.shape[0]
         positions = mx.arange(p0, p0 + T)
-        kv = self.kv(xn)
-        score = self.gate(xn) + self.ape[positions % self.ratio]
-        ring.write(p0, mx.concatenate([kv.astype(score.dtype), score], axis=-1))
+        f32 = mx.float32  # pooling (a softmax over scores) in float32
+        kv = self.kv(xn).astype(f32)
+        score = self.gate(xn).astype(f32) + self.ape[positions % self.ratio]
+        ring.write(p0, mx.concatenate([kv, score], axis=-1))
         if n_rows == 0:
             return None
         m, d, W = self.ratio, self.head_dim, self.width
@@ -492,7 +522,7 @@ class Attention(nn.Module):
         first, last = p0 // m, (p0 + T) // m
         pooled = compressor(xn, p0, ring, first, last - first)
         if pooled is not None:
-            rows = compressor.norm(pooled)
+            rows = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
             rows = self.rope(rows, first * m, m)
             buffer.append(quant(rows))
 
@@ -535,13 +565,10 @@ class Attention(nn.Module):
                 keys.append(rows[selected])
                 masks.append(selected < visible)
 
-        keys = mx.concatenate(keys, axis=1)[:, None]  # [T, 1, K, hd]: one KV head, K = V
-        mask = mx.concatenate(masks, axis=1)[:, None, None, :]
         f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
-        keys = keys.astype(f32)
-        out = mx.fast.scaled_dot_product_attention(
-            q[:, :, None, :].astype(f32), keys, keys, scale=hd ** -0.5, mask=mask, sinks=self.sinks.astype(f32))
-        out = self.rope(out[:, :, 0, :], p0, inverse=True).astype(x.dtype)  # [T, nh, hd]
+        keys = mx.concatenate(keys, axis=1).astype(f32)  # [T, K, hd]: one KV head, K = V
+        out = attend(q.astype(f32), keys, mx.concatenate(masks, axis=1), self.sinks.astype(f32), hd ** -0.5)
+        out = self.rope(out, p0, inverse=True).astype(x.dtype)  # [T, nh, hd]
         G = args.o_groups
         groups = out.reshape(T, G, nh * hd // G).swapaxes(0, 1)  # each head group has its own projection
         low = (groups @ self.o_a.weight.swapaxes(-1, -2)).swapaxes(0, 1).reshape(T, G * args.o_lora_rank)
@@ -551,12 +578,12 @@ class Attention(nn.Module):
         """Top-k compressed rows for each query, by the indexer's scores (future rows excluded)."""
         idx, args = self.indexer, self.args
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0)
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0).astype(index_rows.dtype)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
-        w = idx.proj(x) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
+        w = idx.proj(x).astype(index_rows.dtype) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
         per_head = mx.maximum(qi @ index_rows.T, 0)  # [T, nih, C]
-        scores = (w[:, :, None] * per_head).sum(axis=1)
+        scores = (w[:, None, :] @ per_head)[:, 0]  # weighted sum over heads
         C = index_rows.shape[0]
         scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
         k = args.index_topk
@@ -583,9 +610,9 @@ class MoE(nn.Module):
         args = self.args
         if self.hashed:
             chosen = self.tid2eid[ids]
-            weights = route_hashed(self.gate(x), chosen, args.routed_scaling_factor)
+            weights = route_hashed(self.gate(x.astype(mx.float32)), chosen, args.routed_scaling_factor)
         else:
-            chosen, weights = route_top_k(self.gate(x), self.bias, args.num_experts_per_tok,
+            chosen, weights = route_top_k(self.gate(x.astype(mx.float32)), self.bias, args.num_experts_per_tok,
                                           args.routed_scaling_factor)
         routed = self._experts(x, chosen)
         y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
