@@ -301,3 +301,43 @@ def options(q):
     q.add_argument("--profile-context", type=int, default=8192, help="context of the profiled steps")
     q.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="device bandwidth for the roofline (default: 4800 on CUDA, the H200)")
+
+
+# ---------------------------------------------------------------------------------------------- plot
+
+
+def plot(figures, png_path, before=None):
+    """Tokens/s against context (prefill and decode) from `bench speed --json` figures, with the peer's
+    and, optionally, `before` ({"context", "prefill_tok_s", "decode_tok_s"} rows) for comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [(f"ds4-mlx ({figures['dtype']}, {figures['expert_bits']}-bit experts)", figures["results"], "o-")]
+    if "peer" in figures:
+        series.append(("transformers eager (bf16, dense experts)", [r for r in figures["peer"]["results"]
+                                                                     if "error" not in r], "s--"))
+    if before:
+        series.append(("ds4-mlx before", before, "x:"))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode")):
+        for label, rows, style in series:
+            ax.plot([r["context"] for r in rows], [r[key] for r in rows], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{title}, {figures['layers']} layers at V4 Flash widths ({figures['backend']})")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+
+
+if __name__ == "__main__":  # python -m ds4_mlx.bench_speed FIGURES.json OUT.png [BEFORE.json]
+    import json
+    import sys
+
+    before = json.load(open(sys.argv[3]))["results"] if len(sys.argv) > 3 else None
+    plot(json.load(open(sys.argv[1])), sys.argv[2], before)

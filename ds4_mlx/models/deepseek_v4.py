@@ -25,7 +25,9 @@ EXPERT_PATHS = {"cuda": "loop"}
 
 
 # attention over each token's own keys: "sdpa" (mx.fast.scaled_dot_product_attention, one query a batch)
-# or "matmul" (two batched products over the token's heads); DS4_MLX_ATTENTION overrides
+# or "matmul" (two batched products over the token's heads), for prefill chunks (T > 1); decode uses sdpa.
+# On the H200, 4 layers at 8k: prefill 8,286 tok/s with matmul against 5,806 with sdpa, decode 188 tok/s
+# with sdpa against 176 with matmul. DS4_MLX_ATTENTION overrides both.
 ATTENTION_PATHS = {"cuda": "matmul"}
 
 
@@ -33,8 +35,9 @@ def expert_path():
     return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
 
 
-def attention_path():
-    return os.environ.get("DS4_MLX_ATTENTION") or ATTENTION_PATHS.get(backend(), "sdpa")
+def attention_path(tokens):
+    default = ATTENTION_PATHS.get(backend(), "sdpa") if tokens > 1 else "sdpa"
+    return os.environ.get("DS4_MLX_ATTENTION") or default
 
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -304,7 +307,7 @@ def hadamard_fp4_sim(x):
 def attend(q, keys, mask, sinks, scale):
     """Each token's heads q [T, nh, hd] over its own keys (= values) [T, K, hd] where mask [T, K], with a
     per-head sink logit in the softmax denominator. -> [T, nh, hd]"""
-    if attention_path() == "sdpa":
+    if attention_path(q.shape[0]) == "sdpa":
         keys = keys[:, None]
         out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, keys, scale=scale,
                                                    mask=mask[:, None, None, :], sinks=sinks)
