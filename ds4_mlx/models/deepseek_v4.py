@@ -439,6 +439,19 @@ class HyperHead(nn.Module):
         return (w[:, :, None] * streams).sum(axis=1)
 
 
+def log_and_read(ring, p0, back, fresh):
+    """Log a chunk's rows `fresh` (positions p0, p0 + 1, ...) in `ring` and return them after the `back`
+    positions before p0 that the ring holds: the rows the chunk reads. A chunk reads its own rows from
+    here, not from the ring, and the ring keeps only its last `capacity` of them, so the ring need not
+    grow with the chunk. Rows are rounded to the ring's dtype either way, so chunking cannot matter."""
+    T = fresh.shape[0]
+    fresh = fresh.astype(ring.dtype)
+    rows = mx.concatenate([ring.gather(mx.arange(p0 - back, p0)), fresh]) if back else fresh  # read first
+    n = min(T, ring.capacity)
+    ring.write(p0 + T - n, fresh[T - n :])
+    return rows
+
+
 class Compressor(nn.Module):
     """Pools every `ratio` tokens into one row: a per-channel softmax over token scores. The ratio-4
     kind overlaps: each row pools the first half of the previous block's channels and the second half
@@ -462,15 +475,16 @@ class Compressor(nn.Module):
         f32 = mx.float32  # pooling (a softmax over scores) in float32
         kv = self.kv(xn).astype(f32)
         score = self.gate(xn).astype(f32) + self.ape[positions % self.ratio]
-        ring.write(p0, mx.concatenate([kv, score], axis=-1))
+        m, d, W = self.ratio, self.head_dim, self.width
+        lo = max(0, (p0 // m - self.overlap) * m)  # the open block's first position (the previous one's, with overlap)
+        source = log_and_read(ring, p0, p0 - lo, mx.concatenate([kv, score], axis=-1))  # positions lo, ...
         if n_rows == 0:
             return None
-        m, d, W = self.ratio, self.head_dim, self.width
         tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
-        logged = ring.gather(tokens)
+        logged = source[tokens - lo]
         kv, score = logged[..., :W], logged[..., W:]
         if self.overlap:
-            prev = ring.gather(tokens - m)
+            prev = source[mx.maximum(tokens - m - lo, 0)]
             prev_score = mx.where((tokens - m >= 0)[..., None], prev[..., W : W + d], -mx.inf)
             kv = mx.concatenate([prev[..., :d], kv[..., d:]], axis=1)
             score = mx.concatenate([prev_score, score[..., d:]], axis=1)
@@ -538,12 +552,13 @@ class Attention(nn.Module):
         q = rms_norm(q, None, args.rms_norm_eps)
         q = self.rope(q, p0)
         kv = self.rope(self.kv_norm(self.kv(x)), p0)
-        cache.raw.write(p0, self._store_kv(kv, quant_sim))
 
         # raw window: the last `window` positions up to and including each query
         W = args.sliding_window
+        back = min(W - 1, p0)
+        rows = log_and_read(cache.raw, p0, back, self._store_kv(kv, quant_sim))  # positions p0 - back, ...
         window_pos = positions[:, None] - (W - 1) + mx.arange(W)[None, :]
-        keys = [cache.raw.gather(window_pos)]
+        keys = [rows[mx.maximum(window_pos - (p0 - back), 0)]]
         masks = [window_pos >= 0]
 
         if self.kind != SLIDING:
@@ -708,10 +723,6 @@ class Model(nn.Module):
         T = ids.shape[0]
         if cache is None:
             cache = self.make_cache(max_chunk=T)
-        chunk = cache[0].max_chunk
-        if T > chunk:  # the rings hold one chunk at a time
-            outs = [self(inputs[:, i : i + chunk], cache, last_only=last_only) for i in range(0, T, chunk)]
-            return outs[-1] if last_only else mx.concatenate(outs, axis=1)
         embedded = self.embed(ids).astype(mx.float32)
         streams = mx.broadcast_to(embedded[:, None, :], (T, self.args.hc_mult, self.args.hidden_size))
         for layer, c in zip(self.layers, cache):
