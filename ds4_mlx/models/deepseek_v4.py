@@ -661,11 +661,17 @@ class MoE(nn.Module):
         beats `gather_qmm`, which does not batch the rows of an expert."""
         e, limit = self.experts, self.args.swiglu_limit
         counts = mx.zeros((self.args.n_routed_experts,), mx.int32).at[idx].add(1).tolist()
+        # half-precision products get a kernel built per row count: round the rows up to a few sizes
+        # (the extra rows are the next expert's, or zeros at the end, and their outputs are dropped)
+        step = 16 if xs.dtype in (mx.bfloat16, mx.float16) else 1
+        if step > 1:
+            xs = mx.concatenate([xs, mx.zeros((step, xs.shape[-1]), xs.dtype)])
         outs, start = [], 0
         for i, n in enumerate(counts):
             if n:
-                rows = xs[start : start + n]
-                outs.append(e["down"].one(clamped_swiglu(e["gate"].one(rows, i), e["up"].one(rows, i), limit), i))
+                rows = xs[start : start + -(-n // step) * step]
+                y = e["down"].one(clamped_swiglu(e["gate"].one(rows, i), e["up"].one(rows, i), limit), i)
+                outs.append(y[:n] if step > 1 else y)
                 start += n
         return mx.concatenate(outs)
 
