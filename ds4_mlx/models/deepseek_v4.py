@@ -373,6 +373,10 @@ class SwitchLinear(nn.Module):
         """x [n, in] through map i alone."""
         return x @ self.weight[i].T
 
+    def each(self, x):
+        """x [T, n, in]: row j of every token through map j (a batched product)."""
+        return (x.swapaxes(0, 1) @ self.weight.swapaxes(-1, -2)).swapaxes(0, 1)
+
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
         n, out, inp = self.weight.shape
         return QuantizedSwitchLinear(n, inp, out, group_size, bits, mode)
@@ -392,6 +396,9 @@ class QuantizedSwitchLinear(nn.Module):
         return mx.gather_qmm(x.astype(self.scales.dtype), self.weight, self.scales, self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
                              mode=self.mode, sorted_indices=sorted_indices)
+
+    def each(self, x):
+        return self(x[:, :, None, :], mx.arange(x.shape[1]))[:, :, 0, :]
 
     def one(self, x, i):
         biases = self.get("biases")
@@ -588,8 +595,8 @@ class Attention(nn.Module):
         out = attend(q.astype(f32), keys, mx.concatenate(masks, axis=1), self.sinks.astype(f32), hd ** -0.5)
         out = self.rope(out, p0, inverse=True).astype(x.dtype)  # [T, nh, hd]
         G = args.o_groups
-        groups = out.reshape(T, G, nh * hd // G).swapaxes(0, 1)  # each head group has its own projection
-        low = (groups @ self.o_a.weight.swapaxes(-1, -2)).swapaxes(0, 1).reshape(T, G * args.o_lora_rank)
+        low = self.o_a.each(out.reshape(T, G, nh * hd // G))  # each head group has its own projection
+        low = low.reshape(T, G * args.o_lora_rank)
         return self.o_b(low)
 
     def _select(self, qr, x, p0, index_rows, visible, quant_sim):
