@@ -94,3 +94,21 @@ def test_grouped_output_projection_float_and_quantized():
     dequantized = mx.dequantize(quantized.weight, quantized.scales, quantized.biases, 32, 8)
     want = mx.stack([x[:, j] @ dequantized[j].T for j in range(4)], axis=1)
     assert float(mx.abs(quantized.each(x) - want).max()) < 1e-3
+
+
+def test_compiled_parts_see_new_parameters():
+    """The compiled projections and MoE read the module's parameters at every call, not at tracing."""
+    from mlx.utils import tree_flatten
+
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.testing import tiny_args
+
+    args = tiny_args(0)
+    model, other = random_model(args, seed=0), random_model(args, seed=1)
+    ids = mx.array([[3]])
+    first = model(ids, model.make_cache())  # one token: compiled MoE and attention projections
+    model.update(other.parameters())
+    again = model(ids, model.make_cache())
+    assert float(mx.abs(again - other(ids, other.make_cache())).max()) == 0
+    assert float(mx.abs(again - first).max()) > 0
+    assert len(tree_flatten(model.parameters())) == len(tree_flatten(other.parameters()))

@@ -355,6 +355,18 @@ def route_hashed(logits, chosen, scaling):
 # Modules
 
 
+def compiled(module, method):
+    """`module.method` through `mx.compile`, reading the module's current parameters at every call (so
+    loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. The plain
+    method when DS4_MLX_COMPILE=0."""
+    if os.environ.get("DS4_MLX_COMPILE", "1") == "0":
+        return getattr(module, method)
+    cache = module.__dict__.setdefault("_compiled", {})
+    if method not in cache:
+        cache[method] = mx.compile(getattr(module, method), inputs=module.state)
+    return cache[method]
+
+
 class SwitchLinear(nn.Module):
     """A stack of linear maps [n, out, in]; each token row picks its own (experts, output groups)."""
 
@@ -554,11 +566,8 @@ class Attention(nn.Module):
         args, nh, hd = self.args, self.n_heads, self.head_dim
         T, p0 = x.shape[0], cache.pos
         positions = mx.arange(p0, p0 + T)
-        qr = self.q_a_norm(self.q_a(x))
-        q = self.q_b(qr).reshape(T, nh, hd)
-        q = rms_norm(q, None, args.rms_norm_eps)
-        q = self.rope(q, p0)
-        kv = self.rope(self.kv_norm(self.kv(x)), p0)
+        start = mx.array(p0)  # an array, so that the compiled parts do not retrace at every position
+        qr, q, kv = compiled(self, "_project")(x, start)
 
         # raw window: the last `window` positions up to and including each query
         W = args.sliding_window
@@ -593,11 +602,21 @@ class Attention(nn.Module):
         f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
         keys = mx.concatenate(keys, axis=1).astype(f32)  # [T, K, hd]: one KV head, K = V
         out = attend(q.astype(f32), keys, mx.concatenate(masks, axis=1), self.sinks.astype(f32), hd ** -0.5)
-        out = self.rope(out, p0, inverse=True).astype(x.dtype)  # [T, nh, hd]
-        G = args.o_groups
-        low = self.o_a.each(out.reshape(T, G, nh * hd // G))  # each head group has its own projection
-        low = low.reshape(T, G * args.o_lora_rank)
-        return self.o_b(low)
+        return compiled(self, "_project_out")(out, start)
+
+    def _project(self, x, start):
+        """-> (q_a output [T, q_lora_rank], queries [T, nh, hd], kv rows [T, hd]) at positions start, ..."""
+        T = x.shape[0]
+        qr = self.q_a_norm(self.q_a(x))
+        q = rms_norm(self.q_b(qr).reshape(T, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
+        return qr, self.rope(q, start), self.rope(self.kv_norm(self.kv(x)), start)
+
+    def _project_out(self, out, start):
+        """Attention output [T, nh, hd] (RoPE still on) -> [T, H], in the compute dtype."""
+        T, G = out.shape[0], self.args.o_groups
+        out = self.rope(out, start, inverse=True).astype(self.q_a_norm.weight.dtype)
+        low = self.o_a.each(out.reshape(T, G, -1))  # each head group has its own projection
+        return self.o_b(low.reshape(T, -1))
 
     def _select(self, qr, x, p0, index_rows, visible, quant_sim):
         """Top-k compressed rows for each query, by the indexer's scores (future rows excluded)."""
@@ -632,6 +651,11 @@ class MoE(nn.Module):
                        "down": nn.Linear(shared, H, bias=False)}
 
     def __call__(self, x, ids):
+        if x.shape[0] * self.args.num_experts_per_tok < 64:  # decode: one compiled graph, no sync inside
+            return compiled(self, "_forward")(x, ids)
+        return self._forward(x, ids)
+
+    def _forward(self, x, ids):
         args = self.args
         if self.hashed:
             chosen = self.tid2eid[ids]
