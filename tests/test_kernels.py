@@ -51,11 +51,12 @@ def test_attention_paths_agree(monkeypatch, T, K):
     mask = mx.random.uniform(key=k3, shape=(T, K)) < 0.7
     mask[:, 0] = True  # every query sees at least one key, as the window's own row guarantees
     sinks = mx.random.normal((8,), key=k4)
-    out = {}
-    for path in ("sdpa", "matmul"):
-        monkeypatch.setenv("DS4_MLX_ATTENTION", path)
-        out[path] = dv.attend(q, keys, mask, sinks, 64 ** -0.5)
-    assert float(mx.abs(out["sdpa"] - out["matmul"]).max()) < 1e-5
+    for m in (mask, None):
+        out = {}
+        for path in ("sdpa", "matmul"):
+            monkeypatch.setenv("DS4_MLX_ATTENTION", path)
+            out[path] = dv.attend(q, keys, m, sinks, 64 ** -0.5)
+        assert float(mx.abs(out["sdpa"] - out["matmul"]).max()) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

@@ -305,15 +305,17 @@ def hadamard_fp4_sim(x):
 
 
 def attend(q, keys, mask, sinks, scale):
-    """Each token's heads q [T, nh, hd] over its own keys (= values) [T, K, hd] where mask [T, K], with a
-    per-head sink logit in the softmax denominator. -> [T, nh, hd]"""
+    """Each token's heads q [T, nh, hd] over its own keys (= values) [T, K, hd] where mask [T, K] (None:
+    all), with a per-head sink logit in the softmax denominator. -> [T, nh, hd]"""
     if attention_path(q.shape[0]) == "sdpa":
         keys = keys[:, None]
-        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, keys, scale=scale,
-                                                   mask=mask[:, None, None, :], sinks=sinks)
+        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, keys, scale=scale, sinks=sinks,
+                                                   mask=None if mask is None else mask[:, None, None, :])
         return out[:, :, 0, :]
     # as two batched products over a token's heads (M = nh rows each)
-    scores = mx.where(mask[:, None, :], (q @ keys.swapaxes(-1, -2)) * scale, -mx.inf)
+    scores = (q @ keys.swapaxes(-1, -2)) * scale
+    if mask is not None:
+        scores = mx.where(mask[:, None, :], scores, -mx.inf)
     return _softmax_with_sinks(scores, sinks[:, None]) @ keys
 
 
@@ -405,16 +407,20 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x, indices, sorted_indices=False):
-        return mx.gather_qmm(x.astype(self.scales.dtype), self.weight, self.scales, self.get("biases"),
+        return mx.gather_qmm(self._input(x), self.weight, self.scales, self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
                              mode=self.mode, sorted_indices=sorted_indices)
 
     def each(self, x):
         return self(x[:, :, None, :], mx.arange(x.shape[1]))[:, :, 0, :]
 
+    def _input(self, x):
+        """Affine kernels want x in the dtype of the scales (mxfp4 scales are bytes: x as it is)."""
+        return x.astype(self.scales.dtype) if mx.issubdtype(self.scales.dtype, mx.floating) else x
+
     def one(self, x, i):
         biases = self.get("biases")
-        return mx.quantized_matmul(x.astype(self.scales.dtype), self.weight[i], self.scales[i],
+        return mx.quantized_matmul(self._input(x), self.weight[i], self.scales[i],
                                    None if biases is None else biases[i], transpose=True,
                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
 
@@ -573,35 +579,43 @@ class Attention(nn.Module):
         W = args.sliding_window
         back = min(W - 1, p0)
         rows = log_and_read(cache.raw, p0, back, self._store_kv(kv, quant_sim))  # positions p0 - back, ...
-        window_pos = positions[:, None] - (W - 1) + mx.arange(W)[None, :]
-        keys = [rows[mx.maximum(window_pos - (p0 - back), 0)]]
-        masks = [window_pos >= 0]
+        # one token past the first window sees all its keys: no gathers, no mask
+        decode = T == 1 and back == W - 1
+        if decode:
+            keys, masks = [rows[None]], None
+        else:
+            window_pos = positions[:, None] - (W - 1) + mx.arange(W)[None, :]
+            keys = [rows[mx.maximum(window_pos - (p0 - back), 0)]]
+            masks = [window_pos >= 0]
 
         if self.kind != SLIDING:
             m = self.ratio
             self._compress(self.compressor, x, cache, cache.frontier, cache.rows,
                            lambda r: self._store_kv(r, quant_sim))
             rows = cache.rows.view()
-            visible = ((positions + 1) // m)[:, None]  # rows visible to each query
+            visible = None if decode else ((positions + 1) // m)[:, None]  # rows visible to each query
             C = rows.shape[0]
             selected = None
             if self.kind == CSA:
                 idx = self.indexer
                 self._compress(idx.compressor, x, cache, cache.index_frontier, cache.index_rows,
                                (lambda r: hadamard_fp4_sim(r)) if quant_sim else (lambda r: r))
-                if C > args.index_topk:
+                if C > args.index_topk:  # (a decoded token sees every row so far)
                     selected = self._select(qr, x, p0, cache.index_rows.view(), visible, quant_sim)
             if selected is None:
                 if C:
-                    keys.append(mx.broadcast_to(rows[None], (T, C, hd)))
-                    masks.append(mx.arange(C)[None, :] < visible)
+                    keys.append(rows[None] if decode else mx.broadcast_to(rows[None], (T, C, hd)))
+                    if masks is not None:
+                        masks.append(mx.arange(C)[None, :] < visible)
             else:
                 keys.append(rows[selected])
-                masks.append(selected < visible)
+                if masks is not None:
+                    masks.append(selected < visible)
 
         f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
-        keys = mx.concatenate(keys, axis=1).astype(f32)  # [T, K, hd]: one KV head, K = V
-        out = attend(q.astype(f32), keys, mx.concatenate(masks, axis=1), self.sinks.astype(f32), hd ** -0.5)
+        keys = mx.concatenate(keys, axis=1).astype(f32) if len(keys) > 1 else keys[0].astype(f32)  # [T, K, hd]
+        mask = None if masks is None else mx.concatenate(masks, axis=1)
+        out = attend(q.astype(f32), keys, mask, self.sinks.astype(f32), hd ** -0.5)
         return compiled(self, "_project_out")(out, start)
 
     def _project(self, x, start):
@@ -619,7 +633,8 @@ class Attention(nn.Module):
         return self.o_b(low.reshape(T, -1))
 
     def _select(self, qr, x, p0, index_rows, visible, quant_sim):
-        """Top-k compressed rows for each query, by the indexer's scores (future rows excluded)."""
+        """Top-k compressed rows for each query, by the indexer's scores (rows at or past `visible`
+        excluded; None: every row is visible)."""
         idx, args = self.indexer, self.args
         T = qr.shape[0]
         qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0).astype(index_rows.dtype)
@@ -629,7 +644,8 @@ class Attention(nn.Module):
         per_head = mx.maximum(qi @ index_rows.T, 0)  # [T, nih, C]
         scores = (w[:, None, :] @ per_head)[:, 0]  # weighted sum over heads
         C = index_rows.shape[0]
-        scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
+        if visible is not None:
+            scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
         k = args.index_topk
         return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]
 
