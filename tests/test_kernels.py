@@ -113,3 +113,17 @@ def test_compiled_parts_see_new_parameters():
     assert float(mx.abs(again - other(ids, other.make_cache())).max()) == 0
     assert float(mx.abs(again - first).max()) > 0
     assert len(tree_flatten(model.parameters())) == len(tree_flatten(other.parameters()))
+
+
+def test_indexer_tiles_do_not_change_the_logits(monkeypatch):
+    import numpy as np
+
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.models import deepseek_v4 as dv
+    from ds4_mlx.testing import tiny_args
+
+    model = random_model(tiny_args(0), seed=0)
+    ids = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, 300)), dtype=mx.int32)
+    whole = model(ids)
+    monkeypatch.setattr(dv, "INDEXER_TILE_BYTES", 1)  # one compressed row a tile
+    assert float(mx.abs(model(ids) - whole).max()) == 0

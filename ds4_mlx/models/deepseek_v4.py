@@ -40,6 +40,8 @@ def attention_path(tokens):
     return os.environ.get("DS4_MLX_ATTENTION") or default
 
 
+INDEXER_TILE_BYTES = 1 << 28
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
@@ -641,9 +643,11 @@ class Attention(nn.Module):
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
         w = idx.proj(x).astype(index_rows.dtype) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
-        per_head = mx.maximum(qi @ index_rows.T, 0)  # [T, nih, C]
-        scores = (w[:, None, :] @ per_head)[:, 0]  # weighted sum over heads
         C = index_rows.shape[0]
+        # ReLU per head, weighted over heads; in tiles of rows so [T, heads, rows] stays ~256 MB
+        tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
+        scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[i : i + tile].T, 0))[:, 0]
+                                 for i in range(0, C, tile)], axis=1)  # [T, C]
         if visible is not None:
             scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
         k = args.index_topk
