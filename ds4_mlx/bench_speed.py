@@ -259,7 +259,8 @@ def bench_speed(a):
               f"{row['decode_tok_s']:6.1f} tok/s ({row['decode_ms']:.2f} ms), peak {row['peak_gib']:.1f} GiB"
               + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
-               "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits, "dtype": a.dtype,
+               "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits if a.preset == "real" else 0,
+               "dtype": a.dtype,
                "chunk": a.chunk, "backend": backend() or "cpu", "bandwidth_bytes_s": bandwidth,
                "weight_bytes_per_token": weights, "results": rows}
     if a.profile:
