@@ -359,6 +359,11 @@ def route_hashed(logits, chosen, scaling):
 # Modules
 
 
+def _row(a, i):
+    """a[i] as a view (integer indexing would gather a copy)."""
+    return a[i : i + 1].squeeze(0)
+
+
 def compiled(module, method):
     """`module.method` through `mx.compile`, reading the module's current parameters at every call (so
     loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. The plain
@@ -387,7 +392,7 @@ class SwitchLinear(nn.Module):
 
     def one(self, x, i):
         """x [n, in] through map i alone."""
-        return x @ self.weight[i].T
+        return x @ _row(self.weight, i).T
 
     def each(self, x):
         """x [T, n, in]: row j of every token through map j (a batched product)."""
@@ -422,8 +427,8 @@ class QuantizedSwitchLinear(nn.Module):
 
     def one(self, x, i):
         biases = self.get("biases")
-        return mx.quantized_matmul(self._input(x), self.weight[i], self.scales[i],
-                                   None if biases is None else biases[i], transpose=True,
+        return mx.quantized_matmul(self._input(x), _row(self.weight, i), _row(self.scales, i),
+                                   None if biases is None else _row(biases, i), transpose=True,
                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
