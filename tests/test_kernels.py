@@ -78,6 +78,14 @@ def test_expert_paths_agree(monkeypatch, dtype):
     assert out["loop"].shape == (50, model.args.num_experts_per_tok, model.args.hidden_size)
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert float(mx.abs(out["gather"] - out["loop"]).max()) < tolerance * float(mx.abs(out["gather"]).max())
+    # new expert weights are seen by the loop's cached per-expert views
+    moe.update(random_model(tiny_args(0, num_hash_layers=0), seed=1, expert_bits=4, dtype=dtype).layers[0].ffn
+               .parameters())
+    assert float(mx.abs(moe._experts(x, chosen) - out["loop"]).max()) > 0
+    monkeypatch.setenv("DS4_MLX_EXPERT_PATH", "gather")
+    regathered = moe._experts(x, chosen)
+    monkeypatch.setenv("DS4_MLX_EXPERT_PATH", "loop")
+    assert float(mx.abs(regathered - moe._experts(x, chosen)).max()) < tolerance * float(mx.abs(regathered).max())
 
 
 def test_grouped_output_projection_float_and_quantized():

@@ -426,10 +426,20 @@ class QuantizedSwitchLinear(nn.Module):
         return x.astype(self.scales.dtype) if mx.issubdtype(self.scales.dtype, mx.floating) else x
 
     def one(self, x, i):
-        biases = self.get("biases")
-        return mx.quantized_matmul(self._input(x), _row(self.weight, i), _row(self.scales, i),
-                                   None if biases is None else _row(biases, i), transpose=True,
+        w, scales, biases = self._maps()[i]
+        return mx.quantized_matmul(self._input(x), w, scales, biases, transpose=True,
                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+    def _maps(self):
+        """Per-map (weight, scales, biases) views, made once per set of parameter arrays: a prefill
+        chunk calls `one` for every expert of every layer, and views are graph nodes too."""
+        arrays = (self.weight, self.scales, self.get("biases"))
+        cached = self.__dict__.get("_views")
+        if cached is None or any(a is not b for a, b in zip(cached[0], arrays)):
+            views = [tuple(None if a is None else _row(a, i) for a in arrays) for i in range(self.weight.shape[0])]
+            mx.eval([v for triple in views for v in triple if v is not None])
+            self.__dict__["_views"] = cached = (arrays, views)
+        return cached[1]
 
 
 class HyperConnection(nn.Module):
