@@ -518,7 +518,7 @@ class Compressor(nn.Module):
         kv = self.kv(xn).astype(f32)
         score = self.gate(xn).astype(f32) + self.ape[positions % self.ratio]
         m, d, W = self.ratio, self.head_dim, self.width
-        lo = max(0, (p0 // m - self.overlap) * m)  # the open block's first position (the previous one's, with overlap)
+        lo = max(0, (p0 // m - self.overlap) * m)  # where the open block starts (the one before it, with overlap)
         source = log_and_read(ring, p0, p0 - lo, mx.concatenate([kv, score], axis=-1))  # positions lo, ...
         if n_rows == 0:
             return None
@@ -586,7 +586,7 @@ class Attention(nn.Module):
             buffer.append(quant(rows))
 
     def __call__(self, x, cache, quant_sim):
-        args, nh, hd = self.args, self.n_heads, self.head_dim
+        args, hd = self.args, self.head_dim
         T, p0 = x.shape[0], cache.pos
         positions = mx.arange(p0, p0 + T)
         start = mx.array(p0)  # an array, so that the compiled parts do not retrace at every position
