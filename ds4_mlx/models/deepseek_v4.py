@@ -359,6 +359,19 @@ def route_hashed(logits, chosen, scaling):
 # Modules
 
 
+_last_position = (None, None)
+
+
+def position_array(p):
+    """mx.array(p), made once for all the layers of a step (one tuple: safe across threads)."""
+    global _last_position
+    q, array = _last_position
+    if q != p:
+        array = mx.array(p)
+        _last_position = (p, array)
+    return array
+
+
 def _row(a, i):
     """a[i] as a view (integer indexing would gather a copy)."""
     return a[i : i + 1].squeeze(0)
@@ -512,14 +525,14 @@ class Compressor(nn.Module):
     def __call__(self, xn, p0, ring, first_row, n_rows):
         """Log this chunk's kv and score rows in `ring`, then return the `n_rows` new pooled rows
         (before norm and RoPE), starting at row `first_row`."""
-        T = xn.shape[0]
-        positions = mx.arange(p0, p0 + T)
+        T, m, d, W = xn.shape[0], self.ratio, self.head_dim, self.width
         f32 = mx.float32  # pooling (a softmax over scores) in float32
         kv = self.kv(xn).astype(f32)
-        score = self.gate(xn).astype(f32) + self.ape[positions % self.ratio]
-        m, d, W = self.ratio, self.head_dim, self.width
+        ape = self.ape[p0 % m : p0 % m + 1] if T == 1 else self.ape[mx.arange(p0, p0 + T) % m]
+        score = self.gate(xn).astype(f32) + ape
         lo = max(0, (p0 // m - self.overlap) * m)  # where the open block starts (the one before it, with overlap)
-        source = log_and_read(ring, p0, p0 - lo, mx.concatenate([kv, score], axis=-1))  # positions lo, ...
+        back = p0 - lo if n_rows else 0  # nothing to pool: only log
+        source = log_and_read(ring, p0, back, mx.concatenate([kv, score], axis=-1))  # positions p0 - back, ...
         if n_rows == 0:
             return None
         tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
@@ -589,7 +602,7 @@ class Attention(nn.Module):
         args, hd = self.args, self.head_dim
         T, p0 = x.shape[0], cache.pos
         positions = mx.arange(p0, p0 + T)
-        start = mx.array(p0)  # an array, so that the compiled parts do not retrace at every position
+        start = position_array(p0)  # an array, so that the compiled parts do not retrace at every position
         qr, q, kv = compiled(self, "_project")(x, start)
 
         # raw window: the last `window` positions up to and including each query
