@@ -107,7 +107,7 @@ def measure_context(model, context, decode_steps, chunk, rng):
 
 
 @contextmanager
-def _timed_parts(times):
+def _timed_parts(times, detail=False):
     """Evaluate and time each part of every layer (HC pre, attention, MoE, HC post) as it is called.
     The syncs between parts inflate every figure a little; the split is what the profile is for."""
     from ds4_mlx.models import deepseek_v4 as dv
@@ -116,6 +116,7 @@ def _timed_parts(times):
 
     def wrap(owner, name, label, static=False):
         fn = getattr(owner, name)
+        original = owner.__dict__[name] if isinstance(owner, type) else fn
 
         def timed(*args, **kw):
             mx.eval([a for a in args if isinstance(a, mx.array)])
@@ -125,7 +126,7 @@ def _timed_parts(times):
             times[label] = times.get(label, 0.0) + time.perf_counter() - t
             return out
 
-        patched.append((owner, name, owner.__dict__[name]))
+        patched.append((owner, name, original))
         setattr(owner, name, staticmethod(timed) if static else timed)
 
     wrap(dv.HyperConnection, "pre", "hc_pre")
@@ -133,6 +134,13 @@ def _timed_parts(times):
     wrap(dv.Attention, "__call__", "attention")
     wrap(dv.MoE, "__call__", "moe")
     wrap(dv.HyperHead, "__call__", "head")
+    if detail:  # inside attention (nested: these are part of its figure)
+        from ds4_mlx.cache.layers import TokenRing
+
+        wrap(dv.Attention, "_compress", "attn.compress")
+        wrap(dv.Attention, "_select", "attn.select")
+        wrap(TokenRing, "gather", "attn.ring_gather")
+        wrap(dv, "attend", "attn.attend")
     try:
         yield
     finally:
@@ -152,7 +160,7 @@ def profile(model, context, chunk, rng):
         for _ in range(2 if tokens == 1 else 1):  # decode: the second step, past kernel warm-up
             times = {}
             ids = rng.integers(0, vocab, tokens).tolist()
-            with _timed_parts(times):
+            with _timed_parts(times, detail=True):
                 t = time.perf_counter()
                 mx.eval(s._feed(ids))
                 times["total"] = time.perf_counter() - t
@@ -162,7 +170,8 @@ def profile(model, context, chunk, rng):
         model(mx.array([ids], dtype=mx.int32), s.cache, last_only=True)
         times["graph_build"] = time.perf_counter() - t
         s.restore(snap)
-        times["other"] = times["total"] - sum(v for k, v in times.items() if k not in ("total", "graph_build"))
+        times["other"] = times["total"] - sum(v for k, v in times.items()
+                                              if k not in ("total", "graph_build") and "." not in k)
         out[label] = {k: round(v * 1000, 3) for k, v in times.items()}
         out[label]["tokens"] = tokens
     return out
@@ -179,27 +188,30 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
     from ds4_mlx.testing import hf_config
     from transformers import DeepseekV4ForCausalLM
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cfg = hf_config(model_args)
     cfg.torch_dtype = torch.bfloat16
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             peer = DeepseekV4ForCausalLM(cfg).eval()
     finally:
         torch.set_default_dtype(previous)
     rows = []
     for context in contexts:
-        ids = torch.tensor(rng.integers(0, model_args.vocab_size, (1, context)), device="cuda")
+        ids = torch.tensor(rng.integers(0, model_args.vocab_size, (1, context)), device=device)
         try:
             with torch.no_grad():
                 peer(ids[:, :256], use_cache=False)  # warm-up
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+                sync()
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
                 t = time.perf_counter()
                 out = peer(ids, use_cache=True)
-                torch.cuda.synchronize()
+                sync()
                 prefill_s = time.perf_counter() - t
                 cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
                 steps = []
@@ -207,18 +219,18 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
                     t = time.perf_counter()
                     out = peer(token, past_key_values=cache, use_cache=True)
                     token = out.logits[:, -1:].argmax(-1)
-                    torch.cuda.synchronize()
+                    sync()
                     steps.append(time.perf_counter() - t)
             decode_s = statistics.median(steps[len(steps) // 4 :])
             rows.append({"context": context, "prefill_tok_s": context / prefill_s, "decode_tok_s": 1 / decode_s,
-                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None})
         except torch.OutOfMemoryError:
             rows.append({"context": context, "error": "out of memory"})
         finally:
             out = cache = None
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     del peer
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -247,11 +259,12 @@ def bench_speed(a):
               f"{row['decode_tok_s']:6.1f} tok/s ({row['decode_ms']:.2f} ms), peak {row['peak_gib']:.1f} GiB"
               + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
-               "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits, "dtype": a.dtype,
+               "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits if a.preset == "real" else 0,
+               "dtype": a.dtype,
                "chunk": a.chunk, "backend": backend() or "cpu", "bandwidth_bytes_s": bandwidth,
                "weight_bytes_per_token": weights, "results": rows}
     if a.profile:
-        figures["profile"] = profile(model, max(a.chunk * 2, max(contexts)), a.chunk, rng)
+        figures["profile"] = profile(model, max(a.chunk * 2, a.profile_context), a.chunk, rng)
         for part, times in figures["profile"].items():
             print(part, " ".join(f"{k} {v}" for k, v in times.items()), "(ms)")
     if a.peer:
@@ -286,5 +299,46 @@ def options(q):
     q.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
     q.add_argument("--peer", choices=["transformers"], default=None)
     q.add_argument("--profile", action="store_true", help="per-part times of a decode step and a prefill chunk")
+    q.add_argument("--profile-context", type=int, default=8192, help="context of the profiled steps")
     q.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="device bandwidth for the roofline (default: 4800 on CUDA, the H200)")
+
+
+# ---------------------------------------------------------------------------------------------- plot
+
+
+def plot(figures, png_path, before=None):
+    """Tokens/s against context (prefill and decode) from `bench speed --json` figures, with the peer's
+    and, optionally, `before` ({"context", "prefill_tok_s", "decode_tok_s"} rows) for comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [(f"ds4-mlx ({figures['dtype']}, {figures['expert_bits']}-bit experts)", figures["results"], "o-")]
+    if "peer" in figures:
+        series.append(("transformers eager (bf16, dense experts)", [r for r in figures["peer"]["results"]
+                                                                     if "error" not in r], "s--"))
+    if before:
+        series.append(("ds4-mlx before", before, "x:"))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode")):
+        for label, rows, style in series:
+            ax.plot([r["context"] for r in rows], [r[key] for r in rows], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{title}, {figures['layers']} layers at V4 Flash widths ({figures['backend']})")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+
+
+if __name__ == "__main__":  # python -m ds4_mlx.bench_speed FIGURES.json OUT.png [BEFORE.json]
+    import json
+    import sys
+
+    before = json.load(open(sys.argv[3]))["results"] if len(sys.argv) > 3 else None
+    plot(json.load(open(sys.argv[1])), sys.argv[2], before)

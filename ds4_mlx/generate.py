@@ -264,6 +264,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     See the module docstring for what `session.tokens` holds afterwards."""
     stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
     should_abort = should_abort or (lambda: False)
+    if mx.metal.is_available():  # keep the weights wired, as mlx-lm does: no paging stalls mid-answer
+        mx.set_wired_limit(mx.device_info()["max_recommended_working_set_size"])
     sample = Sampler(sampling)
     detok = Detokenizer(tokenizer)
     watcher = StopStringWatcher(stop_strings)
@@ -359,6 +361,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
             yield finish(FINISH_LENGTH, token, text, logprob)
             return
         yield GenerationChunk(text=text, token=token, logprob=logprob)
+        if len(sampled) % 256 == 0:
+            mx.clear_cache()  # return the freed step buffers now and then
         drawn_from, drawn = logits, draw(logits)
 
 

@@ -1,6 +1,7 @@
-"""Each fused kernel of `ds4_mlx.models.kernels` against the plain-MLX function it replaces, on the GPU
-backend that runs it (Metal or CUDA). Skipped where MLX has no GPU (this CPU CI): the device run calls
-`run_all()` (see docs/PERFORMANCE.md)."""
+"""The fast paths against the plain ones they replace: each fused kernel of `ds4_mlx.models.kernels` on
+the GPU backend that runs it (Metal or CUDA; skipped where MLX has no GPU, as on this CPU CI: the device
+run is in docs/PERFORMANCE.md), and the per-backend choices of `deepseek_v4` (attention, expert
+products) against each other, on any device."""
 
 import mlx.core as mx
 import pytest
@@ -41,12 +42,96 @@ def test_hc_mix_kernel_matches_reference(T, H):
     check_hc_mix(T, H)
 
 
-def run_all():
-    """The checks above, for a device run without pytest; prints one line per case."""
-    for T, H in [(1, 4096), (3, 64), (517, 4096)]:
-        check_hc_mix(T, H)
-        print(f"hc_mix kernel ok: T={T} H={H} backend={kernels.backend() or 'gpu'}")
+@pytest.mark.parametrize("T,K", [(1, 700), (37, 19)])
+def test_attention_paths_agree(monkeypatch, T, K):
+    from ds4_mlx.models import deepseek_v4 as dv
+
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(T), 4)
+    q, keys = mx.random.normal((T, 8, 64), key=k1), mx.random.normal((T, K, 64), key=k2)
+    mask = mx.random.uniform(key=k3, shape=(T, K)) < 0.7
+    mask[:, 0] = True  # every query sees at least one key, as the window's own row guarantees
+    sinks = mx.random.normal((8,), key=k4)
+    for m in (mask, None):
+        out = {}
+        for path in ("sdpa", "matmul"):
+            monkeypatch.setenv("DS4_MLX_ATTENTION", path)
+            out[path] = dv.attend(q, keys, m, sinks, 64 ** -0.5)
+        assert float(mx.abs(out["sdpa"] - out["matmul"]).max()) < 1e-5
 
 
-if __name__ == "__main__":
-    run_all()
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_expert_paths_agree(monkeypatch, dtype):
+    """The per-expert loop (rows rounded up to 16 in half precision) and sorted gather_qmm give the same
+    routed outputs (4-bit experts)."""
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.testing import tiny_args
+
+    model = random_model(tiny_args(0, num_hash_layers=0), expert_bits=4, dtype=dtype)
+    moe = model.layers[0].ffn
+    k1, k2 = mx.random.split(mx.random.key(1))
+    x = mx.random.normal((50, model.args.hidden_size), key=k1).astype(dtype)
+    chosen = mx.random.randint(0, model.args.n_routed_experts, (50, model.args.num_experts_per_tok), key=k2)
+    out = {}
+    for path in ("gather", "loop"):
+        monkeypatch.setenv("DS4_MLX_EXPERT_PATH", path)
+        out[path] = moe._experts(x, chosen)
+    assert out["loop"].shape == (50, model.args.num_experts_per_tok, model.args.hidden_size)
+    tolerance = 1e-4 if dtype == mx.float32 else 2e-2
+    assert float(mx.abs(out["gather"] - out["loop"]).max()) < tolerance * float(mx.abs(out["gather"]).max())
+    # new expert weights are seen by the loop's cached per-expert views
+    moe.update(random_model(tiny_args(0, num_hash_layers=0), seed=1, expert_bits=4, dtype=dtype).layers[0].ffn
+               .parameters())
+    assert float(mx.abs(moe._experts(x, chosen) - out["loop"]).max()) > 0
+    monkeypatch.setenv("DS4_MLX_EXPERT_PATH", "gather")
+    regathered = moe._experts(x, chosen)
+    monkeypatch.setenv("DS4_MLX_EXPERT_PATH", "loop")
+    assert float(mx.abs(regathered - moe._experts(x, chosen)).max()) < tolerance * float(mx.abs(regathered).max())
+
+
+def test_grouped_output_projection_float_and_quantized():
+    """`each` (row j through map j) as a batched product, and through gather_qmm when quantized."""
+    from ds4_mlx.models.deepseek_v4 import SwitchLinear
+
+    k1, k2 = mx.random.split(mx.random.key(3))
+    linear = SwitchLinear(4, 64, 32)
+    linear.weight = mx.random.normal(linear.weight.shape, key=k1)
+    x = mx.random.normal((5, 4, 64), key=k2)
+    want = mx.stack([x[:, j] @ linear.weight[j].T for j in range(4)], axis=1)
+    assert float(mx.abs(linear.each(x) - want).max()) < 1e-4
+    quantized = linear.to_quantized(group_size=32, bits=8)
+    quantized.weight, quantized.scales, quantized.biases = mx.quantize(linear.weight, 32, 8)
+    dequantized = mx.dequantize(quantized.weight, quantized.scales, quantized.biases, 32, 8)
+    want = mx.stack([x[:, j] @ dequantized[j].T for j in range(4)], axis=1)
+    assert float(mx.abs(quantized.each(x) - want).max()) < 1e-3
+
+
+def test_compiled_parts_see_new_parameters():
+    """The compiled projections and MoE read the module's parameters at every call, not at tracing."""
+    from mlx.utils import tree_flatten
+
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.testing import tiny_args
+
+    args = tiny_args(0)
+    model, other = random_model(args, seed=0), random_model(args, seed=1)
+    ids = mx.array([[3]])
+    first = model(ids, model.make_cache())  # one token: compiled MoE and attention projections
+    model.update(other.parameters())
+    again = model(ids, model.make_cache())
+    assert float(mx.abs(again - other(ids, other.make_cache())).max()) == 0
+    assert float(mx.abs(again - first).max()) > 0
+    assert len(tree_flatten(model.parameters())) == len(tree_flatten(other.parameters()))
+
+
+def test_indexer_tiles_do_not_change_the_logits(monkeypatch):
+    import numpy as np
+
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.models import deepseek_v4 as dv
+    from ds4_mlx.testing import tiny_args
+
+    model = random_model(tiny_args(0), seed=0)
+    ids = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, 300)), dtype=mx.int32)
+    whole = model(ids)
+    monkeypatch.setattr(dv, "INDEXER_TILE_BYTES", 1)  # one compressed row a tile
+    assert float(mx.abs(model(ids) - whole).max()) == 0

@@ -109,6 +109,19 @@ def test_chunked_cache_matches_transformers(tiny_gguf, reference):
     assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
 
 
+def test_chunk_longer_than_the_rings_matches_transformers(tiny_gguf, reference):
+    """A chunk reads its own rows directly, so rings sized for 16-token chunks take 150-token ones."""
+    path, _, args = tiny_gguf
+    ids, expected, _ = reference
+    model = load(path, quant_sim=False)
+    cache = model.make_cache(max_chunk=16)
+    assert max(r.capacity for c in cache for r in c.rings()) < 150
+    got = np.concatenate([np.array(model(mx.array(ids[None, i : i + 150], dtype=mx.int32), cache=cache)[0])
+                          for i in range(0, len(ids), 150)])
+    diff = np.abs(got - expected)
+    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+
+
 def relative_rms(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / b.std())
 

@@ -49,60 +49,64 @@ def hc_mix_reference(mix, scale, base, streams, iters, eps):
     return x, post, comb
 
 
-# One thread per (token, feature): every thread redoes its token's 4x4 Sinkhorn in registers (a few
-# hundred flops, cheaper than a second launch or a barrier) and writes one feature of the collapse;
-# the feature-0 thread also writes post and comb.
+# One threadgroup per token: its first thread does the 4x4 softmax + Sinkhorn in registers and shares
+# the `pre` weights; all threads then collapse the streams, feature by feature (coalesced reads).
 _HC_BODY = """
-    if (idx >= N * H) return;
-    const int t = idx / H, h = idx % H;
     const int W = (2 + HC) * HC;
-    float pre[HC], c[HC * HC];
-    for (int k = 0; k < HC; ++k)
-        pre[k] = 1.0f / (1.0f + exp(-(mix[t * W + k] * scale[0] + base[k]))) + EPS;
-    for (int j = 0; j < HC; ++j) {
-        float m = -INFINITY;
-        for (int k = 0; k < HC; ++k) {
-            c[j * HC + k] = mix[t * W + 2 * HC + j * HC + k] * scale[2] + base[2 * HC + j * HC + k];
-            m = fmax(m, c[j * HC + k]);
-        }
-        float s = 0.0f;
-        for (int k = 0; k < HC; ++k) { c[j * HC + k] = exp(c[j * HC + k] - m); s += c[j * HC + k]; }
-        for (int k = 0; k < HC; ++k) c[j * HC + k] = c[j * HC + k] / s + EPS;
-    }
-    for (int it = 0; it < ITERS; ++it) {
-        if (it > 0) {
-            for (int j = 0; j < HC; ++j) {
-                float s = 0.0f;
-                for (int k = 0; k < HC; ++k) s += c[j * HC + k];
-                for (int k = 0; k < HC; ++k) c[j * HC + k] /= s + EPS;
-            }
-        }
-        for (int k = 0; k < HC; ++k) {
-            float s = 0.0f;
-            for (int j = 0; j < HC; ++j) s += c[j * HC + k];
-            for (int j = 0; j < HC; ++j) c[j * HC + k] /= s + EPS;
-        }
-    }
-    float acc = 0.0f;
-    for (int j = 0; j < HC; ++j) acc += pre[j] * streams[(t * HC + j) * H + h];
-    x[idx] = acc;
-    if (h == 0) {
+    if (tid == 0) {
+        float c[HC * HC];
+        for (int k = 0; k < HC; ++k)
+            shared_pre[k] = 1.0f / (1.0f + exp(-(mix[t * W + k] * scale[0] + base[k]))) + EPS;
         for (int k = 0; k < HC; ++k)
             post[t * HC + k] = 2.0f / (1.0f + exp(-(mix[t * W + HC + k] * scale[1] + base[HC + k])));
+        for (int j = 0; j < HC; ++j) {
+            float m = -INFINITY;
+            for (int k = 0; k < HC; ++k) {
+                c[j * HC + k] = mix[t * W + 2 * HC + j * HC + k] * scale[2] + base[2 * HC + j * HC + k];
+                m = fmax(m, c[j * HC + k]);
+            }
+            float s = 0.0f;
+            for (int k = 0; k < HC; ++k) { c[j * HC + k] = exp(c[j * HC + k] - m); s += c[j * HC + k]; }
+            for (int k = 0; k < HC; ++k) c[j * HC + k] = c[j * HC + k] / s + EPS;
+        }
+        for (int it = 0; it < ITERS; ++it) {
+            if (it > 0) {
+                for (int j = 0; j < HC; ++j) {
+                    float s = 0.0f;
+                    for (int k = 0; k < HC; ++k) s += c[j * HC + k];
+                    for (int k = 0; k < HC; ++k) c[j * HC + k] /= s + EPS;
+                }
+            }
+            for (int k = 0; k < HC; ++k) {
+                float s = 0.0f;
+                for (int j = 0; j < HC; ++j) s += c[j * HC + k];
+                for (int j = 0; j < HC; ++j) c[j * HC + k] /= s + EPS;
+            }
+        }
         for (int k = 0; k < HC * HC; ++k) comb[t * HC * HC + k] = c[k];
     }
+    BARRIER;
+    for (int h = tid; h < H; h += GROUP) {
+        float acc = 0.0f;
+        for (int j = 0; j < HC; ++j) acc += shared_pre[j] * streams[(t * HC + j) * H + h];
+        x[t * H + h] = acc;
+    }
 """
+_GROUP = 256
+_HEADS = {
+    "metal": "const int t = threadgroup_position_in_grid.x, tid = thread_position_in_threadgroup.x;\n"
+             "threadgroup float shared_pre[HC];\n#define BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)\n",
+    "cuda": "const int t = blockIdx.x, tid = threadIdx.x;\n"
+            "__shared__ float shared_pre[HC];\n#define BARRIER __syncthreads()\n",
+}
 
 
 @lru_cache(maxsize=None)
 def _hc_kernel(kind, eps):
-    body = f"#define EPS {float(eps)!r}f\n" + _HC_BODY
-    names = dict(input_names=["mix", "scale", "base", "streams"], output_names=["x", "post", "comb"])
-    if kind == "metal":
-        return mx.fast.metal_kernel(name="ds4_hc_mix", source="const int idx = thread_position_in_grid.x;\n" + body,
-                                    **names)
-    return mx.fast.cuda_kernel(name="ds4_hc_mix", source="const int idx = blockIdx.x * blockDim.x + threadIdx.x;\n"
-                               + body, **names)
+    source = _HEADS[kind] + f"#define EPS {float(eps)!r}f\n#define GROUP {_GROUP}\n" + _HC_BODY
+    make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
+    return make(name="ds4_hc_mix", input_names=["mix", "scale", "base", "streams"],
+                output_names=["x", "post", "comb"], source=source)
 
 
 def hc_mix(mix, scale, base, streams, iters, eps):
@@ -114,6 +118,6 @@ def hc_mix(mix, scale, base, streams, iters, eps):
     f32 = mx.float32
     return _hc_kernel(kind, eps)(
         inputs=[mix.astype(f32), scale.astype(f32), base.astype(f32), streams.astype(f32)],
-        template=[("HC", hc), ("ITERS", iters), ("H", H), ("N", T)],
-        grid=(T * H, 1, 1), threadgroup=(256, 1, 1),
+        template=[("HC", hc), ("ITERS", iters), ("H", H)],
+        grid=(T * _GROUP, 1, 1), threadgroup=(_GROUP, 1, 1),
         output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[f32, f32, f32])
