@@ -665,10 +665,10 @@ class Attention(nn.Module):
         excluded; None: every row is visible)."""
         idx, args = self.indexer, self.args
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0).astype(index_rows.dtype)
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0).astype(mx.float32)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
-        w = idx.proj(x).astype(index_rows.dtype) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
+        w = idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
         C = index_rows.shape[0]
         # ReLU per head, weighted over heads; in tiles of rows so [T, heads, rows] stays ~256 MB
         tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
