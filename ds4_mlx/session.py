@@ -14,7 +14,8 @@ Rewind policy (README, "How a session goes back"):
   goes back;
 - the next-token logits come from feeding the last prompt token again, or are kept when the prompt
   equals the live tokens;
-- a chunk that fails (an exception, out of memory) leaves the session at the tokens computed before it.
+- a chunk that fails (an exception, out of memory) leaves the session at the tokens computed before it
+  when the chunk is no longer than the rewind slack (the rings still hold what it overwrote), else empty.
 """
 
 import mlx.core as mx
@@ -48,7 +49,7 @@ class Session:
 
     def reset(self):
         self.cache: list[LayerCache] = self.model.make_cache(
-            max_chunk=self.max_chunk, history=self.rewind_slack, frontier_history=self.frontier_horizon)
+            history=self.rewind_slack, frontier_history=self.frontier_horizon)
         self.lane_every = lane_every(self.cache)
         self.tokens: list[int] = []
         # position -> per-layer checkpoint, on the live history: full ones at multiples of

@@ -114,7 +114,7 @@ def test_chunk_longer_than_the_rings_matches_transformers(tiny_gguf, reference):
     path, _, args = tiny_gguf
     ids, expected, _ = reference
     model = load(path, quant_sim=False)
-    cache = model.make_cache(max_chunk=16)
+    cache = model.make_cache()
     assert max(r.capacity for c in cache for r in c.rings()) < 150
     got = np.concatenate([np.array(model(mx.array(ids[None, i : i + 150], dtype=mx.int32), cache=cache)[0])
                           for i in range(0, len(ids), 150)])

@@ -63,7 +63,8 @@ def test_a_failed_prefill_chunk_leaves_the_session_at_its_last_computed_token(mo
     model.layers[len(model.layers) // 2] = failing
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.args.vocab_size, 150).tolist()
-    session = Session(model, rewind_slack=24, checkpoint_every=64, max_chunk=32)
+    # the rings hold the rewind slack, not a chunk: a failed chunk is undone in place when it fits the slack
+    session = Session(model, rewind_slack=32, checkpoint_every=64, max_chunk=32)
     failing.arm(3)  # the third chunk fails: two chunks (64 tokens, a checkpoint) are computed
     with pytest.raises(RuntimeError, match="injected"):
         session.sync(prompt)

@@ -40,7 +40,7 @@ def test_layer_state_protocol_rebuilds_a_layer():
     model = model_for(3)
     session = Session(model, max_chunk=8)
     session.sync(list(range(1, 90)))
-    for c, fresh in zip(session.cache, model.make_cache(max_chunk=8, history=4096)):
+    for c, fresh in zip(session.cache, model.make_cache(history=4096)):
         fresh.load_state(c.state, c.meta_state)
         assert fresh.pos == c.pos and sorted(fresh.state) == sorted(c.state)
         assert all(mx.array_equal(fresh.state[k], v) for k, v in c.state.items())

@@ -115,16 +115,16 @@ class LayerCache:
     """
 
     def __init__(self, *, window, head_dim, ratio=0, comp_width=0, index_dim=0, index_width=0,
-                 max_chunk=512, history=0, frontier_history=None, row_dtype=mx.float32):
+                 history=0, frontier_history=None, row_dtype=mx.float32):
         self.window, self.ratio, self.pos = window, ratio, 0
         self.overlap = ratio == 4
-        self.max_chunk = max_chunk
         frontier_history = history if frontier_history is None else min(frontier_history, history)
-        # a chunk of T tokens reads rows back to p0 - reach
+        # a chunk reads rows back to p0 - reach from the rings and its own rows from itself (the model's
+        # log_and_read), so the rings hold the reach and the rewind history, whatever the chunk length
         raw_reach = window - 1
         frontier_reach = (2 * ratio if self.overlap else ratio) - 1
-        self.raw = TokenRing(raw_reach + max_chunk + history, head_dim, row_dtype)
-        frontier_capacity = frontier_reach + max_chunk + frontier_history
+        self.raw = TokenRing(raw_reach + history, head_dim, row_dtype)
+        frontier_capacity = frontier_reach + frontier_history
         self.frontier = TokenRing(frontier_capacity, 2 * comp_width) if ratio else None
         self.rows = RowBuffer(head_dim, row_dtype) if ratio else None
         self.index_frontier = TokenRing(frontier_capacity, 2 * index_width) if index_dim else None
@@ -249,7 +249,7 @@ class LayerCache:
         return sum(r.nbytes for r in self.rings()) + sum(b.nbytes for b in self.buffers())
 
 
-def make_caches(args, *, max_chunk=512, history=0, frontier_history=None, row_dtype=mx.float32):
+def make_caches(args, *, history=0, frontier_history=None, row_dtype=mx.float32):
     """The per-layer caches of a V4 model (`ModelArgs`)."""
     caches = []
     for ratio in args.compress_ratios[: args.num_hidden_layers]:
@@ -258,7 +258,7 @@ def make_caches(args, *, max_chunk=512, history=0, frontier_history=None, row_dt
             window=args.sliding_window, head_dim=args.head_dim, ratio=ratio,
             comp_width=args.head_dim * (2 if csa else 1) if ratio else 0,
             index_dim=args.index_head_dim if csa else 0, index_width=2 * args.index_head_dim if csa else 0,
-            max_chunk=max_chunk, history=history, frontier_history=frontier_history, row_dtype=row_dtype))
+            history=history, frontier_history=frontier_history, row_dtype=row_dtype))
     return caches
 
 

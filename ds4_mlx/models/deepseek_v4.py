@@ -784,13 +784,13 @@ class Model(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def make_cache(self, *, max_chunk=512, history=0, frontier_history=None):
+    def make_cache(self, *, history=0, frontier_history=None):
         """Per-layer caches; `history` extra positions kept so rewinds of that many tokens are free
         (`frontier_history` of them for the compressor inputs). Rows rounded to float16 by `quant_sim`
         are stored as float16."""
         from ds4_mlx.cache.layers import make_caches
 
-        return make_caches(self.args, max_chunk=max_chunk, history=history, frontier_history=frontier_history,
+        return make_caches(self.args, history=history, frontier_history=frontier_history,
                            row_dtype=mx.float16 if self.quant_sim else mx.float32)
 
     def __call__(self, inputs, cache=None, *, last_only=False):
@@ -798,7 +798,7 @@ class Model(nn.Module):
         ids = inputs.reshape(-1)
         T = ids.shape[0]
         if cache is None:
-            cache = self.make_cache(max_chunk=T)
+            cache = self.make_cache()
         embedded = self.embed(ids).astype(mx.float32)
         streams = mx.broadcast_to(embedded[:, None, :], (T, self.args.hc_mult, self.args.hidden_size))
         for layer, c in zip(self.layers, cache):
