@@ -3,6 +3,12 @@
 It lets the CLI, the server and their tests run end to end without downloading 80 GB. Its text is
 gibberish, but every code path is real: real vocabulary and special tokens, sliding, CSA (with indexer)
 and HCA layers, hash and top-k MoE, a 32K context limit.
+
+Its answers end the way a real model's do: the output head's rows for EOS and `</think>` are scaled up
+(`END_SCALE`), so sampled at temperature 1 an answer typically ends, or closes its reasoning, within a
+few dozen tokens. Each of the two rows has a twin, an ordinary token whose row is the same one a little
+larger (`TWIN_MARGIN`): whenever EOS or `</think>` would be the most likely token its twin is more likely
+still, so greedy decoding (temperature 0) never ends and runs to `max_tokens`, which tests rely on.
 """
 
 import json
@@ -11,9 +17,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ds4_mlx.chat import EOS, THINK_END
 from ds4_mlx.models.deepseek_v4 import ModelArgs, mlx_name
 
-DEMO_VERSION = "demo-v1"  # bump when the demo's config or weights change, so old caches are not reused
+DEMO_VERSION = "demo-v2"  # bump when the demo's config or weights change, so old caches are not reused
+END_SCALE = 4.0  # EOS and `</think>` output rows, times a random row: sampled answers end in a few dozen tokens
+TWIN_MARGIN = 1.05  # each twin's row is its end token's times this: greedy takes the twin, never the end
+END_TWINS = {EOS: ".", THINK_END: "\n"}  # end token: its twin
 
 
 def demo_args() -> ModelArgs:
@@ -43,9 +53,19 @@ def build_demo_model(folder: Path, seed=0):
 
     from ds4_mlx.testing import random_gguf_tensors
 
+    from ds4_mlx.tokenizer import Tokenizer
+
     args = demo_args()
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {mlx_name(name): mx.array(a) for name, a in random_gguf_tensors(args, seed).items()}
+    tensors = random_gguf_tensors(args, seed)
+    tokenizer = Tokenizer.from_file(_tokenizer_dir() / "tokenizer.json")
+    head = tensors["output.weight"]  # [vocab, hidden]
+    for end, twin in END_TWINS.items():
+        (twin_id,) = tokenizer.encode(twin)
+        end_id = tokenizer.id_of(end)
+        head[end_id] *= END_SCALE
+        head[twin_id] = TWIN_MARGIN * head[end_id]
+    weights = {mlx_name(name): mx.array(a) for name, a in tensors.items()}
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     config = {**args.to_dict(), "quantization": {}}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
