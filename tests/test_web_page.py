@@ -7,6 +7,7 @@ goes to .ci-artifacts/ (or $DS4_MLX_ARTIFACTS), and its path is printed.
 """
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,9 @@ MARKUP = ['<script>document.title = "pwned"</script>\n\n', '<img src=x onerror="
 
 
 def generate_with_markup(session, tokenizer, prompt_ids, **kwargs):
+    # greedy: the page sends no temperature, and the demo model sampled ends its answers early, as a real
+    # model does; the first test needs an answer that is still streaming when it clicks Stop
+    kwargs["sampling"] = replace(kwargs["sampling"], temperature=0)
     chunks = stream_generate(session, tokenizer, prompt_ids, **kwargs)
     if MARKER in tokenizer.decode(prompt_ids):
         first = next(chunks)  # the prefill runs here, so the session's figures are this request's
