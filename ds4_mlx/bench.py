@@ -19,10 +19,12 @@ from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
 
 def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, dtype=mx.float32):
     """A model with random weights drawn in MLX (fast at real widths). With `expert_bits`, the routed
-    experts are random affine-quantized weights (group 32) and are never materialised in float."""
+    experts are random affine-quantized weights, never materialised in float (group 64 at 2 bits, as the
+    converter writes the q2 file's experts; group 32 otherwise)."""
     model = Model(args, quant_sim=quant_sim)
     if expert_bits:
-        model.apply_quantization({f"layers.{i}.ffn.experts.{p}": {"group_size": 32, "bits": expert_bits,
+        group = 64 if expert_bits == 2 else 32
+        model.apply_quantization({f"layers.{i}.ffn.experts.{p}": {"group_size": group, "bits": expert_bits,
                                                                    "mode": "affine"}
                                   for i in range(args.num_hidden_layers) for p in ("gate", "up", "down")})
     mx.random.seed(seed)
@@ -35,9 +37,9 @@ def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, 
         elif v.dtype == mx.uint32:  # packed quantized codes
             params[name] = mx.random.randint(0, 2**31, v.shape).astype(mx.uint32)
         elif name.endswith(".scales"):
-            params[name] = mx.full(v.shape, 2.0 / (2**expert_bits) / np.sqrt(v.shape[-1] * 32), dtype)
+            params[name] = mx.full(v.shape, 2.0 / (2**expert_bits) / np.sqrt(v.shape[-1] * group), dtype)
         elif name.endswith(".biases"):
-            params[name] = mx.full(v.shape, -1.0 / np.sqrt(v.shape[-1] * 32), dtype)
+            params[name] = mx.full(v.shape, -1.0 / np.sqrt(v.shape[-1] * group), dtype)
         elif name.endswith("norm.weight"):
             params[name] = (1 + 0.1 * mx.random.normal(v.shape)).astype(dtype)
         elif v.ndim >= 2:
@@ -99,21 +101,31 @@ def _timed(fn):
     return time.perf_counter() - t, out
 
 
-def _model_for(a, *, prefill_tokens: int, decode_steps: int):
-    """The bench's model. Real widths on a CPU first time a short prefill and two decode steps and say
-    how long `prefill_tokens` and `decode_steps` will take (a lower bound: attention grows with context)."""
+def build_model(a):
+    """The bench's model: the tiny test model, or real widths with random quantized experts, `--layers`
+    of [CSA, HCA, ...] or with `--full` the real model's 43 layers and layer kinds; cast to `--dtype`."""
     if a.preset == "tiny":
         from ds4_mlx.testing import tiny_args
 
-        return random_model(tiny_args(), seed=0)
-    overrides = {}
-    if a.experts:
-        overrides["n_routed_experts"] = a.experts
-    on_cpu = mx.default_device() == mx.cpu
+        model = random_model(tiny_args(), seed=0)
+    else:
+        overrides = {"n_routed_experts": a.experts} if getattr(a, "experts", None) else {}
+        args = ModelArgs(**overrides) if a.full else real_args(a.layers, **overrides)
+        model = random_model(args, seed=0, expert_bits=a.expert_bits or None,
+                             dtype=mx.bfloat16 if a.dtype == "bfloat16" else mx.float32)
+    if a.dtype != "float32":
+        model.cast(getattr(mx, a.dtype))
+    return model
+
+
+def _model_for(a, *, prefill_tokens: int, decode_steps: int):
+    """`build_model`; real widths on a CPU first time a short prefill and two decode steps and say how
+    long `prefill_tokens` and `decode_steps` will take (a lower bound: attention grows with context)."""
+    on_cpu = mx.default_device() == mx.cpu and a.preset != "tiny"
     if on_cpu:
         print("real V4 Flash widths on a CPU: building the model and timing a few tokens to estimate the run...",
               file=sys.stderr, flush=True)
-    model = random_model(real_args(a.layers, **overrides), seed=0, expert_bits=a.expert_bits)
+    model = build_model(a)
     if on_cpu:
         per_token, per_step = _time_tokens(model)
         estimate = prefill_tokens * per_token + decode_steps * per_step
@@ -148,8 +160,12 @@ def _model_options(q):
                    help="real: V4 Flash widths with --layers layers and random quantized experts; tiny: the "
                         "test model (default: tiny on a CPU, real on a GPU)")
     q.add_argument("--layers", type=int, default=2, help="layers at real widths")
+    q.add_argument("--full", action="store_true", help="all 43 layers of the real model (--expert-bits 2 "
+                   "--dtype bfloat16 fits one 141 GB GPU)")
     q.add_argument("--experts", type=int, default=None, help="routed experts at real widths (default: 256)")
     q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
+    q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="compute dtype (float32 keeps the exact mode)")
 
 
 def bench_model(a):
@@ -198,7 +214,8 @@ def bench_rewind(a):
     rows = []
     for ctx in contexts:
         prompt = rng.integers(0, vocab, ctx).tolist()
-        s = Session(model)
+        s = Session(model, **({"max_chunk": a.chunk} if a.chunk else {}))
+        mx.reset_peak_memory()
         cold_s, cold_logits = _timed(lambda: s.sync(prompt))
         resend, computed, diffs = [], [], []
         for _ in range(a.repeats):
@@ -211,13 +228,16 @@ def bench_rewind(a):
             diffs.append(float(mx.abs(logits - cold_logits).max()))
         row = {"context": ctx, "cold_s": cold_s, "resend_s": statistics.median(resend),
                "ratio": statistics.median(resend) / cold_s, "computed": max(computed),
-               "max_logit_diff": max(diffs), "session_mb": s.nbytes / 2**20}
+               "max_logit_diff": max(diffs), "session_mb": s.nbytes / 2**20,
+               "peak_gib": mx.get_peak_memory() / 2**30}
         rows.append(row)
         print(f"ctx {ctx}: cold {cold_s:.2f} s, resend {row['resend_s'] * 1000:.1f} ms "
               f"(computed {row['computed']} tokens), ratio {row['ratio']:.5f}, "
-              f"max |logit diff| {row['max_logit_diff']:.2e}, session {row['session_mb']:.0f} MB",
+              f"max |logit diff| {row['max_logit_diff']:.2e}, session {row['session_mb']:.0f} MB, "
+              f"peak {row['peak_gib']:.1f} GiB",
               file=sys.stderr, flush=True)  # progress: the table (or JSON) on stdout comes at the end
-    return {"generated": a.generated, "results": rows}
+    return {"layers": model.args.num_hidden_layers, "expert_bits": a.expert_bits if a.preset == "real" else 0,
+            "dtype": a.dtype, "generated": a.generated, "results": rows}
 
 
 def _bench_rewind_options(q):
@@ -226,6 +246,7 @@ def _bench_rewind_options(q):
                    "CPU, 2048,8192,32768 on a GPU)")
     q.add_argument("--generated", type=int, default=37, help="tokens streamed before the abort")
     q.add_argument("--repeats", type=int, default=3, help="resends per context (their median is reported)")
+    q.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the session's)")
 
 
 def bench_convert(a):

@@ -23,26 +23,6 @@ class _NullTokenizer:
         return ""
 
 
-def _build(a):
-    from ds4_mlx.bench import random_model, real_args
-    from ds4_mlx.testing import tiny_args
-
-    if a.preset == "tiny":
-        model = random_model(tiny_args(), seed=0)
-    else:
-        layers = 43 if a.full else a.layers
-        args = real_args(layers)
-        if a.full:  # the real layer kinds: two sliding-window layers, three hash-routed MoE layers
-            from ds4_mlx.models.deepseek_v4 import ModelArgs
-
-            args = ModelArgs()
-        model = random_model(args, seed=0, expert_bits=a.expert_bits or None,
-                             dtype=mx.bfloat16 if a.dtype == "bfloat16" else mx.float32)
-    if a.dtype != "float32":
-        model.cast(getattr(mx, a.dtype))
-    return model
-
-
 def _weight_bytes_per_token(model):
     """Bytes of weights one decode step reads: all but the routed experts, plus k of them a layer."""
     from mlx.utils import tree_flatten
@@ -241,7 +221,9 @@ def bench_speed(a):
     """Prefill/decode tok/s at real widths against the roofline (and transformers with --peer)."""
     from ds4_mlx.models.kernels import backend
 
-    model = _build(a)
+    from ds4_mlx.bench import build_model
+
+    model = build_model(a)
     rng = np.random.default_rng(0)
     contexts = [int(c) for c in a.contexts.split(",")]
     if a.preset == "tiny":

@@ -29,7 +29,7 @@ def test_rewind_bench_table_has_a_row_per_context(capsys):
     lines = captured.out.splitlines()
     header = lines.index("results:") + 1
     assert lines[header].split() == ["context", "cold_s", "resend_s", "ratio", "computed", "max_logit_diff",
-                                     "session_mb"]
+                                     "session_mb", "peak_gib"]
     assert [line.split()[0] for line in lines[header + 2:]] == ["64", "128"]
     assert captured.err.count("ctx ") == 2  # progress goes to stderr
 
