@@ -423,3 +423,10 @@ def write_tiny_gguf(path, args: ModelArgs, seed=0):
     model = hf_tiny_model(args, seed)
     write_gguf(path, gguf_metadata(args), hf_to_gguf_tensors(model))
     return Path(path), model
+
+
+def live_text(background_server) -> str:
+    """The text of a running test server's most recently used session."""
+    worker = background_server.server.worker
+    slot = max(worker.slots, key=lambda s: s.last_used)
+    return worker.tokenizer.decode(slot.tokens)

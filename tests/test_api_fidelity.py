@@ -13,6 +13,7 @@ import requests
 
 from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.testing import live_text
 
 MODEL = "deepseek-v4-flash"
 CAP = 24
@@ -29,11 +30,6 @@ def bg():
 @pytest.fixture(scope="module")
 def claude(bg):
     return anthropic.Anthropic(base_url=bg.url, api_key="-", max_retries=0)
-
-
-def live_text(bg) -> str:
-    slot = max(bg.server.worker.slots, key=lambda s: s.last_used)
-    return bg.server.worker.tokenizer.decode(slot.tokens)
 
 
 def post_messages(bg, body: dict, **kwargs):

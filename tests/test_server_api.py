@@ -15,6 +15,7 @@ import requests
 from ds4_mlx.chat import render
 from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.testing import live_text
 
 MODEL = "deepseek-v4-flash"
 CTX = 4096
@@ -38,12 +39,6 @@ def oai(bg):
 @pytest.fixture(scope="module")
 def claude(bg):
     return anthropic.Anthropic(base_url=bg.url, api_key="-", max_retries=0)
-
-
-def live_text(bg) -> str:
-    """The text of the most recently used session."""
-    slot = max(bg.server.worker.slots, key=lambda s: s.last_used)
-    return bg.server.worker.tokenizer.decode(slot.tokens)
 
 
 def sse_events(response) -> list[tuple]:
