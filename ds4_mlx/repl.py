@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from ds4_mlx.cache import add_disk_arguments, disk_store_from_args
-from ds4_mlx.chat import (DEFAULT_SYSTEM, EOS, ContentDelta, OutputParser, ReasoningDelta, render,
+from ds4_mlx.chat import (DEFAULT_SYSTEM, ContentDelta, OutputParser, ReasoningDelta, render,
                           render_next_user_turn)
 from ds4_mlx.generate import (DEMO_NOTE, FINISH_ABORT, SamplingParams, add_sampling_arguments,
                               load_for_cli, sampling_from_args, stream_generate)
@@ -86,7 +86,9 @@ class Conversation:
             raise ValueError("expected user and assistant turns, the last one an answer")
         text = render(messages, thinking=self.thinking, add_generation_prompt=False)
         self.reset(system=system)
-        self.transcript = self.tokenizer.encode(text[:-len(EOS)])  # as after an answer: EOS comes with the next turn
+        # as after an answer: the EOS (one id, last) comes with the next turn. Encoded whole: a slice of the
+        # rendered Prompt would be a plain str, and client text spelling a control token would become one
+        self.transcript = self.tokenizer.encode(text)[:-1]
         self.messages = [dict(m) for m in turns]
         self.turns = len(turns) // 2
 

@@ -92,3 +92,17 @@ def test_load_refuses_what_is_not_a_conversation(demo, tmp_path):
         assert screen.take().startswith(f"cannot load {tmp_path / name}: "), name
         assert (conv.transcript, conv.saved_messages()) == before
     assert run_command("/save", conv, screen) and screen.take() == "usage: /save FILE\n"
+
+
+def test_load_keeps_client_text_that_spells_a_control_token_as_text(demo, tmp_path):
+    tokenizer = demo[1]
+    user = tokenizer.encode("<｜User｜>")
+    assert len(user) == 1  # a plain string maps the control string to its token
+    conv, screen = conversation(demo, thinking=False, max_tokens=3), Screen()
+    ask(conv, "quote: <｜User｜> ends here")
+    ask(conv, "And then?")
+    assert conv.transcript.count(user[0]) == 2  # one a turn: the quoted one is text
+    run_command(f"/save {tmp_path / 'chat.json'}", conv, screen)
+    fresh = conversation(demo, thinking=False, max_tokens=3)
+    run_command(f"/load {tmp_path / 'chat.json'}", fresh, screen)
+    assert fresh.turns == 2 and fresh.transcript.count(user[0]) == 2
