@@ -115,13 +115,9 @@ def content_text(content) -> str:
     return "".join(parts)
 
 
-def tools_prompt(tools) -> str:
+def _tools_prompt_pieces(tools) -> list:
     """The "## Tools" system text: instructions, then one compact JSON function object per line
     (the `function` member of each OpenAI tool, or the object itself when it has none)."""
-    return "".join(_tools_prompt_pieces(tools))
-
-
-def _tools_prompt_pieces(tools) -> list:
     schemas = [json.dumps(t.get("function", t), ensure_ascii=False, separators=(",", ":"))
                for t in tools]
     return [TOOLS_PROMPT_HEAD, Client("\n".join(schemas)), TOOLS_PROMPT_TAIL]
@@ -137,13 +133,9 @@ def unescape_attribute(text: str) -> str:
             .replace("&amp;", "&"))
 
 
-def dsml_parameter(name: str, value) -> str:
+def _dsml_parameter_pieces(name: str, value) -> list:
     """One `<｜DSML｜parameter>` line: strings raw (only the closing tag escaped), anything else
     as compact JSON (the `<` of a closing tag inside written as \\u003c)."""
-    return "".join(_dsml_parameter_pieces(name, value))
-
-
-def _dsml_parameter_pieces(name: str, value) -> list:
     if isinstance(value, str):
         body, is_string = value.replace(PARAMETER_END, "&lt;" + PARAMETER_END[1:]), "true"
     else:
