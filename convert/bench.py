@@ -198,8 +198,7 @@ def measure_types(rows=2048, cols=4096, seed=0, expert_bits=None, group_size=Non
         raw = _source_rows(qtype, rows, cols, rng)
         ref = gguf.quants.dequantize(raw, qtype)
         if qtype in G.REQUANT_TYPES:
-            bits, group = requant.DEFAULT_REQUANT[qtype]
-            bits, group = expert_bits or bits, group_size or group
+            bits, group = requant.affine_format(qtype, expert_bits, group_size)
             requant.convert_rows(raw, qtype, cols, bits, group)  # warm-up (kernel compilation)
         else:
             bits, group = G._EXACT_FORMATS[qtype]["bits"], G._EXACT_FORMATS[qtype]["group_size"]
@@ -208,7 +207,7 @@ def measure_types(rows=2048, cols=4096, seed=0, expert_bits=None, group_size=Non
             q = requant.convert_rows(raw, qtype, cols, bits, group)[0]
         else:
             q = G.repack(raw, qtype, cols)
-        q = {k: G.to_half(v, "F16") if k != "weight" else v for k, v in q.items()}
+        q = G.half_scales(q, "F16")
         seconds = time.perf_counter() - t0
         got = np.array(mx.dequantize(mx.array(q["weight"]), mx.array(q["scales"]).astype(mx.float32),
                                      mx.array(q["biases"]).astype(mx.float32), group_size=group, bits=bits))

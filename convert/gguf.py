@@ -141,7 +141,7 @@ class GGUFModel:
     (Q2_K, IQ2_XXS); by default `requant.DEFAULT_REQUANT`."""
 
     def __init__(self, path, *, expert_bits=None, group_size=None):
-        from ds4_mlx.convert.requant import DEFAULT_REQUANT
+        from ds4_mlx.convert.requant import affine_format
 
         self.files = [str(f) for f in split_files(path)]
         self.path = self.files[0]
@@ -160,8 +160,7 @@ class GGUFModel:
             raise ValueError(f"--group-size must be 32, 64 or 128, got {group_size}")
 
         def requant_format(qtype):
-            bits, group = DEFAULT_REQUANT[qtype]
-            return expert_bits or bits, group_size or group
+            return affine_format(qtype, expert_bits, group_size)
 
         found = [(t, f) for r, f in zip(readers, self.files) for t in r.tensors]
         by_name = {t.name: t for t, _ in found}
@@ -270,6 +269,11 @@ def to_half(x, dtype):
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def half_scales(q: dict, dtype) -> dict:
+    """An affine-quantized tensor's arrays with its scales and biases `to_half`."""
+    return {k: v if k == "weight" else to_half(v, dtype) for k, v in q.items()}
+
+
 def convert_chunks(f, plan, log=None):
     """Yield (row start, row end, {param name: numpy rows}, raw bytes read) over the tensor.
 
@@ -294,8 +298,8 @@ def convert_chunks(f, plan, log=None):
             err2, ref2 = err2 + e2, ref2 + w2
         else:
             q = repack(raw, plan.type, plan.cols)
-        q = {k: to_half(v, plan.half_dtype) if k != "weight" and plan.fmt["mode"] == "affine" else v
-             for k, v in q.items()}
+        if plan.fmt["mode"] == "affine":
+            q = half_scales(q, plan.half_dtype)
         yield r0, r1, {plan.module + "." + k: v for k, v in q.items()}, raw.nbytes
     if plan.type in REQUANT_TYPES and plan.quantized and log is not None:
         log(f"{plan.module}: {plan.type.name} -> affine {plan.fmt['bits']}-bit g{plan.fmt['group_size']}, "

@@ -14,6 +14,12 @@ from gguf import GGMLQuantizationType as T
 # which is what keeps the published q2 file within 1.15x its size (`ds4-mlx bench convert`).
 DEFAULT_REQUANT = {T.Q2_K: (2, 64), T.IQ2_XXS: (2, 64)}
 
+
+def affine_format(qtype, expert_bits=None, group_size=None) -> tuple:
+    """(bits, group size) of the affine format `qtype` is requantized to: the user's choice, else the default."""
+    bits, group = DEFAULT_REQUANT[qtype]
+    return expert_bits or bits, group_size or group
+
 _GRID = None
 
 
