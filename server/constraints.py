@@ -10,17 +10,18 @@ from ds4_mlx.constrain import OutputConstraint, json_grammar
 from ds4_mlx.generate import SamplingParams
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get
+from ds4_mlx.server.protocol import tool_choice_name
 
 
 def forced_tool_call(choice, tools) -> tuple[str, ...]:
     """The texts a forced tool choice lets the answer start with, one per allowed tool (none when
-    nothing is forced)."""
-    if not tools or choice in (None, "auto", "none"):
+    nothing is forced). `choice` and `tools` as `protocol.resolve_tool_choice` checked and returned them."""
+    if not tools or choice in (None, "auto"):
         return ()
     if choice in ("required", "any"):
         names = [t["function"]["name"] for t in tools]
     else:
-        names = [(choice["function"] if isinstance(choice.get("function"), dict) else choice)["name"]]
+        names = [tool_choice_name(choice)]
     return tuple(f"\n\n{TOOL_CALLS_START}\n<{DSML}invoke name=\"{escape_attribute(name)}\">\n" for name in names)
 
 

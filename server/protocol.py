@@ -133,19 +133,25 @@ def function_tools(tools: list | None) -> list[dict] | None:
     return tools
 
 
+def tool_choice_name(choice) -> str | None:
+    """The function a `tool_choice` object names (OpenAI {function: {name}}, Anthropic and Responses {name})."""
+    if not isinstance(choice, dict):
+        return None
+    function = choice.get("function")
+    return choice.get("name") or (function.get("name") if isinstance(function, dict) else None)
+
+
 def resolve_tool_choice(choice, tools: list[dict] | None):
     """The tools to render under `tool_choice`: "none" hides them; "auto", "required" and a named
-    function keep them all (the model cannot be forced; a named function must exist)."""
+    function keep them all (a named function must exist; `constraints.forced_tool_call` makes the
+    answer call one)."""
     if choice is None or not tools:
         return tools
     if choice == "none":
         return None
     if choice in ("auto", "required", "any"):
         return tools
-    name = None
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = choice.get("name") or (function.get("name") if isinstance(function, dict) else None)
+    name = tool_choice_name(choice)
     if not isinstance(name, str):
         raise APIError(400, "tool_choice must be none, auto, required or a named function", param="tool_choice")
     if name not in {t["function"]["name"] for t in tools}:
