@@ -21,7 +21,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from ds4_mlx.generate import GenerationStats, SamplingParams
+from ds4_mlx.generate import RATE_MIN_TOKENS, GenerationStats, SamplingParams
 from ds4_mlx.server.slots import Placement, Slot, place
 
 log = logging.getLogger("ds4_mlx.server")
@@ -59,13 +59,11 @@ class Outcome:
     def cached_tokens(self) -> int:
         return self.reused
 
-    RATE_MIN_TOKENS = 16  # below this, a speed measures overhead, not the model
-
     def log_line(self, label: str) -> str:
         """One line a user can act on: hit, partial hit or miss and why, then the work done (speeds only
         for at least `RATE_MIN_TOKENS` tokens)."""
         def took(seconds: float, tokens: int) -> str:
-            rate = f" ({tokens / seconds:.1f} t/s)" if tokens >= self.RATE_MIN_TOKENS and seconds > 0 else ""
+            rate = f" ({tokens / seconds:.1f} t/s)" if tokens >= RATE_MIN_TOKENS and seconds > 0 else ""
             return f"{seconds:.2f} s{rate}"
 
         slot = f"slot {self.slot}"
