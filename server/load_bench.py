@@ -197,10 +197,11 @@ def _serve(sessions: int, ctx: int):
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with code {process.returncode}")
         try:
-            requests.get(url + "/health", timeout=1)
-            return url, process
+            if requests.get(url + "/health", timeout=1).status_code == 200:  # 503 while the model loads
+                return url, process
         except requests.ConnectionError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     process.kill()
     raise RuntimeError("the server did not start within 300 s")
 
