@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from ds4_mlx.chat import (BOS, DEFAULT_SYSTEM, THINK_START, ContentDelta, OutputParser, ReasoningDelta,
                           partial_marker_len, render)
-from ds4_mlx.session import Session, SyncInterrupted, common_prefix
+from ds4_mlx.session import Session, SyncInterrupted
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -222,28 +222,6 @@ class GenerationChunk:
     prefill: Optional[tuple] = None  # (done, total) prompt tokens, on the chunks of `yield_prefill`
 
 
-def sync_by_chunks(session, prompt_ids: Sequence[int]) -> Iterator[tuple]:
-    """`session.sync(prompt_ids)` one model chunk at a time, cut where one sync would cut (so the
-    numbers are the same); yields (done, total) after each chunk. Between chunks the session holds a
-    prefix of the prompt. A rewind deeper than the session's rings replays in the first chunk.
-    Afterwards `session.last_sync` counts the whole prefill and `session.logits` follows the prompt."""
-    prompt = [int(t) for t in prompt_ids]
-    common = common_prefix(session.tokens, prompt)
-    if common == len(prompt) == len(session.tokens) and session.logits is not None:
-        session.sync(prompt)
-        return
-    pos = min(common, len(prompt) - 1)
-    start, first = pos, None
-    while pos < len(prompt):
-        n = min(session.max_chunk, len(prompt) - pos, session.checkpoint_every - pos % session.checkpoint_every)
-        session.sync(prompt[:pos + n])
-        if first is None:
-            first = dict(session.last_sync)
-        pos += n
-        session.last_sync = {**first, "computed": pos - start}
-        yield pos - start, len(prompt) - start
-
-
 def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,
                     sampling: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
                     stop_ids: Optional[Sequence[int]] = None,
@@ -294,7 +272,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
 
     prefill_seconds = 0.0  # the prefill's own time, not other requests' turns between its chunks
     if yield_prefill:
-        logits, chunks = None, sync_by_chunks(session, prompt_ids)
+        logits, chunks = None, session.sync_steps(prompt_ids)
         while True:
             start = time.perf_counter()
             step = next(chunks, None)

@@ -64,24 +64,29 @@ class Session:
 
         `on_chunk(done, total)` runs after each prefill chunk; a truthy return stops the prefill and
         raises SyncInterrupted, the session keeping the tokens computed so far."""
+        for done, total in self.sync_steps(prompt_ids):
+            if on_chunk is not None and on_chunk(done, total) and done < total:
+                raise SyncInterrupted(f"stopped after {done} of {total} prompt tokens")
+        return self.logits
+
+    def sync_steps(self, prompt_ids):
+        """`sync` one model chunk at a time: yields (done, total) prompt tokens computed after each
+        chunk. Between chunks the session holds a prefix of the prompt and `last_sync` counts the work
+        so far; a rewind deeper than the rings replays before the first chunk."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
         common = common_prefix(self.tokens, prompt)
         if common == len(prompt) == len(self.tokens) and self.logits is not None:
             self.last_sync = {"reused": common, "replayed": 0, "computed": 0}
-            return self.logits
+            return
         target = min(common, len(prompt) - 1)
         reused, replayed = self._rewind(target)
         self.last_sync = {"reused": reused, "replayed": replayed, "computed": 0}
         rest = prompt[target:]
-
-        def progress(done):
+        for done in self._feed_steps(rest):
             self.last_sync["computed"] = done
-            if on_chunk is not None and on_chunk(done, len(rest)) and done < len(rest):
-                raise SyncInterrupted(f"stopped after {done} of {len(rest)} prompt tokens")
-
-        return self._feed(rest, progress)
+            yield done, len(rest)
 
     def step(self, token_id):
         """Append one token; return the next-token logits."""
@@ -99,8 +104,7 @@ class Session:
             raise
         self.tokens.append(token)
         self.logits = logits
-        mx.async_eval(logits, [r.rows for c in self.cache for r in c.rings()],
-                      [b.rows for c in self.cache for b in c.buffers()])
+        mx.async_eval(logits, [c.arrays() for c in self.cache])
         self._take_checkpoints(pos, pos + 1)  # the same lanes and full checkpoints as `step`
         return logits
 
@@ -189,13 +193,19 @@ class Session:
                 raise RuntimeError("the rings no longer hold the state")
             for c in self.cache:
                 c.trim(start)
-            mx.eval([r.rows for c in self.cache for r in c.rings() if r.rows is not None],
-                    [b.rows for c in self.cache for b in c.buffers() if b.rows is not None])
+            mx.eval([c.arrays() for c in self.cache])
         except Exception:  # noqa: BLE001 - nothing of the arrays can be trusted
             self.reset()
 
-    def _feed(self, ids, progress=None):
-        """Run ids through the model in chunks that end on checkpoint positions."""
+    def _feed(self, ids):
+        """Run ids through the model; return the next-token logits."""
+        for _ in self._feed_steps(ids):
+            pass
+        return self.logits
+
+    def _feed_steps(self, ids):
+        """Run ids through the model in chunks that end on checkpoint positions; yield the count done
+        after each."""
         done = 0
         while done < len(ids):
             pos = len(self.tokens)
@@ -204,8 +214,7 @@ class Session:
             chunk = ids[done : done + n]
             try:
                 logits = self.model(mx.array([chunk], dtype=mx.int32), self.cache, last_only=True)[0, -1]
-                mx.eval(logits, [r.rows for c in self.cache for r in c.rings()],
-                        [b.rows for c in self.cache for b in c.buffers()])
+                mx.eval(logits, [c.arrays() for c in self.cache])
             except BaseException:
                 self._undo_chunk(n)
                 raise
@@ -213,9 +222,7 @@ class Session:
             self.logits = logits
             done += n
             self._take_checkpoints(pos, len(self.tokens))
-            if progress is not None:
-                progress(done)
-        return self.logits
+            yield done
 
     def _take_checkpoints(self, start, end):
         """After feeding (start, end]: a lane at each multiple of `lane_every` in it, a full checkpoint
