@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from ds4_mlx.chat import EOS, THINK_END
+from ds4_mlx.loader import cache_root
 from ds4_mlx.models.deepseek_v4 import ModelArgs, mlx_name
 
 DEMO_VERSION = "demo-v2"  # bump when the demo's config or weights change, so old caches are not reused
@@ -34,11 +35,6 @@ def demo_args() -> ModelArgs:
         moe_intermediate_size=64, index_n_heads=8, index_head_dim=32, index_topk=64,
         max_position_embeddings=32768,
     )
-
-
-def _cache_root() -> Path:
-    home = os.environ.get("DS4_MLX_HOME")
-    return Path(home) if home else Path.home() / ".cache" / "ds4-mlx"
 
 
 def _tokenizer_dir() -> Path:
@@ -75,7 +71,7 @@ def build_demo_model(folder: Path, seed=0):
 
 def demo_model_path() -> Path:
     """The demo model folder, built on first use (atomically: a temp folder renamed into place)."""
-    target = _cache_root() / DEMO_VERSION
+    target = cache_root() / DEMO_VERSION
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

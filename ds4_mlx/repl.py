@@ -7,7 +7,6 @@ template tokens around it: the session always holds a prefix of the next prompt.
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -18,6 +17,7 @@ from ds4_mlx.chat import (DEFAULT_SYSTEM, ContentDelta, OutputParser, ReasoningD
                           render_next_user_turn)
 from ds4_mlx.generate import (DEMO_NOTE, FINISH_ABORT, SamplingParams, add_sampling_arguments,
                               load_for_cli, sampling_from_args, stream_generate)
+from ds4_mlx.loader import cache_root
 from ds4_mlx.session import Session
 
 HELP = """Commands:
@@ -182,8 +182,7 @@ class Terminal:
 
 
 def history_path() -> Path:
-    home = os.environ.get("DS4_MLX_HOME")
-    return (Path(home) if home else Path.home() / ".cache" / "ds4-mlx") / "chat_history"
+    return cache_root() / "chat_history"
 
 
 class StopOnCtrlC:
