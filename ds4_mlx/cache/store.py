@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4_mlx.cache.state import (StateFileError, check_compatible, export_session, file_size_bound,
+from ds4_mlx.cache.state import (StateFileError, export_session, file_size_bound,
                                  import_session, model_identity, read_header, read_state_file, write_state_file)
 
 log = logging.getLogger("ds4_mlx.kv_disk")
@@ -131,8 +131,7 @@ class DiskStore:
         t = time.perf_counter()
         try:
             arrays, header = read_state_file(self.dir / entry.name)
-            check_compatible(session, header)
-            import_session(session, arrays, header)
+            import_session(session, arrays, header)  # checks the header against the session first
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, foreign: the request goes on cold
             log.warning(f"kv disk: {entry.name} is unusable ({type(e).__name__}: {e}); deleted")
             self._delete(entry, "unusable")
