@@ -131,10 +131,14 @@ class LayerCache:
         self.index_rows = RowBuffer(index_dim, row_dtype) if index_dim else None
 
     def rings(self):
-        return [r for r in (self.raw, self.frontier, self.index_frontier) if r is not None]
+        return [r for _, r in self.named_rings()]
 
     def buffers(self):
-        return [b for b in (self.rows, self.index_rows) if b is not None]
+        return [b for _, b in self.named_buffers()]
+
+    def arrays(self):
+        """The arrays a step writes (its rings' and buffers' rows): what to evaluate with the logits."""
+        return [x.rows for x in self.rings() + self.buffers()]
 
     def advance(self, n):
         self.pos += n

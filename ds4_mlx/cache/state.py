@@ -165,9 +165,7 @@ def import_session(session, arrays, header):
             session.checkpoints[int(q)] = lane
         session.tokens = tokens
         session.logits = mx.array(arrays["logits"]) if "logits" in arrays else None
-        mx.eval([r.rows for c in session.cache for r in c.rings() if r.rows is not None],
-                [b.rows for c in session.cache for b in c.buffers() if b.rows is not None],
-                [] if session.logits is None else session.logits)
+        mx.eval([c.arrays() for c in session.cache], [] if session.logits is None else session.logits)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the session is as it was
         session.restore(before)
         raise StateFileError(f"does not fit the model: {type(e).__name__}: {e}") from e
