@@ -253,15 +253,25 @@ class Rope:
     def __init__(self, dim, base, scaling=None):
         self.dim = dim
         self.periods = 1.0 / yarn_inv_freq(dim, base, scaling)  # mx.fast.rope takes 1 / frequency
+        self._full = {}
         mx.eval(self.periods)  # a lazy array would tie the model to the building thread's stream
+
+    def full_periods(self, width):
+        """Periods for all `width` features: infinite for the leading pairs, whose angle is then 0 and
+        which come out unchanged (exactly), so a whole head rotates in one op with no split."""
+        if width not in self._full:
+            full = mx.concatenate([mx.full(((width - self.dim) // 2,), mx.inf), self.periods])
+            mx.eval(full)
+            self._full[width] = full
+        return self._full[width]
 
     def __call__(self, x, start, step=1, inverse=False):
         """x [T, ..., D] holds positions start, start + step, ... along its first axis."""
-        head, tail = x[..., : -self.dim], x[..., -self.dim :]
-        t = tail.reshape(tail.shape[0], -1, self.dim).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
-        t = mx.fast.rope(t, self.dim, traditional=True, base=None, scale=-step if inverse else step,
-                         offset=start // step, freqs=self.periods)
-        return mx.concatenate([head, t.swapaxes(0, 1).reshape(tail.shape).astype(x.dtype)], axis=-1)
+        D = x.shape[-1]
+        t = x.reshape(x.shape[0], -1, D).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
+        t = mx.fast.rope(t, D, traditional=True, base=None, scale=-step if inverse else step,
+                         offset=start // step, freqs=self.full_periods(D))
+        return t.swapaxes(0, 1).reshape(x.shape)
 
 
 def fp8_e4m3_sim(x, block=64):
