@@ -264,3 +264,30 @@ def test_bench_memory_stand_in_holds_what_the_model_holds():
         s.sync(list(range(1, 300)))
     assert real.nbytes == stand_in.nbytes > 0
     assert sorted(real.checkpoints) == sorted(stand_in.checkpoints)
+
+
+@pytest.mark.parametrize("quant_sim", [False, True])
+@pytest.mark.parametrize("compile_decode", ["1", "0"])
+def test_decode_steps_equal_cold_prefill(monkeypatch, quant_sim, compile_decode):
+    """Decoded tokens go through `DecoderLayer.decode` (compiled, or as plain MLX with DS4_MLX_COMPILE=0):
+    across compressor blocks, the indexer starting to select, and compressed-row buffers that grow."""
+    from ds4_mlx.cache.layers import RowBuffer
+    from ds4_mlx.models.deepseek_v4 import DecoderLayer
+
+    monkeypatch.setattr(RowBuffer, "step", 4)  # the buffers grow while decoding
+    monkeypatch.setenv("DS4_MLX_COMPILE", compile_decode)
+    original, decoded = DecoderLayer.decode, []
+
+    def counted(self, *args):
+        decoded.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(DecoderLayer, "decode", counted)
+    model = random_model(tiny_args(0), seed=0, quant_sim=quant_sim)  # fresh: no compiled methods cached
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, model.args.vocab_size, 100)]
+    session = Session(model, max_chunk=61)
+    session.sync(tokens[:12])
+    for t in tokens[12:]:
+        logits = session.step(t)
+    assert decoded, "no step went through DecoderLayer.decode"
+    assert_exact(session, logits)

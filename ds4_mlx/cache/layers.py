@@ -83,15 +83,18 @@ class RowBuffer:
         n = rows.shape[0]
         if n == 0:
             return
-        need = self.count + n
+        self.reserve(self.count + n)
+        self.rows = mx.slice_update(self.rows, rows.astype(self.dtype), mx.array([self.count]), axes=(0,))
+        self.count += n
+
+    def reserve(self, need):
+        """Room for `need` rows. Rows past `count` may be stale (a trim only lowers the count)."""
         if self.rows is None or need > self.rows.shape[0]:
             size = -(-max(need, self.count + self.count // 16) // self.step) * self.step
             grown = mx.zeros((size, self.width), self.dtype)
             if self.count:
                 grown = mx.slice_update(grown, self.rows[: self.count], mx.array([0]), axes=(0,))
             self.rows = grown
-        self.rows = mx.slice_update(self.rows, rows.astype(self.dtype), mx.array([self.count]), axes=(0,))
-        self.count = need
 
     def view(self):
         return self.rows[: self.count] if self.count else mx.zeros((0, self.width), self.dtype)
@@ -139,6 +142,21 @@ class LayerCache:
     def arrays(self):
         """The arrays a step writes (its rings' and buffers' rows): what to evaluate with the logits."""
         return [x.rows for x in self.rings() + self.buffers()]
+
+    def decode_arrays(self):
+        """The arrays one decoded token reads and writes, by name: the rings' rows, and the buffers' with
+        room for one more row (a decode step is a pure function of these: see DecoderLayer.decode)."""
+        for b in self.buffers():
+            b.reserve(b.count + 1)
+        return {name: x.rows for name, x in self.named_rings() + self.named_buffers()}
+
+    def decoded(self, arrays):
+        """Take the arrays a decode step wrote, and move on one position."""
+        for name, x in self.named_rings() + self.named_buffers():
+            x.rows = arrays[name]
+        for b in self.buffers():
+            b.count = (self.pos + 1) // self.ratio
+        self.advance(1)
 
     def advance(self, n):
         self.pos += n

@@ -316,6 +316,11 @@ def hadamard_fp4_sim(x):
     return f16_round(fp4_e2m1_sim(x))
 
 
+def index_rounding(quant_sim):
+    """What indexer rows go through before they are stored: FP4 after a Hadamard transform (ds4)."""
+    return hadamard_fp4_sim if quant_sim else (lambda r: r)
+
+
 def attend(q, keys, mask, sinks, scale):
     """Each token's heads q [T, nh, hd] over its own keys (= values) [T, K, hd] where mask [T, K] (None:
     all), with a per-head sink logit in the softmax denominator. -> [T, nh, hd]"""
@@ -515,6 +520,16 @@ def log_and_read(ring, p0, back, fresh):
     return rows
 
 
+def ring_rows(rows, pos, n):
+    """From a ring's rows array, the rows of the `n` positions before `pos` (an int array)."""
+    return rows[(pos - n + mx.arange(n)) % rows.shape[0]]
+
+
+def ring_write(rows, pos, row):
+    """A ring's rows array with `row` [1, width] logged at position `pos` (an int array)."""
+    return mx.slice_update(rows, row, (pos % rows.shape[0])[None], axes=(0,))
+
+
 class Compressor(nn.Module):
     """Pools every `ratio` tokens into one row: a per-channel softmax over token scores. The ratio-4
     kind overlaps: each row pools the first half of the previous block's channels and the second half
@@ -533,22 +548,44 @@ class Compressor(nn.Module):
     def __call__(self, xn, p0, ring, first_row, n_rows):
         """Log this chunk's kv and score rows in `ring`, then return the `n_rows` new pooled rows
         (before norm and RoPE), starting at row `first_row`."""
-        T, m, d, W = xn.shape[0], self.ratio, self.head_dim, self.width
-        f32 = mx.float32  # pooling (a softmax over scores) in float32
-        kv = self.kv(xn).astype(f32)
-        ape = self.ape[p0 % m : p0 % m + 1] if T == 1 else self.ape[mx.arange(p0, p0 + T) % m]
-        score = self.gate(xn).astype(f32) + ape
+        T, m = xn.shape[0], self.ratio
         lo = max(0, (p0 // m - self.overlap) * m)  # where the open block starts (the one before it, with overlap)
         back = p0 - lo if n_rows else 0  # nothing to pool: only log
-        source = log_and_read(ring, p0, back, mx.concatenate([kv, score], axis=-1))  # positions p0 - back, ...
+        source = log_and_read(ring, p0, back, self.project(xn, mx.arange(p0, p0 + T)))  # positions p0 - back, ...
         if n_rows == 0:
             return None
         tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
-        logged = source[tokens - lo]
+        if not self.overlap:
+            return self.pool(source[tokens - lo])
+        return self.pool(source[tokens - lo], source[mx.maximum(tokens - m - lo, 0)], (tokens - m >= 0)[..., None])
+
+    def decode(self, xn, pos, ring, pooling):
+        """One token at `pos` (an int array), on the ring's rows array: log its row and, if it closes a
+        block (`pooling`), pool that block. -> (the ring's rows, the pooled row [1, head_dim] or None)."""
+        m = self.ratio
+        fresh = self.project(xn, pos[None]).astype(ring.dtype)
+        reach = 2 * m - 1 if self.overlap else m - 1
+        source = mx.concatenate([ring_rows(ring, pos, reach), fresh]) if pooling else None  # read first
+        ring = ring_write(ring, pos, fresh)
+        if not pooling:
+            return ring, None
+        return ring, self.pool(source[None, -m:], source[None, :m] if self.overlap else None)
+
+    def project(self, xn, positions):
+        """The rows to log for tokens at `positions`: kv | score, float32 (pooling is a softmax)."""
+        f32 = mx.float32
+        score = self.gate(xn).astype(f32) + self.ape[positions % self.ratio]
+        return mx.concatenate([self.kv(xn).astype(f32), score], axis=-1)
+
+    def pool(self, logged, prev=None, prev_valid=None):
+        """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap,
+        `prev` holds the blocks before them (their scores count only where `prev_valid`)."""
+        W, d = self.width, self.head_dim
         kv, score = logged[..., :W], logged[..., W:]
         if self.overlap:
-            prev = source[mx.maximum(tokens - m - lo, 0)]
-            prev_score = mx.where((tokens - m >= 0)[..., None], prev[..., W : W + d], -mx.inf)
+            prev_score = prev[..., W : W + d]
+            if prev_valid is not None:
+                prev_score = mx.where(prev_valid, prev_score, -mx.inf)
             kv = mx.concatenate([prev[..., :d], kv[..., d:]], axis=1)
             score = mx.concatenate([prev_score, score[..., d:]], axis=1)
         weights = mx.softmax(score.astype(mx.float32), axis=1)
@@ -602,9 +639,50 @@ class Attention(nn.Module):
         first, last = p0 // m, (p0 + T) // m
         pooled = compressor(xn, p0, ring, first, last - first)
         if pooled is not None:
-            rows = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
-            rows = self.rope(rows, first * m, m)
-            buffer.append(quant(rows))
+            buffer.append(self._finish_rows(compressor, pooled, first * m, quant))
+
+    def _finish_rows(self, compressor, pooled, start, quant):
+        """Pooled rows of the blocks from position `start` on -> compressed rows (norm, RoPE, rounding)."""
+        rows = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
+        return quant(self.rope(rows, start, compressor.ratio))
+
+    def _decode_compress(self, compressor, x, pos, arrays, ring, buffer, pooling, quant):
+        """`_compress` for one token at `pos`, on the named `arrays`. -> the buffer's rows array (its
+        whole capacity: rows from (pos + 1) // ratio on are not valid)."""
+        m = compressor.ratio
+        arrays[ring], pooled = compressor.decode(x, pos, arrays[ring], pooling)
+        if pooled is not None:
+            row = self._finish_rows(compressor, pooled, pos + 1 - m, quant).astype(arrays[buffer].dtype)
+            arrays[buffer] = mx.slice_update(arrays[buffer], row, (pos // m)[None], axes=(0,))
+        return arrays[buffer]
+
+    def decode(self, x, pos, arrays, pooling, selecting, quant_sim):
+        """`__call__` for one token at `pos` (an int array) past the first window, on the cache's
+        `arrays` (`LayerCache.decode_arrays`): a pure function, so that a layer's decode step compiles
+        whole. `pooling`: the token closes a compressed block; `selecting`: the indexer picks the rows
+        (more than index_topk of them). -> (output [1, H], the arrays written)."""
+        hd, W = self.head_dim, self.args.sliding_window
+        arrays = dict(arrays)
+        qr, q, kv = self._project(x, pos)
+        fresh = self._store_kv(kv, quant_sim).astype(arrays["raw"].dtype)
+        keys = [ring_rows(arrays["raw"], pos, W - 1), fresh]  # the whole window: no mask
+        arrays["raw"] = ring_write(arrays["raw"], pos, fresh)
+        mask = None
+        if self.kind != SLIDING:
+            rows = self._decode_compress(self.compressor, x, pos, arrays, "frontier", "rows", pooling,
+                                         lambda r: self._store_kv(r, quant_sim))
+            count = (pos + 1) // self.ratio  # valid rows
+            if self.kind == CSA:
+                index_rows = self._decode_compress(self.indexer.compressor, x, pos, arrays, "index_frontier",
+                                                   "index_rows", pooling, index_rounding(quant_sim))
+            if selecting:
+                keys.append(rows[self._select(qr, x, pos, index_rows, count.reshape(1, 1), quant_sim)[0]])
+            else:
+                keys.append(rows)
+                mask = mx.concatenate([mx.ones((W,), mx.bool_), mx.arange(rows.shape[0]) < count])[None]
+        keys = mx.concatenate(keys).astype(mx.float32)[None]
+        out = attend(q.astype(mx.float32), keys, mask, self.sinks.astype(mx.float32), hd ** -0.5)
+        return self._project_out(out, pos), arrays
 
     def __call__(self, x, cache, quant_sim):
         args, hd = self.args, self.head_dim
@@ -637,7 +715,7 @@ class Attention(nn.Module):
             if self.kind == CSA:
                 idx = self.indexer
                 self._compress(idx.compressor, x, cache, cache.index_frontier, cache.index_rows,
-                               (lambda r: hadamard_fp4_sim(r)) if quant_sim else (lambda r: r))
+                               index_rounding(quant_sim))
                 if C > args.index_topk:  # (a decoded token sees every row so far)
                     selected = self._select(qr, x, p0, cache.index_rows.view(), visible, quant_sim)
             if selected is None:
@@ -774,6 +852,15 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(args, layer_id)
 
     def __call__(self, streams, ids, cache, quant_sim):
+        # one token with a full window (and a block before the one it closes) decodes as one graph
+        if streams.shape[0] == 1 and cache.pos >= max(cache.window - 1, 2 * 4 - 1):
+            m, pos = cache.ratio, cache.pos
+            pooling = bool(m) and (pos + 1) % m == 0
+            selecting = self.attn.kind == CSA and (pos + 1) // m > self.attn.args.index_topk
+            streams, arrays = compiled(self, "decode")(streams, ids, position_array(pos), cache.decode_arrays(),
+                                                       pooling, selecting, quant_sim)
+            cache.decoded(arrays)
+            return streams
         dtype = self.attn_norm.weight.dtype  # the compute dtype; the streams stay float32
         x, post, comb = self.hc_attn.pre(streams)
         out = self.attn(self.attn_norm(x.astype(dtype)), cache, quant_sim)
@@ -782,6 +869,17 @@ class DecoderLayer(nn.Module):
         x, post, comb = self.hc_ffn.pre(streams)
         out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
+
+    def decode(self, streams, ids, pos, arrays, pooling, selecting, quant_sim):
+        """`__call__` for one token, as a pure function of the cache `arrays` (`Attention.decode`).
+        -> (streams, the arrays written)."""
+        dtype = self.attn_norm.weight.dtype
+        x, post, comb = self.hc_attn.pre(streams)
+        out, arrays = self.attn.decode(self.attn_norm(x.astype(dtype)), pos, arrays, pooling, selecting, quant_sim)
+        streams = HyperConnection.post(out, streams, post, comb)
+        x, post, comb = self.hc_ffn.pre(streams)
+        out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
+        return HyperConnection.post(out, streams, post, comb), arrays
 
 
 class Model(nn.Module):
