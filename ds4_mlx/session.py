@@ -36,7 +36,7 @@ def common_prefix(a, b):
 
 
 class Session:
-    def __init__(self, model, *, rewind_slack=4096, checkpoint_every=2048, max_chunk=256,
+    def __init__(self, model, *, rewind_slack=4096, checkpoint_every=2048, max_chunk=2048,
                  frontier_horizon=512, recent_checkpoints=4):
         if checkpoint_every <= 0 or max_chunk <= 0 or recent_checkpoints <= 0:
             raise ValueError("checkpoint_every, max_chunk and recent_checkpoints must be positive")

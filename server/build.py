@@ -15,7 +15,8 @@ from ds4_mlx.server.worker import Worker
 
 
 def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: int,
-                 rewind_slack: int = 4096, checkpoint_every: int = 2048, prefill_chunk: int = 256,
+                 rewind_slack: int = 4096, checkpoint_every: int = 2048, prefill_chunk: int = 2048,
+                 shared_prefill_chunk: int = 256,
                  keepalive_s: float = 5.0,
                  generate=partial(stream_generate, yield_prefill=True), max_tokens: int | None = None,
                  access: Access = Access(), disk=None) -> Server:
@@ -26,9 +27,9 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
         generate = capped(generate, max_tokens)
 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
-                    session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every,
-                                                      max_chunk=prefill_chunk),
-                    generate=generate, disk=disk)
+                    session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every),
+                    generate=generate, disk=disk, prefill_chunk=prefill_chunk,
+                    shared_prefill_chunk=shared_prefill_chunk)
     return Server(worker, ServerInfo(model_id=model_id, ctx=ctx), keepalive_s=keepalive_s, access=access)
 
 

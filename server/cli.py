@@ -29,8 +29,8 @@ def run_serve(args):
         raise ValueError("--sessions must be at least 1 and --ctx at least 2")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
-    if args.prefill_chunk < 1:
-        raise ValueError("--prefill-chunk must be at least 1")
+    if args.prefill_chunk < 1 or args.shared_prefill_chunk < 1:
+        raise ValueError("--prefill-chunk and --shared-prefill-chunk must be at least 1")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
 
@@ -46,7 +46,7 @@ def run_serve(args):
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
                           checkpoint_every=args.checkpoint_every, prefill_chunk=args.prefill_chunk,
-                          max_tokens=args.max_tokens,
+                          shared_prefill_chunk=args.shared_prefill_chunk, max_tokens=args.max_tokens,
                           disk=disk_store_from_args(args),
                           access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ())))
     sock = listen(args.host, args.port)
@@ -129,9 +129,12 @@ def register(subparsers):
     p.add_argument("--model-id", default="deepseek-v4-flash", help="the model name clients use (default %(default)s)")
     p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay (default %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints (default %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens computed a turn; other streams wait about one chunk for their next token, "
-                        "and longer chunks prefill faster on a GPU (default %(default)s; 1024-2048 for one user)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="prompt tokens computed a turn while no other stream runs; longer chunks prefill faster "
+                        "on a GPU (default %(default)s)")
+    p.add_argument("--shared-prefill-chunk", type=int, default=256,
+                   help="prompt tokens computed a turn while other streams run; each of them waits about one "
+                        "chunk for its next token (default %(default)s)")
     p.add_argument("--max-tokens", type=int, help="most tokens any request may generate (default: the "
                    "context); a request asking for more stops there with finish reason length")
     p.add_argument("--api-key", help="require this key from clients, as 'Authorization: Bearer KEY' or "

@@ -117,13 +117,17 @@ class _Running:
 
 
 class Worker:
-    def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate, disk=None):
+    def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate, disk=None,
+                 prefill_chunk: int = 2048, shared_prefill_chunk: int = 256):
         """`load()` returns (model, tokenizer) and runs on the worker thread, which owns the model from
         then on (MLX arrays belong to the thread that made them); `session_factory(model)` makes a
         Session; `generate` is `ds4_mlx.generate.stream_generate`; `disk` a `ds4_mlx.cache.store.DiskStore`
         (or None): sessions are saved there when evicted, at shutdown and during long prompts, and a
-        request that no slot serves well looks there for its longest prefix."""
+        request that no slot serves well looks there for its longest prefix. A prompt is computed
+        `prefill_chunk` tokens a turn while it is the only job running (long chunks prefill faster),
+        `shared_prefill_chunk` while other streams run (each waits about one chunk for its next token)."""
         self.disk = disk
+        self.prefill_chunk, self.shared_prefill_chunk = prefill_chunk, shared_prefill_chunk
         self._load = load
         self.model = self.tokenizer = None
         self.budget_bytes = budget_bytes
@@ -262,6 +266,8 @@ class Worker:
         return _Running(job, placement, iter(chunks))
 
     def _advance(self, run: _Running):
+        alone = len(self._running) == 1
+        run.placement.slot.session.max_chunk = self.prefill_chunk if alone else self.shared_prefill_chunk
         try:
             chunk = next(run.chunks)
         except Exception as e:  # noqa: BLE001 - this job fails, the server goes on

@@ -116,3 +116,22 @@ def test_a_long_shared_prefix_is_forked_into_a_free_slot_and_is_exact(caplog):
     assert int(forked["replayed"]) < lane_every
     assert back["slot"] == "0" and back["miss"] == "-"
     assert side_answer == cold_answer(model=MODEL, messages=side, temperature=0, max_tokens=8)
+
+
+def test_a_prompt_alone_is_computed_in_long_chunks():
+    steps = []
+
+    def recording(session, tokenizer, prompt_ids, **kwargs):
+        for chunk in stream_generate(session, tokenizer, prompt_ids, yield_prefill=True, **kwargs):
+            steps.append(len(session.tokens) if chunk.prefill else None)
+            yield chunk
+
+    long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(600))}]
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=1, budget_bytes=2**32,
+                          generate=recording, prefill_chunk=512, shared_prefill_chunk=64)
+    with BackgroundServer(server) as bg:
+        client = OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
+        client.chat.completions.create(model=MODEL, messages=long_prompt, temperature=0, max_tokens=1)
+        long_len = len(bg.server.worker.tokenizer.encode(render(long_prompt)))
+    computed = [n for n in steps if n is not None]
+    assert long_len > 1024 and computed == list(range(512, long_len, 512)) + [long_len]
