@@ -97,7 +97,7 @@ def _tokenizer(model, gguf_path, tokenizer_dir, required):
 def _write(model, folder, shard_bytes, progress, log, tokenizer):
     from tqdm import tqdm
 
-    from ds4_mlx.convert.gguf import OpenFiles, WidenScales, convert_chunks
+    from ds4_mlx.convert.gguf import OpenFiles, tensor_chunks
     from ds4_mlx.convert.writer import ShardWriter, header_capacity
 
     names = [n for p in model.tensors for n, _, _ in p.outputs()]
@@ -112,20 +112,18 @@ def _write(model, folder, shard_bytes, progress, log, tokenizer):
                 bar.set_postfix_str(f"tensor {i + 1}/{len(model.tensors)}", refresh=False)
                 writer.add(plan.outputs())
                 done = 0
-                while True:
-                    try:
-                        for r0, r1, chunk, nbytes in convert_chunks(files[plan.file], plan, say):
-                            for name, arr in chunk.items():
-                                writer.write(name, r0 * arr[0].nbytes, arr)
-                            bar.update(nbytes)
-                            done += nbytes
-                        break
-                    except WidenScales:  # rare: redo this tensor in bfloat16
+                for part in tensor_chunks(files[plan.file], plan, say):
+                    if part is None:  # rare: the tensor is redone in bfloat16
                         bar.update(-done)
                         done = 0
-                        plan.half_dtype = "BF16"
                         for name, dtype, _ in plan.outputs():
                             writer.retype(name, dtype)
+                        continue
+                    r0, r1, chunk, nbytes = part
+                    for name, arr in chunk.items():
+                        writer.write(name, r0 * arr[0].nbytes, arr)
+                    bar.update(nbytes)
+                    done += nbytes
                 if plan.quantized:
                     quantization[plan.module] = dict(plan.fmt)
         writer.finish()

@@ -207,17 +207,16 @@ class GGUFModel:
 
         with OpenFiles() as files:
             for plan in self.tensors:
-                while True:
-                    try:
+                arrays = {}
+                for part in tensor_chunks(files[plan.file], plan, log):
+                    if part is None:  # redone in bfloat16
                         arrays = {}
-                        for r0, r1, chunk, _ in convert_chunks(files[plan.file], plan, log):
-                            for name, dtype, shape in plan.outputs():
-                                if name not in arrays:
-                                    arrays[name] = np.empty((plan.rows,) + tuple(shape[-1:]), chunk[name].dtype)
-                                arrays[name][r0:r1] = chunk[name]
-                        break
-                    except WidenScales:
-                        plan.half_dtype = "BF16"
+                        continue
+                    r0, r1, chunk, _ = part
+                    for name, dtype, shape in plan.outputs():
+                        if name not in arrays:
+                            arrays[name] = np.empty((plan.rows,) + tuple(shape[-1:]), chunk[name].dtype)
+                        arrays[name][r0:r1] = chunk[name]
                 if plan.quantized:
                     quantization[plan.module] = dict(plan.fmt)
                 for name, dtype, shape in plan.outputs():
@@ -272,6 +271,17 @@ def to_half(x, dtype):
 def half_scales(q: dict, dtype) -> dict:
     """An affine-quantized tensor's arrays with its scales and biases `to_half`."""
     return {k: v if k == "weight" else to_half(v, dtype) for k, v in q.items()}
+
+
+def tensor_chunks(f, plan, log=None):
+    """`convert_chunks`, redone from the start in bfloat16 when float16 does not hold the tensor's
+    scales, biases or values (rare): None comes before the redo, and what came before it is void."""
+    try:
+        yield from convert_chunks(f, plan, log)
+    except WidenScales:
+        plan.half_dtype = "BF16"  # holds every float32 exponent: no second redo
+        yield None
+        yield from convert_chunks(f, plan, log)
 
 
 def convert_chunks(f, plan, log=None):

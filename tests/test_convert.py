@@ -521,12 +521,13 @@ def test_widened_scales_convert_to_bfloat16(tmp_path):
         raw = f.read_bytes()
         header.update(json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")]))
     assert header["lm_head.scales"]["dtype"] == header["lm_head.biases"]["dtype"] == "BF16"
-    model, _ = ds4_mlx.load(tmp_path / "out", quant_sim=False)
     want = gguf.quants.dequantize(tensors["output.weight"][0], T.Q8_0)
-    head = model.lm_head
-    got = np.array(mx.dequantize(head.weight, head.scales.astype(mx.float32), head.biases.astype(mx.float32),
-                                 group_size=32, bits=8))
-    assert np.abs(got - want).max() <= 2.0**-8 * np.abs(want).max()
+    for source in (tmp_path / "out", path):  # converted, and loaded from the GGUF directly
+        head = ds4_mlx.load(source, quant_sim=False)[0].lm_head
+        assert head.scales.dtype == head.biases.dtype == mx.bfloat16
+        got = np.array(mx.dequantize(head.weight, head.scales.astype(mx.float32), head.biases.astype(mx.float32),
+                                     group_size=32, bits=8))
+        assert np.abs(got - want).max() <= 2.0**-8 * np.abs(want).max()
 
 
 def test_published_files_projection():
