@@ -9,6 +9,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from ds4_mlx.convert import EXPERT_BITS, GROUP_SIZES
+
 
 def register(subparsers):
     p = subparsers.add_parser("convert", help="convert a deepseek4 GGUF file into an MLX model folder",
@@ -18,10 +20,10 @@ def register(subparsers):
     p.add_argument("out_dir", help="the folder to create")
     p.add_argument("--shard-size", type=float, default=5.0, metavar="GB", help="largest shard (default 5)")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it already exists")
-    p.add_argument("--expert-bits", "--q-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
+    p.add_argument("--expert-bits", "--q-bits", type=int, choices=EXPERT_BITS, default=None,
                    help="bits of the affine format Q2_K and IQ2_XXS tensors are requantized to (default 2; "
                         "3 or 4 cost memory and cut the added error)")
-    p.add_argument("--group-size", "--q-group-size", type=int, choices=(32, 64, 128), default=None,
+    p.add_argument("--group-size", "--q-group-size", type=int, choices=GROUP_SIZES, default=None,
                    help="group size of that format (default 64)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--tokenizer", metavar="DIR", help="a folder with the tokenizer.json to use (needed when the "

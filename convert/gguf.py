@@ -22,6 +22,7 @@ import numpy as np
 import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGMLQuantizationType as T
 
+from ds4_mlx.convert import EXPERT_BITS, GROUP_SIZES
 from ds4_mlx.models import deepseek_v4 as dsv4
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
@@ -154,10 +155,10 @@ class GGUFModel:
         arch = self.metadata.get("general.architecture")
         if arch != "deepseek4":
             raise ValueError(f"{self.path}: architecture is {arch!r}, expected 'deepseek4'")
-        if expert_bits is not None and expert_bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"--expert-bits must be one of 2, 3, 4, 5, 6, 8, got {expert_bits}")
-        if group_size is not None and group_size not in (32, 64, 128):
-            raise ValueError(f"--group-size must be 32, 64 or 128, got {group_size}")
+        if expert_bits is not None and expert_bits not in EXPERT_BITS:
+            raise ValueError(f"--expert-bits must be one of {', '.join(map(str, EXPERT_BITS))}, got {expert_bits}")
+        if group_size is not None and group_size not in GROUP_SIZES:
+            raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
 
         def requant_format(qtype):
             return affine_format(qtype, expert_bits, group_size)
