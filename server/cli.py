@@ -131,7 +131,7 @@ def register(subparsers):
     p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints (default %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="prompt tokens computed a turn while no other stream runs; longer chunks prefill faster "
-                        "on a GPU (default %(default)s)")
+                        "on a GPU and hold more memory while they run (default %(default)s)")
     p.add_argument("--shared-prefill-chunk", type=int, default=256,
                    help="prompt tokens computed a turn while other streams run; each of them waits about one "
                         "chunk for its next token (default %(default)s)")
