@@ -695,42 +695,35 @@ class Attention(nn.Module):
         W = args.sliding_window
         back = min(W - 1, p0)
         rows = log_and_read(cache.raw, p0, back, self._store_kv(kv, quant_sim))  # positions p0 - back, ...
-        # one token past the first window sees all its keys: no gathers, no mask
-        decode = T == 1 and back == W - 1
-        if decode:
-            keys, masks = [rows[None]], None
-        else:
-            window_pos = positions[:, None] - (W - 1) + mx.arange(W)[None, :]
-            keys = [rows[mx.maximum(window_pos - (p0 - back), 0)]]
-            masks = [window_pos >= 0]
+        window_pos = positions[:, None] - (W - 1) + mx.arange(W)[None, :]
+        keys = [rows[mx.maximum(window_pos - (p0 - back), 0)]]
+        masks = [window_pos >= 0]
 
         if self.kind != SLIDING:
             m = self.ratio
             self._compress(self.compressor, x, cache, cache.frontier, cache.rows,
                            lambda r: self._store_kv(r, quant_sim))
             rows = cache.rows.view()
-            visible = None if decode else ((positions + 1) // m)[:, None]  # rows visible to each query
+            visible = ((positions + 1) // m)[:, None]  # rows visible to each query
             C = rows.shape[0]
             selected = None
             if self.kind == CSA:
                 idx = self.indexer
                 self._compress(idx.compressor, x, cache, cache.index_frontier, cache.index_rows,
                                index_rounding(quant_sim))
-                if C > args.index_topk:  # (a decoded token sees every row so far)
+                if C > args.index_topk:
                     selected = self._select(qr, x, p0, cache.index_rows.view(), visible, quant_sim)
             if selected is None:
                 if C:
-                    keys.append(rows[None] if decode else mx.broadcast_to(rows[None], (T, C, hd)))
-                    if masks is not None:
-                        masks.append(mx.arange(C)[None, :] < visible)
+                    keys.append(mx.broadcast_to(rows[None], (T, C, hd)))
+                    masks.append(mx.arange(C)[None, :] < visible)
             else:
                 keys.append(rows[selected])
-                if masks is not None:
-                    masks.append(selected < visible)
+                masks.append(selected < visible)
 
         f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
         keys = mx.concatenate(keys, axis=1).astype(f32) if len(keys) > 1 else keys[0].astype(f32)  # [T, K, hd]
-        mask = None if masks is None else mx.concatenate(masks, axis=1)
+        mask = mx.concatenate(masks, axis=1)
         out = attend(q.astype(f32), keys, mask, self.sinks.astype(f32), hd ** -0.5)
         return compiled(self, "_project_out")(out, start)
 
@@ -750,7 +743,7 @@ class Attention(nn.Module):
 
     def _select(self, qr, x, p0, index_rows, visible, quant_sim):
         """Top-k compressed rows for each query, by the indexer's scores (rows at or past `visible`
-        excluded; None: every row is visible)."""
+        [T, 1] excluded)."""
         idx, args = self.indexer, self.args
         T = qr.shape[0]
         qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0).astype(mx.float32)
@@ -762,8 +755,7 @@ class Attention(nn.Module):
         tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
         scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[i : i + tile].T, 0))[:, 0]
                                  for i in range(0, C, tile)], axis=1)  # [T, C]
-        if visible is not None:
-            scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
+        scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
         k = args.index_topk
         return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]
 
