@@ -3,6 +3,7 @@ roofline fraction, optionally transformers' DeepseekV4ForCausalLM timed on the s
 and with `--profile` where one decode step and one prefill chunk spend their time."""
 
 import gc
+import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -89,10 +90,13 @@ def measure_context(model, context, decode_steps, chunk, rng):
 @contextmanager
 def _timed_parts(times, detail=False):
     """Evaluate and time each part of every layer (HC pre, attention, MoE, HC post) as it is called.
-    The syncs between parts inflate every figure a little; the split is what the profile is for."""
+    The syncs between parts inflate every figure a little; the split is what the profile is for. The
+    parts run uncompiled (DS4_MLX_COMPILE=0): a compiled graph has no parts to time."""
     from ds4_mlx.models import deepseek_v4 as dv
 
     patched = []
+    compile_setting = os.environ.get("DS4_MLX_COMPILE")
+    os.environ["DS4_MLX_COMPILE"] = "0"
 
     def wrap(owner, name, label, static=False):
         fn = getattr(owner, name)
@@ -112,20 +116,27 @@ def _timed_parts(times, detail=False):
     wrap(dv.HyperConnection, "pre", "hc_pre")
     wrap(dv.HyperConnection, "post", "hc_post", static=True)
     wrap(dv.Attention, "__call__", "attention")
+    wrap(dv.Attention, "decode", "attention")  # a decoded token's attention
     wrap(dv.MoE, "__call__", "moe")
     wrap(dv.HyperHead, "__call__", "head")
     if detail:  # inside attention (nested: these are part of its figure)
         from ds4_mlx.cache.layers import TokenRing
 
         wrap(dv.Attention, "_compress", "attn.compress")
+        wrap(dv.Attention, "_decode_compress", "attn.compress")
         wrap(dv.Attention, "_select", "attn.select")
         wrap(TokenRing, "gather", "attn.ring_gather")
+        wrap(dv, "ring_rows", "attn.ring_gather")
         wrap(dv, "attend", "attn.attend")
     try:
         yield
     finally:
         for owner, name, original in patched:
             setattr(owner, name, original)
+        if compile_setting is None:
+            del os.environ["DS4_MLX_COMPILE"]
+        else:
+            os.environ["DS4_MLX_COMPILE"] = compile_setting
 
 
 def profile(model, context, chunk, rng):
@@ -144,12 +155,13 @@ def profile(model, context, chunk, rng):
                 t = time.perf_counter()
                 mx.eval(s._feed(ids))
                 times["total"] = time.perf_counter() - t
-        # graph building alone (no evaluation), for the same work
+        # graph building alone (no evaluation), for the same work; the second time, once it is traced
         snap = s.snapshot()
-        t = time.perf_counter()
-        model(mx.array([ids], dtype=mx.int32), s.cache, last_only=True)
-        times["graph_build"] = time.perf_counter() - t
-        s.restore(snap)
+        for _ in range(2):
+            t = time.perf_counter()
+            model(mx.array([ids], dtype=mx.int32), s.cache, last_only=True)
+            times["graph_build"] = time.perf_counter() - t
+            s.restore(snap)
         times["other"] = times["total"] - sum(v for k, v in times.items()
                                               if k not in ("total", "graph_build") and "." not in k)
         out[label] = {k: round(v * 1000, 3) for k, v in times.items()}
