@@ -73,3 +73,13 @@ def test_real_widths_on_a_cpu_say_how_long_first(capsys, monkeypatch):
     assert second.startswith("this run prefills 196 tokens and decodes 12: at the ")  # 64+128 + 2 resends each
     assert " s per prefill token and " in second and "at least " in second
     assert captured.err.index("this run") < captured.err.index("ctx 64:")
+
+
+def test_speed_bench_profiles_a_decode_step(capsys):
+    """`--profile` times the parts of a prefill chunk and of a decoded token (which decodes as one
+    compiled graph otherwise)."""
+    last = bench(capsys, "speed", "--preset", "tiny", "--contexts", "256", "--decode", "4", "--chunk", "64",
+                 "--profile", "--profile-context", "256", "--json").out.splitlines()[-1]
+    profile = json.loads(last)["profile"]
+    for part in ("prefill_chunk", "decode_step"):
+        assert all(profile[part][k] > 0 for k in ("hc_pre", "attention", "moe", "total", "graph_build"))
