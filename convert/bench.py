@@ -220,18 +220,21 @@ def measure_types(rows=2048, cols=4096, seed=0, expert_bits=None, group_size=Non
 
 
 def project_published(per_type):
-    """{variant: (GGUF bytes, converted bytes)} of the published files from `measure_types`' figures."""
+    """{variant: (GGUF bytes, converted bytes, seconds to convert the quantized weights)} of the published
+    files from `measure_types`' figures (reading the file aside)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-    kept = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
+    from ds4_mlx.convert.writer import ITEMSIZE  # float tensors are kept as they are
+
     out = {}
     for variant in PUBLISHED:
-        src = dst = 0
+        src = dst = seconds = 0
         for t, n in published_weights(variant).items():
             block, size = GGML_QUANT_SIZES[T[t]]
             src += n * size / block
-            dst += n * (kept[t] if t in kept else per_type[t]["bytes_per_weight"])
-        out[variant] = (src, dst)
+            dst += n * (ITEMSIZE[t] if t in ITEMSIZE else per_type[t]["bytes_per_weight"])
+            seconds += n / per_type[t]["weights_per_s"] if t in per_type else 0
+        out[variant] = (src, dst, seconds)
     return out
 
 
@@ -241,12 +244,10 @@ def bench_published(rows=2048, expert_bits=None, group_size=None) -> dict:
 
     per_type = measure_types(rows=rows, expert_bits=expert_bits, group_size=group_size)
     result = {}
-    for variant, (src, dst) in project_published(per_type).items():
+    for variant, (src, dst, seconds) in project_published(per_type).items():
         result[f"{variant}_gguf_gib"] = round(src / 2**30, 2)
         result[f"{variant}_gib"] = round(dst / 2**30, 2)
         result[f"{variant}_ratio"] = round(dst / src, 4)
-        # conversion time of the quantized weights at the measured speeds (reading the file aside)
-        seconds = sum(n / per_type[t]["weights_per_s"] for t, n in published_weights(variant).items() if t in per_type)
         result[f"{variant}_convert_min"] = round(seconds / 60, 1)
     result["types"] = {t: {k: (round(v, 5) if isinstance(v, float) else v) for k, v in f.items()}
                        for t, f in per_type.items()}
