@@ -159,7 +159,7 @@ class Server:
         room = self.info.ctx - len(ids)
         if room <= 0:
             raise context_exceeded(len(ids), self.info.ctx, prepared.param)
-        max_tokens = min(prepared.max_tokens or room, room)
+        max_tokens = min(prepared.max_tokens or room, room, self.info.max_tokens or room)
         job = Job(GenerationRequest(ids, max_tokens, prepared.sampling, prepared.stop, label),
                   asyncio.get_running_loop(), client_gone=lambda: _client_gone(request))
         answer = Answer(thinking=prepared.thinking, tools=prepared.tools, tool_memory=self.tool_memory,

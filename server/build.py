@@ -23,20 +23,12 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
     """`max_tokens` caps every request's output (a request asking for more stops there, as `length`)."""
     from ds4_mlx import Session
 
-    if max_tokens is not None:
-        generate = capped(generate, max_tokens)
-
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
                     session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every),
                     generate=generate, disk=disk, prefill_chunk=prefill_chunk,
                     shared_prefill_chunk=shared_prefill_chunk)
-    return Server(worker, ServerInfo(model_id=model_id, ctx=ctx), keepalive_s=keepalive_s, access=access)
-
-
-def capped(generate, cap: int):
-    def generate_capped(*args, max_tokens: int, **options):
-        return generate(*args, max_tokens=min(max_tokens, cap), **options)
-    return generate_capped
+    return Server(worker, ServerInfo(model_id=model_id, ctx=ctx, max_tokens=max_tokens), keepalive_s=keepalive_s,
+                  access=access)
 
 
 class BackgroundServer:

@@ -68,6 +68,7 @@ class Prepared:
 class ServerInfo:
     model_id: str
     ctx: int
+    max_tokens: int | None = None  # caps every request's output (`serve --max-tokens`)
 
     def model_name(self, body: dict, *, anthropic: bool = False) -> str:
         """The requested model, checked: the loaded model answers to its id and the DeepSeek names

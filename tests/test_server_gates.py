@@ -213,3 +213,14 @@ def test_log_line_says_hit_partial_hit_or_miss_in_words():
                    miss="fork(from=0,share=280,live=0)", source=0).log_line("chat")
     assert fork.startswith("chat partial hit: slot 1 starts from a snapshot of slot 0's conversation "
                            "(280 tokens in common); prompt 300 tokens: 280 reused, 20 computed")
+
+
+def test_max_tokens_caps_every_request():
+    """`serve --max-tokens 2`: a request asking for more (or for nothing) stops at 2, as length."""
+    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=4096, sessions=1,
+                          budget_bytes=2**32, max_tokens=2)
+    with BackgroundServer(server) as bg:
+        oai = openai.OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
+        for asked in ({"max_tokens": 10}, {}):
+            done = oai.chat.completions.create(model="deepseek-chat", messages=HELLO, temperature=0, **asked)
+            assert done.usage.completion_tokens == 2 and done.choices[0].finish_reason == "length"
