@@ -46,6 +46,15 @@ def _other_block(block: dict, where: str):
         raise APIError(400, f"{where}: content blocks of type '{kind}' are not supported", param=where)
 
 
+def _typed_blocks(blocks: list, where: str, param: str):
+    """(where each block is, block) for an array of content blocks, each checked to be a typed object."""
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise APIError(400, f"{at} must be a content block with a type", param=param)
+        yield at, block
+
+
 def _text_of(blocks, where: str) -> list:
     """Text parts of a string or an array of blocks."""
     if isinstance(blocks, str):
@@ -53,15 +62,13 @@ def _text_of(blocks, where: str) -> list:
     if not isinstance(blocks, list):
         raise APIError(400, f"{where} must be a string or an array of content blocks", param=where)
     texts = []
-    for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise APIError(400, f"{where}[{j}] must be a content block with a type", param=where)
+    for at, block in _typed_blocks(blocks, where, where):
         if block["type"] == "text":
             texts.append(get(block, "text", str, ""))
         elif block["type"] == "tool_reference":  # a tool search's answer: the tool is in `tools` now
             texts.append(get(block, "tool_name", str, required=True))
         else:
-            _other_block(block, f"{where}[{j}]")
+            _other_block(block, at)
     return texts
 
 
@@ -100,17 +107,15 @@ def chat_messages(system, messages: list) -> list[dict]:
 
 def _user_blocks(blocks: list, where: str) -> list[dict]:
     out, texts = [], []
-    for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise APIError(400, f"{where}.content[{j}] must be a content block with a type", param=where)
+    for at, block in _typed_blocks(blocks, f"{where}.content", where):
         if block["type"] == "tool_result":
             tool_use_id = get(block, "tool_use_id", str, required=True)
-            text = "".join(_text_of(block.get("content") or "", f"{where}.content[{j}].content"))
+            text = "".join(_text_of(block.get("content") or "", f"{at}.content"))
             out.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
         elif block["type"] == "text":
             texts.append(get(block, "text", str, ""))
         else:
-            _other_block(block, f"{where}.content[{j}]")
+            _other_block(block, at)
     if texts:
         out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
     return out
@@ -118,9 +123,7 @@ def _user_blocks(blocks: list, where: str) -> list[dict]:
 
 def _assistant_blocks(blocks: list, where: str) -> dict:
     reasoning, texts, calls = [], [], []
-    for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise APIError(400, f"{where}.content[{j}] must be a content block with a type", param=where)
+    for at, block in _typed_blocks(blocks, f"{where}.content", where):
         kind = block["type"]
         if kind == "thinking":
             reasoning.append(get(block, "thinking", str, "") or reasoning_of(get(block, "signature", str, "")))
@@ -131,7 +134,7 @@ def _assistant_blocks(blocks: list, where: str) -> dict:
             calls.append({"id": get(block, "id", str, required=True), "type": "function",
                           "function": {"name": get(block, "name", str, required=True), "arguments": arguments}})
         else:
-            _other_block(block, f"{where}.content[{j}]")
+            _other_block(block, at)
     message = {"role": "assistant", "content": texts, "reasoning_content": "".join(reasoning)}
     if calls:
         message["tool_calls"] = calls

@@ -118,6 +118,11 @@ def test_anthropic_thinks_only_when_asked(claude):
      400, "reads text only"),
     ({"messages": [{"role": "user", "content": [{"type": "future_block", "text": "read me"}]}]},
      400, "'future_block' are not supported"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages[0].content[0] must be a content block"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"text": "x"}]}]},
+     400, "messages[1].content[0] must be a content block with a type"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "text", "text": "ok"}, {"type": 3}]}]}]}, 400, "messages[0].content[0].content[1] must be a"),
     ({"messages": [{"role": "critic", "content": "x"}]}, 422, "role"),
     ({"thinking": {"type": "sometimes"}}, 422, "thinking.type"),
     ({"thinking": {"type": "adaptive", "display": "loud"}}, 422, "thinking.display"),
