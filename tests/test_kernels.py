@@ -42,6 +42,41 @@ def test_hc_mix_kernel_matches_reference(T, H):
     check_hc_mix(T, H)
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("hd,capacity,pos,ratio,n_rows,top_k,dtype", [
+    (512, 127, 8191, 4, 2100, 512, mx.float16),    # CSA: the indexer's choice, a ring of just the window
+    (512, 127, 8191, 4, 2100, 0, mx.float16),      # CSA before the indexer selects: the valid rows
+    (512, 170, 9000, 128, 80, 0, mx.float16),      # HCA, a ring with rewind history
+    (64, 135, 300, 0, 0, 0, mx.float32),           # sliding window only, float32 rows
+])
+def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_rows, top_k, dtype):
+    nh, window = 8, 128
+    k = mx.random.split(mx.random.key(hd + pos), 6)
+    q = mx.random.normal((nh, hd), key=k[0])
+    ring = mx.random.normal((capacity, hd), key=k[1]).astype(dtype)
+    fresh = mx.random.normal((1, hd), key=k[2]).astype(dtype)
+    rows = mx.random.normal((n_rows, hd), key=k[3]).astype(dtype) if ratio else None
+    visible = (pos + 1) // ratio if ratio else 0
+    selected = mx.random.permutation(visible, key=k[4])[:top_k] if top_k else None
+    sinks = mx.random.normal((nh,), key=k[5])
+    position = mx.array(pos)
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        if kernels.backend() != "cuda":
+            pytest.skip("the decode attention kernel is CUDA only")
+        got = kernels.decode_attention(q, ring, fresh, rows, selected, position, sinks, window, ratio)
+        mx.eval(got)
+    finally:
+        mx.set_default_device(previous)
+    # the reference on the CPU: CUDA's float32 matrix products run on TF32 tensor cores
+    with mx.stream(mx.cpu):
+        want = kernels.decode_attention_reference(q, ring, fresh, rows, selected, position, sinks, window, ratio)
+    assert got.shape == (nh, hd) and got.dtype == mx.float32
+    err = float(mx.abs(got - want).max())
+    assert err <= 1e-5 * max(1.0, float(mx.abs(want).max())), f"max |diff| {err:.2e}"
+
+
 @pytest.mark.parametrize("T,K", [(1, 700), (37, 19)])
 def test_attention_paths_agree(monkeypatch, T, K):
     from ds4_mlx.models import deepseek_v4 as dv
@@ -135,3 +170,30 @@ def test_indexer_tiles_do_not_change_the_logits(monkeypatch):
     whole = model(ids)
     monkeypatch.setattr(dv, "INDEXER_TILE_BYTES", 1)  # one compressed row a tile
     assert float(mx.abs(model(ids) - whole).max()) == 0
+
+
+def on_cuda(kernel, *args):
+    """`kernel(*args)` evaluated on the GPU, or a skip where that is not CUDA."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        if kernels.backend() != "cuda":
+            pytest.skip("CUDA only")
+        out = kernel(*args)
+        mx.eval(out)
+        return out
+    finally:
+        mx.set_default_device(previous)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,m", [(1, 24), (3, 4), (8, 24)])
+def test_hc_project_kernel_matches_reference(T, m):
+    k1, k2 = mx.random.split(mx.random.key(T))
+    flat, fn = 3 * mx.random.normal((T, 16384), key=k1), mx.random.normal((m, 16384), key=k2) / 64
+    got = on_cuda(kernels.hc_project, flat, fn, 1e-6)
+    with mx.stream(mx.cpu):
+        want = kernels.hc_project_reference(flat, fn, 1e-6)
+    assert got.shape == (T, m)
+    assert float(mx.abs(got - want).max()) <= 1e-5 * float(mx.abs(want).max())
+

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4_mlx.models.kernels import backend, hc_mix
+from ds4_mlx.models.kernels import backend, decode_attention, hc_mix, hc_project
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
 # expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
@@ -482,13 +482,16 @@ class HyperConnection(nn.Module):
     def pre(self, streams):
         """streams [T, hc, H] -> (sub-layer input [T, H], post [T, hc], comb [T, hc, hc]), all float32."""
         T, hc, H = streams.shape
-        flat = rms_norm(streams.reshape(T, hc * H), None, self.norm_eps)
-        return hc_mix(flat @ self.fn.T, self.scale, self.base, streams, self.iters, self.eps)
+        mix = hc_project(streams.reshape(T, hc * H), self.fn, self.norm_eps)
+        return hc_mix(mix, self.scale, self.base, streams, self.iters, self.eps)
 
     @staticmethod
     @mx.compile
     def post(out, streams, post, comb):
-        return post[:, :, None] * out[:, None, :].astype(mx.float32) + comb.swapaxes(1, 2) @ streams
+        # the 4 x 4 stream mix as element-wise terms: one fused kernel, exact in float32 (a matrix product
+        # here would run on TF32 tensor cores on CUDA)
+        mixed = sum(comb[:, j, :, None] * streams[:, j, None, :] for j in range(streams.shape[1]))
+        return post[:, :, None] * out[:, None, :].astype(mx.float32) + mixed
 
 
 class HyperHead(nn.Module):
@@ -502,8 +505,8 @@ class HyperHead(nn.Module):
 
     def __call__(self, streams):
         T, hc, H = streams.shape
-        flat = rms_norm(streams.reshape(T, hc * H), None, self.norm_eps)
-        w = mx.sigmoid((flat @ self.fn.T) * self.scale[0] + self.base) + self.eps
+        mix = hc_project(streams.reshape(T, hc * H), self.fn, self.norm_eps)
+        w = mx.sigmoid(mix * self.scale[0] + self.base) + self.eps
         return (w[:, :, None] * streams).sum(axis=1)
 
 
@@ -525,9 +528,12 @@ def ring_rows(rows, pos, n):
     return rows[(pos - n + mx.arange(n)) % rows.shape[0]]
 
 
-def ring_write(rows, pos, row):
-    """A ring's rows array with `row` [1, width] logged at position `pos` (an int array)."""
-    return mx.slice_update(rows, row, (pos % rows.shape[0])[None], axes=(0,))
+def write_row(rows, row, pos, every=1):
+    """`rows` [n, width] with `row` [1, width] at index (pos // every) % n (pos an int array): position
+    pos of a ring (every 1), or the row of the block that pos closes in a row buffer (every = ratio).
+    MLX updates the array in place when nothing else holds it (a kernel writing a copy measured slower:
+    the rings hold the rewind history)."""
+    return mx.slice_update(rows, row.astype(rows.dtype), ((pos // every) % rows.shape[0])[None], axes=(0,))
 
 
 class Compressor(nn.Module):
@@ -566,7 +572,7 @@ class Compressor(nn.Module):
         fresh = self.project(xn, pos[None]).astype(ring.dtype)
         reach = 2 * m - 1 if self.overlap else m - 1
         source = mx.concatenate([ring_rows(ring, pos, reach), fresh]) if pooling else None  # read first
-        ring = ring_write(ring, pos, fresh)
+        ring = write_row(ring, fresh, pos)
         if not pooling:
             return ring, None
         return ring, self.pool(source[None, -m:], source[None, :m] if self.overlap else None)
@@ -653,7 +659,7 @@ class Attention(nn.Module):
         arrays[ring], pooled = compressor.decode(x, pos, arrays[ring], pooling)
         if pooled is not None:
             row = self._finish_rows(compressor, pooled, pos + 1 - m, quant).astype(arrays[buffer].dtype)
-            arrays[buffer] = mx.slice_update(arrays[buffer], row, (pos // m)[None], axes=(0,))
+            arrays[buffer] = write_row(arrays[buffer], row, pos, m)
         return arrays[buffer]
 
     def decode(self, x, pos, arrays, pooling, selecting, quant_sim):
@@ -661,28 +667,24 @@ class Attention(nn.Module):
         `arrays` (`LayerCache.decode_arrays`): a pure function, so that a layer's decode step compiles
         whole. `pooling`: the token closes a compressed block; `selecting`: the indexer picks the rows
         (more than index_topk of them). -> (output [1, H], the arrays written)."""
-        hd, W = self.head_dim, self.args.sliding_window
+        W = self.args.sliding_window
         arrays = dict(arrays)
         qr, q, kv = self._project(x, pos)
         fresh = self._store_kv(kv, quant_sim).astype(arrays["raw"].dtype)
-        keys = [ring_rows(arrays["raw"], pos, W - 1), fresh]  # the whole window: no mask
-        arrays["raw"] = ring_write(arrays["raw"], pos, fresh)
-        mask = None
+        ring = arrays["raw"]  # read before the write: it may hold just the window's other rows
+        arrays["raw"] = write_row(ring, fresh, pos)
+        rows = selected = None
         if self.kind != SLIDING:
             rows = self._decode_compress(self.compressor, x, pos, arrays, "frontier", "rows", pooling,
                                          lambda r: self._store_kv(r, quant_sim))
-            count = (pos + 1) // self.ratio  # valid rows
             if self.kind == CSA:
                 index_rows = self._decode_compress(self.indexer.compressor, x, pos, arrays, "index_frontier",
                                                    "index_rows", pooling, index_rounding(quant_sim))
             if selecting:
-                keys.append(rows[self._select(qr, x, pos, index_rows, count.reshape(1, 1), quant_sim)[0]])
-            else:
-                keys.append(rows)
-                mask = mx.concatenate([mx.ones((W,), mx.bool_), mx.arange(rows.shape[0]) < count])[None]
-        keys = mx.concatenate(keys).astype(mx.float32)[None]
-        out = attend(q.astype(mx.float32), keys, mask, self.sinks.astype(mx.float32), hd ** -0.5)
-        return self._project_out(out, pos), arrays
+                count = (pos + 1) // self.ratio
+                selected = self._select(qr, x, pos, index_rows, count.reshape(1, 1), quant_sim)[0]
+        out = decode_attention(q[0], ring, fresh, rows, selected, pos, self.sinks, W, self.ratio)
+        return self._project_out(out[None], pos), arrays
 
     def __call__(self, x, cache, quant_sim):
         args, hd = self.args, self.head_dim

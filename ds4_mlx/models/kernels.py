@@ -49,55 +49,53 @@ def hc_mix_reference(mix, scale, base, streams, iters, eps):
     return x, post, comb
 
 
-# One threadgroup per token: its first thread does the 4x4 softmax + Sinkhorn in registers and shares
-# the `pre` weights; all threads then collapse the streams, feature by feature (coalesced reads).
+# One threadgroup per token. Thread (j, k) of the first HC * HC holds entry [j][k] of the stream mix in
+# shared memory; the softmax and each Sinkhorn round read a row or a column there, with barriers between
+# the reads and the writes. All threads then collapse the streams, feature by feature (coalesced reads).
 _HC_BODY = """
     const int W = (2 + HC) * HC;
-    if (tid == 0) {
-        float c[HC * HC];
-        for (int k = 0; k < HC; ++k)
-            shared_pre[k] = 1.0f / (1.0f + exp(-(mix[t * W + k] * scale[0] + base[k]))) + EPS;
-        for (int k = 0; k < HC; ++k)
-            post[t * HC + k] = 2.0f / (1.0f + exp(-(mix[t * W + HC + k] * scale[1] + base[HC + k])));
-        for (int j = 0; j < HC; ++j) {
-            float m = -INFINITY;
-            for (int k = 0; k < HC; ++k) {
-                c[j * HC + k] = mix[t * W + 2 * HC + j * HC + k] * scale[2] + base[2 * HC + j * HC + k];
-                m = fmax(m, c[j * HC + k]);
-            }
-            float s = 0.0f;
-            for (int k = 0; k < HC; ++k) { c[j * HC + k] = exp(c[j * HC + k] - m); s += c[j * HC + k]; }
-            for (int k = 0; k < HC; ++k) c[j * HC + k] = c[j * HC + k] / s + EPS;
-        }
-        for (int it = 0; it < ITERS; ++it) {
-            if (it > 0) {
-                for (int j = 0; j < HC; ++j) {
-                    float s = 0.0f;
-                    for (int k = 0; k < HC; ++k) s += c[j * HC + k];
-                    for (int k = 0; k < HC; ++k) c[j * HC + k] /= s + EPS;
-                }
-            }
-            for (int k = 0; k < HC; ++k) {
-                float s = 0.0f;
-                for (int j = 0; j < HC; ++j) s += c[j * HC + k];
-                for (int j = 0; j < HC; ++j) c[j * HC + k] /= s + EPS;
-            }
-        }
-        for (int k = 0; k < HC * HC; ++k) comb[t * HC * HC + k] = c[k];
+    const int j = tid / HC, k = tid % HC;
+    const bool mine = tid < HC * HC;
+    if (tid < HC) {
+        shared_pre[tid] = 1.0f / (1.0f + exp(-(mix[t * W + tid] * scale[0] + base[tid]))) + EPS;
+        post[t * HC + tid] = 2.0f / (1.0f + exp(-(mix[t * W + HC + tid] * scale[1] + base[HC + tid])));
     }
+    float v = mine ? mix[t * W + 2 * HC + tid] * scale[2] + base[2 * HC + tid] : 0.0f;
+    if (mine) c[tid] = v;
     BARRIER;
+    float s = 0.0f, m = -1e30f;
+    if (mine) {
+        for (int i = 0; i < HC; ++i) m = fmax(m, c[j * HC + i]);
+        for (int i = 0; i < HC; ++i) s += exp(c[j * HC + i] - m);
+        v = exp(v - m) / s + EPS;
+    }
+    for (int it = 0; it < ITERS; ++it) {
+        if (it > 0) {  // rows
+            BARRIER;
+            if (mine) c[tid] = v;
+            BARRIER;
+            s = 0.0f;
+            if (mine) { for (int i = 0; i < HC; ++i) s += c[j * HC + i]; v /= s + EPS; }
+        }
+        BARRIER;  // columns
+        if (mine) c[tid] = v;
+        BARRIER;
+        s = 0.0f;
+        if (mine) { for (int i = 0; i < HC; ++i) s += c[i * HC + k]; v /= s + EPS; }
+    }
+    if (mine) comb[t * HC * HC + tid] = v;
     for (int h = tid; h < H; h += GROUP) {
         float acc = 0.0f;
-        for (int j = 0; j < HC; ++j) acc += shared_pre[j] * streams[(t * HC + j) * H + h];
+        for (int i = 0; i < HC; ++i) acc += shared_pre[i] * streams[(t * HC + i) * H + h];
         x[t * H + h] = acc;
     }
 """
 _GROUP = 256
 _HEADS = {
     "metal": "const int t = threadgroup_position_in_grid.x, tid = thread_position_in_threadgroup.x;\n"
-             "threadgroup float shared_pre[HC];\n#define BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)\n",
+             "threadgroup float shared_pre[HC], c[HC * HC];\n#define BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)\n",
     "cuda": "const int t = blockIdx.x, tid = threadIdx.x;\n"
-            "__shared__ float shared_pre[HC];\n#define BARRIER __syncthreads()\n",
+            "__shared__ float shared_pre[HC], c[HC * HC];\n#define BARRIER __syncthreads()\n",
 }
 
 
@@ -105,7 +103,7 @@ _HEADS = {
 def _hc_kernel(kind, eps):
     source = _HEADS[kind] + f"#define EPS {float(eps)!r}f\n#define GROUP {_GROUP}\n" + _HC_BODY
     make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
-    return make(name="ds4_hc_mix", input_names=["mix", "scale", "base", "streams"],
+    return make(name=f"ds4_hc_mix_{abs(hash(eps))}", input_names=["mix", "scale", "base", "streams"],
                 output_names=["x", "post", "comb"], source=source)
 
 
@@ -121,3 +119,154 @@ def hc_mix(mix, scale, base, streams, iters, eps):
         template=[("HC", hc), ("ITERS", iters), ("H", H)],
         grid=(T * _GROUP, 1, 1), threadgroup=(_GROUP, 1, 1),
         output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[f32, f32, f32])
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention: one token's heads over its window (read from the ring in place) and its compressed
+# rows, with a sink logit per head. As plain MLX this is a gather, a concatenation, a cast, the mask
+# and SDPA, which at head_dim 512 falls back to ~10 plain ops; fused, one launch. CUDA only for now:
+# Metal runs the plain function until a Mac can test a port.
+
+
+def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
+    """q [nh, hd]: one token at `pos` (an int array) over its window, the `window - 1` positions before
+    it from `ring` (position p in slot p % capacity) then its own row `fresh` [1, hd], and over
+    compressed rows: rows[selected] where the indexer chose them, else the (pos + 1) // ratio valid
+    rows of `rows` (none for ratio 0). Softmax with a per-head sink logit, float32. -> [nh, hd] float32"""
+    f32, n = mx.float32, window - 1
+    keys = [ring[(pos - n + mx.arange(n)) % ring.shape[0]], fresh]
+    mask = None
+    if selected is not None:
+        keys.append(rows[selected])
+    elif ratio:
+        keys.append(rows)
+        mask = mx.concatenate([mx.ones((window,), mx.bool_), mx.arange(rows.shape[0]) < (pos + 1) // ratio])
+    keys = mx.concatenate(keys).astype(f32)[None, None]  # [1, 1, K, hd]: one key head, keys are values
+    out = mx.fast.scaled_dot_product_attention(q.astype(f32)[None, :, None, :], keys, keys,
+                                               scale=q.shape[-1] ** -0.5, sinks=sinks.astype(f32),
+                                               mask=None if mask is None else mask[None, None, None])
+    return out[0, :, 0, :]
+
+
+# One block a head. Each warp runs an online softmax over every NW-th key, its lanes holding dims
+# lane, lane + 32, ... (coalesced row reads); the warps' partial sums merge with the sink at the end.
+_ATTEND_CUDA = """
+    constexpr int E = HD / 32, NW = GROUP / 32;
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int p = pos[0];
+    const int n_rows = SELECT ? K : (RATIO ? (p + 1) / RATIO : 0);
+    const float scale = rsqrtf((float)HD);
+    float qv[E], acc[E];
+    for (int e = 0; e < E; ++e) { qv[e] = q[h * HD + e * 32 + lane] * scale; acc[e] = 0.0f; }
+    float m = -__int_as_float(0x7f800000), l = 0.0f;  // -infinity
+    for (int j = warp; j < W + n_rows; j += NW) {
+        decltype(ring) key;
+        if (j < W - 1) key = ring + ((p - (W - 1) + j) % CAP) * HD;
+        else if (j == W - 1) key = fresh;
+        else key = rows + (SELECT ? selected[j - W] : j - W) * HD;
+        float k[E], s = 0.0f;
+        for (int e = 0; e < E; ++e) { k[e] = static_cast<float>(key[e * 32 + lane]); s += qv[e] * k[e]; }
+        for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
+        const float top = fmaxf(m, s), c = expf(m - top), weight = expf(s - top);
+        l = l * c + weight;
+        for (int e = 0; e < E; ++e) acc[e] = acc[e] * c + weight * k[e];
+        m = top;
+    }
+    __shared__ float part_m[NW], part_l[NW], part_acc[NW * HD];
+    if (lane == 0) { part_m[warp] = m; part_l[warp] = l; }
+    for (int e = 0; e < E; ++e) part_acc[warp * HD + e * 32 + lane] = acc[e];
+    __syncthreads();
+    float top = sinks[h];
+    for (int w = 0; w < NW; ++w) top = fmaxf(top, part_m[w]);
+    float total = expf(sinks[h] - top);
+    for (int w = 0; w < NW; ++w) total += part_l[w] * expf(part_m[w] - top);
+    for (int d = tid; d < HD; d += GROUP) {
+        float o = 0.0f;
+        for (int w = 0; w < NW; ++w) o += part_acc[w * HD + d] * expf(part_m[w] - top);
+        out[h * HD + d] = o / total;
+    }
+"""
+_ATTEND_GROUP = 512
+
+
+@lru_cache(maxsize=None)
+def _attend_kernel():
+    return mx.fast.cuda_kernel(name="ds4_decode_attention",
+                               input_names=["q", "ring", "fresh", "rows", "selected", "pos", "sinks"],
+                               output_names=["out"], source=_ATTEND_CUDA)
+
+
+def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
+    """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32)."""
+    nh, hd = q.shape
+    if backend() != "cuda" or hd % 32:
+        return decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio)
+    f32 = mx.float32
+    if rows is None:  # sliding window only: placeholders the kernel never reads
+        rows = ring
+    return _attend_kernel()(
+        inputs=[q.astype(f32), ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),
+                pos[None] if selected is None else selected.astype(mx.int32), pos.astype(mx.int32),
+                sinks.astype(f32)],
+        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("RATIO", ratio),
+                  ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[0]),
+                  ("GROUP", _ATTEND_GROUP)],
+        grid=(nh * _ATTEND_GROUP, 1, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
+        output_shapes=[(nh, hd)], output_dtypes=[f32])[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The hyper-connections' mixing weights for a few tokens: RMS-normalised flattened streams times `fn`.
+# A matrix product over [1, 16384] x [16384, 24] is a matrix-vector product with 24 rows, which keeps
+# 24 warps busy for ~23 us on the H200; here one block an output (it recomputes the norm: 64 KB of L2).
+
+
+def hc_project_reference(flat, fn, eps):
+    """flat [T, n] float32, fn [m, n] float32 -> rms_norm(flat) @ fn.T, [T, m] float32."""
+    return mx.fast.rms_norm(flat, None, eps) @ fn.T
+
+
+_HC_PROJECT_CUDA = """
+    const int t = blockIdx.x / M, o = blockIdx.x % M, tid = threadIdx.x;
+    float dot = 0.0f, squares = 0.0f;
+    for (int i = tid; i < N; i += GROUP) {
+        const float v = flat[t * N + i];
+        dot += v * fn[o * N + i];
+        squares += v * v;
+    }
+    __shared__ float part_dot[GROUP / 32], part_squares[GROUP / 32];
+    for (int d = 16; d > 0; d /= 2) {
+        dot += __shfl_xor_sync(0xffffffff, dot, d);
+        squares += __shfl_xor_sync(0xffffffff, squares, d);
+    }
+    if (tid % 32 == 0) { part_dot[tid / 32] = dot; part_squares[tid / 32] = squares; }
+    __syncthreads();
+    if (tid == 0) {
+        dot = squares = 0.0f;
+        for (int w = 0; w < GROUP / 32; ++w) { dot += part_dot[w]; squares += part_squares[w]; }
+        out[t * M + o] = dot * rsqrtf(squares / N + EPS);
+    }
+"""
+_PROJECT_GROUP = 256
+HC_PROJECT_MAX_TOKENS = 8  # past this a matrix product reads `fn` once for all the tokens
+
+
+@lru_cache(maxsize=None)
+def _hc_project_kernel(eps):
+    source = f"#define EPS {float(eps)!r}f\n" + _HC_PROJECT_CUDA
+    return mx.fast.cuda_kernel(name=f"ds4_hc_project_{abs(hash(eps))}", input_names=["flat", "fn"],
+                               output_names=["out"], source=source)
+
+
+def hc_project(flat, fn, eps):
+    """`hc_project_reference`, one kernel on CUDA for up to HC_PROJECT_MAX_TOKENS tokens."""
+    T, n = flat.shape
+    m = fn.shape[0]
+    if backend() != "cuda" or T > HC_PROJECT_MAX_TOKENS:
+        return hc_project_reference(flat, fn, eps)
+    f32 = mx.float32
+    return _hc_project_kernel(eps)(
+        inputs=[flat.astype(f32), fn.astype(f32)], template=[("N", n), ("M", m), ("GROUP", _PROJECT_GROUP)],
+        grid=(T * m * _PROJECT_GROUP, 1, 1), threadgroup=(_PROJECT_GROUP, 1, 1),
+        output_shapes=[(T, m)], output_dtypes=[f32])[0]
+
