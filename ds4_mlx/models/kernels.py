@@ -197,9 +197,10 @@ def _attend_kernel():
 
 
 def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
-    """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32)."""
+    """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
+    warps' partial sums fill 32 KB of shared memory at 512)."""
     nh, hd = q.shape
-    if backend() != "cuda" or hd % 32:
+    if backend() != "cuda" or hd % 32 or hd > 512:
         return decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio)
     f32 = mx.float32
     if rows is None:  # sliding window only: placeholders the kernel never reads
