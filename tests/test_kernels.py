@@ -42,6 +42,20 @@ def test_hc_mix_kernel_matches_reference(T, H):
     check_hc_mix(T, H)
 
 
+def on_cuda(kernel, *args):
+    """`kernel(*args)` evaluated on the GPU, or a skip where that is not CUDA."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        if kernels.backend() != "cuda":
+            pytest.skip("CUDA only")
+        out = kernel(*args)
+        mx.eval(out)
+        return out
+    finally:
+        mx.set_default_device(previous)
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("hd,capacity,pos,ratio,n_rows,top_k,dtype", [
     (512, 127, 8191, 4, 2100, 512, mx.float16),    # CSA: the indexer's choice, a ring of just the window
@@ -60,15 +74,7 @@ def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_r
     selected = mx.random.permutation(visible, key=k[4])[:top_k] if top_k else None
     sinks = mx.random.normal((nh,), key=k[5])
     position = mx.array(pos)
-    previous = mx.default_device()
-    mx.set_default_device(mx.gpu)
-    try:
-        if kernels.backend() != "cuda":
-            pytest.skip("the decode attention kernel is CUDA only")
-        got = kernels.decode_attention(q, ring, fresh, rows, selected, position, sinks, window, ratio)
-        mx.eval(got)
-    finally:
-        mx.set_default_device(previous)
+    got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, position, sinks, window, ratio)
     # the reference on the CPU: CUDA's float32 matrix products run on TF32 tensor cores
     with mx.stream(mx.cpu):
         want = kernels.decode_attention_reference(q, ring, fresh, rows, selected, position, sinks, window, ratio)
@@ -170,20 +176,6 @@ def test_indexer_tiles_do_not_change_the_logits(monkeypatch):
     whole = model(ids)
     monkeypatch.setattr(dv, "INDEXER_TILE_BYTES", 1)  # one compressed row a tile
     assert float(mx.abs(model(ids) - whole).max()) == 0
-
-
-def on_cuda(kernel, *args):
-    """`kernel(*args)` evaluated on the GPU, or a skip where that is not CUDA."""
-    previous = mx.default_device()
-    mx.set_default_device(mx.gpu)
-    try:
-        if kernels.backend() != "cuda":
-            pytest.skip("CUDA only")
-        out = kernel(*args)
-        mx.eval(out)
-        return out
-    finally:
-        mx.set_default_device(previous)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
