@@ -128,6 +128,7 @@ def _timed_parts(times, detail=False):
         wrap(TokenRing, "gather", "attn.ring_gather")
         wrap(dv, "ring_rows", "attn.ring_gather")
         wrap(dv, "attend", "attn.attend")
+        wrap(dv, "decode_attention", "attn.attend")
     try:
         yield
     finally:

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4_mlx.models.kernels import backend, decode_attention, hc_mix, hc_project
+from ds4_mlx.models.kernels import backend, decode_attention, hc_mix, hc_project, ring_rows
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
 # expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
@@ -521,11 +521,6 @@ def log_and_read(ring, p0, back, fresh):
     n = min(T, ring.capacity)
     ring.write(p0 + T - n, fresh[T - n :])
     return rows
-
-
-def ring_rows(rows, pos, n):
-    """From a ring's rows array, the rows of the `n` positions before `pos` (an int array)."""
-    return rows[(pos - n + mx.arange(n)) % rows.shape[0]]
 
 
 def write_row(rows, row, pos, every=1):

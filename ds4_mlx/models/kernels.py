@@ -128,13 +128,18 @@ def hc_mix(mix, scale, base, streams, iters, eps):
 # Metal runs the plain function until a Mac can test a port.
 
 
+def ring_rows(rows, pos, n):
+    """From a ring's rows array, the rows of the `n` positions before `pos` (an int array)."""
+    return rows[(pos - n + mx.arange(n)) % rows.shape[0]]
+
+
 def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
     """q [nh, hd]: one token at `pos` (an int array) over its window, the `window - 1` positions before
     it from `ring` (position p in slot p % capacity) then its own row `fresh` [1, hd], and over
     compressed rows: rows[selected] where the indexer chose them, else the (pos + 1) // ratio valid
     rows of `rows` (none for ratio 0). Softmax with a per-head sink logit, float32. -> [nh, hd] float32"""
-    f32, n = mx.float32, window - 1
-    keys = [ring[(pos - n + mx.arange(n)) % ring.shape[0]], fresh]
+    f32 = mx.float32
+    keys = [ring_rows(ring, pos, window - 1), fresh]
     mask = None
     if selected is not None:
         keys.append(rows[selected])
