@@ -189,3 +189,41 @@ def test_hc_project_kernel_matches_reference(T, m):
     assert got.shape == (T, m)
     assert float(mx.abs(got - want).max()) <= 1e-5 * float(mx.abs(want).max())
 
+
+
+def quantized_experts(n, out, inp, bits, group_size, dtype, key):
+    w = mx.random.normal((n, out, inp), key=key) / inp**0.5
+    packed, scales, biases = mx.quantize(w, group_size, bits)
+    return packed, scales.astype(dtype), biases.astype(dtype), group_size, bits
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,k,H,I,bits,group_size,dtype", [
+    (1, 6, 4096, 2048, 2, 64, mx.float16),     # V4 Flash widths, 2-bit experts
+    (1, 6, 4096, 2048, 4, 64, mx.bfloat16),
+    (3, 2, 256, 128, 8, 32, mx.float32),       # a few tokens, 8-bit: a group holds two 16-byte chunks
+    (2, 6, 512, 256, 2, 32, mx.bfloat16),      # a 2-bit chunk holds two groups
+])
+def test_routed_experts_kernel_matches_reference(T, k, H, I, bits, group_size, dtype):
+    keys = mx.random.split(mx.random.key(bits + T), 6)
+    n = 16
+    x = mx.random.normal((T, H), key=keys[0])
+    chosen = mx.random.randint(0, n, (T, k), key=keys[1])
+    weights = mx.random.uniform(0.1, 2.0, (T, k), key=keys[2])
+    gate, up = (quantized_experts(n, I, H, bits, group_size, dtype, key) for key in keys[3:5])
+    down = quantized_experts(n, H, I, bits, group_size, dtype, keys[5])
+    limit = 0.5  # low enough that the clamps act
+    got = on_cuda(kernels.routed_experts, x, chosen, weights, gate, up, down, limit)
+    with mx.stream(mx.cpu):
+        want = kernels.routed_experts_reference(x, chosen, weights, gate, up, down, limit)
+    assert got.shape == (T, H) and got.dtype == mx.float32
+    err = float(mx.abs(got - want).max())
+    assert err <= 2e-5 * float(mx.abs(want).max()), f"max |diff| {err:.2e}"
+
+
+def test_routed_experts_kernel_reads_whole_word_formats_only():
+    """3-bit values straddle words: such stacks go the plain way (the kernel answers None)."""
+    keys = mx.random.split(mx.random.key(3), 4)
+    assert not kernels._fits(quantized_experts(4, 64, 128, 3, 64, mx.float16, keys[0]), rows=2)
+    for bits, key in zip((2, 4, 8), keys[1:]):
+        assert kernels._fits(quantized_experts(4, 64, 128, bits, 64, mx.float16, key), rows=2)

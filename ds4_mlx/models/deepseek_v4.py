@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4_mlx.models.kernels import backend, decode_attention, hc_mix, hc_project, ring_rows
+from ds4_mlx.models.kernels import (backend, clamped_swiglu, decode_attention, hc_mix, hc_project, ring_rows,
+                                    routed_experts)
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
 # expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
@@ -344,12 +345,6 @@ def _softmax_with_sinks(scores, sinks):
 
 
 @mx.compile
-def clamped_swiglu(gate, up, limit):
-    gate = mx.minimum(gate, limit)
-    up = mx.clip(up, -limit, limit)
-    return gate * mx.sigmoid(gate) * up
-
-
 def _routing_weights(scores, chosen, scaling):
     weights = mx.take_along_axis(scores, chosen, axis=-1)
     return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
@@ -456,6 +451,12 @@ class QuantizedSwitchLinear(nn.Module):
         return mx.quantized_matmul(x, w, scales, biases, transpose=True,
                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
 
+    def packed(self):
+        """(weight, scales, biases, group size, bits) for the fused expert kernels, None unless affine."""
+        if self.mode != "affine":
+            return None
+        return self.weight, self.scales, self.biases, self.group_size, self.bits
+
     def _maps(self):
         """Per-map (weight, scales, biases) views, made once per set of parameter arrays: a prefill
         chunk calls `one` for every expert of every layer, and views are graph nodes too."""
@@ -526,9 +527,11 @@ def log_and_read(ring, p0, back, fresh):
 def write_row(rows, row, pos, every=1):
     """`rows` [n, width] with `row` [1, width] at index (pos // every) % n (pos an int array): position
     pos of a ring (every 1), or the row of the block that pos closes in a row buffer (every = ratio).
-    MLX updates the array in place when nothing else holds it (a kernel writing a copy measured slower:
-    the rings hold the rewind history)."""
-    return mx.slice_update(rows, row.astype(rows.dtype), ((pos // every) % rows.shape[0])[None], axes=(0,))
+    A scatter, which MLX runs in place when nothing else holds `rows` (one launch; a slice update at a
+    computed index is two on CUDA, and a kernel writing a copy is slower: the rings hold the rewind
+    history)."""
+    index = ((pos // every) % rows.shape[0]).reshape(1, 1)
+    return mx.put_along_axis(rows, mx.broadcast_to(index, row.shape), row.astype(rows.dtype), axis=0)
 
 
 class Compressor(nn.Module):
@@ -786,10 +789,23 @@ class MoE(nn.Module):
         else:
             chosen, weights = route_top_k(self.gate(x.astype(mx.float32)), self.bias, args.num_experts_per_tok,
                                           args.routed_scaling_factor)
-        routed = self._experts(x, chosen)
-        y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
+        y = self._fused_experts(x, chosen, weights)
+        if y is None:
+            routed = self._experts(x, chosen)
+            y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
         s = self.shared
         return y + s["down"](clamped_swiglu(s["gate"](x), s["up"](x), args.swiglu_limit))
+
+    def _fused_experts(self, x, chosen, weights):
+        """The routed experts' weighted sum in two kernels for a few tokens (CUDA, affine experts)."""
+        e = self.experts
+        if chosen.size >= 64 or not isinstance(e["gate"], QuantizedSwitchLinear):
+            return None
+        matrices = [e[name].packed() for name in ("gate", "up", "down")]
+        if None in matrices:
+            return None
+        y = routed_experts(x, chosen, weights, *matrices, self.args.swiglu_limit)
+        return None if y is None else y.astype(x.dtype)
 
     def _experts(self, x, chosen):
         """[T, H] with chosen experts [T, k] -> [T, k, H]; rows sorted by expert for big batches."""
