@@ -344,7 +344,6 @@ def _softmax_with_sinks(scores, sinks):
     return e / (e.sum(axis=-1, keepdims=True) + mx.exp(sinks - top))
 
 
-@mx.compile
 def _routing_weights(scores, chosen, scaling):
     weights = mx.take_along_axis(scores, chosen, axis=-1)
     return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling

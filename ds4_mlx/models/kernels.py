@@ -284,6 +284,7 @@ def hc_project(flat, fn, eps):
 # launches; here two kernels: gate and up with the clamped SwiGLU, then down summed with the weights.
 
 
+@mx.compile
 def clamped_swiglu(gate, up, limit):
     gate = mx.minimum(gate, limit)
     up = mx.clip(up, -limit, limit)
