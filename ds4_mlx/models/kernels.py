@@ -277,7 +277,6 @@ def hc_project(flat, fn, eps):
         output_shapes=[(T, m)], output_dtypes=[f32])[0]
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Routed experts of a few tokens. MLX's gather_qmv reads a 2-bit expert matrix at ~0.45 TB/s on the
 # H200 (34 us for 6 experts' gate, up or down), and the SwiGLU, routing weights and sum are more
