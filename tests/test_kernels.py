@@ -190,7 +190,6 @@ def test_hc_project_kernel_matches_reference(T, m):
     assert float(mx.abs(got - want).max()) <= 1e-5 * float(mx.abs(want).max())
 
 
-
 def quantized_experts(n, out, inp, bits, group_size, dtype, key):
     w = mx.random.normal((n, out, inp), key=key) / inp**0.5
     packed, scales, biases = mx.quantize(w, group_size, bits)

@@ -759,6 +759,11 @@ class Attention(nn.Module):
         return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]
 
 
+# token-expert pairs below which a MoE call is decode-sized: one compiled graph, the fused expert
+# kernels, per-token expert products (no sort)
+FEW_PAIRS = 64
+
+
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -776,7 +781,7 @@ class MoE(nn.Module):
                        "down": nn.Linear(shared, H, bias=False)}
 
     def __call__(self, x, ids):
-        if x.shape[0] * self.args.num_experts_per_tok < 64:  # decode: one compiled graph, no sync inside
+        if x.shape[0] * self.args.num_experts_per_tok < FEW_PAIRS:  # one compiled graph, no sync inside
             return compiled(self, "_forward")(x, ids)
         return self._forward(x, ids)
 
@@ -798,7 +803,7 @@ class MoE(nn.Module):
     def _fused_experts(self, x, chosen, weights):
         """The routed experts' weighted sum in two kernels for a few tokens (CUDA, affine experts)."""
         e = self.experts
-        if chosen.size >= 64 or not isinstance(e["gate"], QuantizedSwitchLinear):
+        if chosen.size >= FEW_PAIRS or not isinstance(e["gate"], QuantizedSwitchLinear):
             return None
         matrices = [e[name].packed() for name in ("gate", "up", "down")]
         if None in matrices:
@@ -809,7 +814,7 @@ class MoE(nn.Module):
     def _experts(self, x, chosen):
         """[T, H] with chosen experts [T, k] -> [T, k, H]; rows sorted by expert for big batches."""
         T, k = chosen.shape
-        if T * k < 64:
+        if T * k < FEW_PAIRS:
             return self._glu(x[:, None, None, :], chosen, False)[:, :, 0, :]
         flat = chosen.flatten()
         order = mx.argsort(flat)
