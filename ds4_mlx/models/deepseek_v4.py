@@ -542,9 +542,10 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
         width = head_dim * (2 if self.overlap else 1)
-        self.kv = nn.Linear(args.hidden_size, width, bias=False)
-        self.gate = nn.Linear(args.hidden_size, width, bias=False)
-        self.ape = mx.zeros((ratio, width))
+        # the file's kv and gate matrices stacked, and its score offsets (ape) beside zeros for the kv half
+        # (`Model.sanitize`): a logged row is one product plus one row
+        self.kv_gate = nn.Linear(args.hidden_size, 2 * width, bias=False)
+        self.ape = mx.zeros((ratio, 2 * width))
         self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
         self.width = width
 
@@ -576,9 +577,7 @@ class Compressor(nn.Module):
 
     def project(self, xn, positions):
         """The rows to log for tokens at `positions`: kv | score, float32 (pooling is a softmax)."""
-        f32 = mx.float32
-        score = self.gate(xn).astype(f32) + self.ape[positions % self.ratio]
-        return mx.concatenate([self.kv(xn).astype(f32), score], axis=-1)
+        return self.kv_gate(xn).astype(mx.float32) + self.ape[positions % self.ratio]
 
     def pool(self, logged, prev=None, prev_valid=None):
         """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap,
@@ -939,12 +938,19 @@ class Model(nn.Module):
             nn.quantize(self, class_predicate=lambda path, m: quantization.get(path, False))
 
     def sanitize(self, weights: dict) -> dict:
-        """Reshape the grouped output projection to [groups, rank, in]; default the optional router bias."""
+        """Reshape the grouped output projection to [groups, rank, in]; stack each compressor's kv and gate
+        matrices and put zeros before its score offsets (see `Compressor`); default the optional router bias."""
         a = self.args
         out = dict(weights)
         for name, w in weights.items():
             if ".attn.o_a." in name and w.ndim == 2:
                 out[name] = w.reshape(a.o_groups, -1, w.shape[-1])
+            prefix = name[: -len("kv.weight")]
+            if name.endswith("compressor.kv.weight") and prefix + "gate.weight" in out:
+                out[prefix + "kv_gate.weight"] = mx.concatenate([out.pop(name), out.pop(prefix + "gate.weight")])
+                if prefix + "ape" in out:
+                    ape = out[prefix + "ape"]
+                    out[prefix + "ape"] = mx.concatenate([mx.zeros_like(ape), ape], axis=-1)
         for i in range(a.num_hash_layers, a.num_hidden_layers):
             out.setdefault(f"layers.{i}.ffn.bias", mx.zeros((a.n_routed_experts,)))
         for name in list(out):
