@@ -132,12 +132,18 @@ class LayerCache:
         self.rows = RowBuffer(head_dim, row_dtype) if ratio else None
         self.index_frontier = TokenRing(frontier_capacity, 2 * index_width) if index_dim else None
         self.index_rows = RowBuffer(index_dim, row_dtype) if index_dim else None
+        # the rings and buffers this layer kind has, by name, listed once (a decoded token asks often)
+        self._named_rings = tuple((n, r) for n, r in zip(RING_NAMES, (self.raw, self.frontier, self.index_frontier))
+                                  if r is not None)
+        self._named_buffers = tuple((n, b) for n, b in zip(BUFFER_NAMES, (self.rows, self.index_rows)) if b is not None)
+        self._rings = tuple(r for _, r in self._named_rings)
+        self._buffers = tuple(b for _, b in self._named_buffers)
 
     def rings(self):
-        return [r for _, r in self.named_rings()]
+        return self._rings
 
     def buffers(self):
-        return [b for _, b in self.named_buffers()]
+        return self._buffers
 
     def arrays(self):
         """The arrays a step writes (its rings' and buffers' rows): what to evaluate with the logits."""
@@ -149,6 +155,16 @@ class LayerCache:
         for b in self.buffers():
             b.reserve(b.count + 1)
         return {name: x.rows for name, x in self.named_rings() + self.named_buffers()}
+
+    def decode_slots(self):
+        """Where a decoded token at `pos` writes and reads, as ints (computed here once, not in every
+        layer's graph): its slot in each ring, its offset in its block, the buffer row its block fills,
+        and the rows visible after it."""
+        p, m = self.pos, self.ratio
+        slots = {"pos": p, "raw": p % self.raw.capacity}
+        if m:
+            slots.update(frontier=p % self.frontier.capacity, in_block=p % m, row=p // m, visible=(p + 1) // m)
+        return slots
 
     def decoded(self, arrays):
         """Take the arrays a decode step wrote, and move on one position."""
@@ -220,10 +236,10 @@ class LayerCache:
 
     # State protocol --------------------------------------------------------------------------
     def named_rings(self):
-        return [(n, r) for n, r in zip(RING_NAMES, (self.raw, self.frontier, self.index_frontier)) if r is not None]
+        return self._named_rings
 
     def named_buffers(self):
-        return [(n, b) for n, b in zip(BUFFER_NAMES, (self.rows, self.index_rows)) if b is not None]
+        return self._named_buffers
 
     def export_state(self, raw_from=None):
         """`state`, with the raw rows from `raw_from` on (if held) rather than only the window."""

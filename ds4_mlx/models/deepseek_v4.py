@@ -271,7 +271,7 @@ class Rope:
         D = x.shape[-1]
         t = x.reshape(x.shape[0], -1, D).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
         t = mx.fast.rope(t, D, traditional=True, base=None, scale=-step if inverse else step,
-                         offset=start // step, freqs=self.full_periods(D))
+                         offset=start if step == 1 else start // step, freqs=self.full_periods(D))
         return t.swapaxes(0, 1).reshape(x.shape)
 
 
@@ -368,17 +368,25 @@ def route_hashed(logits, chosen, scaling):
 # Modules
 
 
-_last_position = (None, None)
+_step_ints = (None, {})
+
+
+def int_array(value, step):
+    """mx.array(value), made once for all the layers computing position `step` (the cache is one tuple,
+    swapped whole: safe across threads)."""
+    global _step_ints
+    s, made = _step_ints
+    if s != step:
+        made = {}
+        _step_ints = (step, made)
+    if value not in made:
+        made[value] = mx.array(value)
+    return made[value]
 
 
 def position_array(p):
-    """mx.array(p), made once for all the layers of a step (one tuple: safe across threads)."""
-    global _last_position
-    q, array = _last_position
-    if q != p:
-        array = mx.array(p)
-        _last_position = (p, array)
-    return array
+    """mx.array(p), made once for all the layers of a step."""
+    return int_array(p, p)
 
 
 def _row(a, i):
@@ -523,13 +531,12 @@ def log_and_read(ring, p0, back, fresh):
     return rows
 
 
-def write_row(rows, row, pos, every=1):
-    """`rows` [n, width] with `row` [1, width] at index (pos // every) % n (pos an int array): position
-    pos of a ring (every 1), or the row of the block that pos closes in a row buffer (every = ratio).
-    A scatter, which MLX runs in place when nothing else holds `rows` (one launch; a slice update at a
+def write_row(rows, row, index):
+    """`rows` [n, width] with `row` [1, width] at `index` (an int array: a ring slot, a buffer row). A
+    scatter, which MLX runs in place when nothing else holds `rows` (one launch; a slice update at a
     computed index is two on CUDA, and a kernel writing a copy is slower: the rings hold the rewind
     history)."""
-    index = ((pos // every) % rows.shape[0]).reshape(1, 1)
+    index = index.reshape(1, 1)
     return mx.put_along_axis(rows, mx.broadcast_to(index, row.shape), row.astype(rows.dtype), axis=0)
 
 
@@ -555,7 +562,7 @@ class Compressor(nn.Module):
         T, m = xn.shape[0], self.ratio
         lo = max(0, (p0 // m - self.overlap) * m)  # where the open block starts (the one before it, with overlap)
         back = p0 - lo if n_rows else 0  # nothing to pool: only log
-        source = log_and_read(ring, p0, back, self.project(xn, mx.arange(p0, p0 + T)))  # positions p0 - back, ...
+        source = log_and_read(ring, p0, back, self.project(xn, mx.arange(p0, p0 + T) % m))  # positions p0 - back, ...
         if n_rows == 0:
             return None
         tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
@@ -563,21 +570,23 @@ class Compressor(nn.Module):
             return self.pool(source[tokens - lo])
         return self.pool(source[tokens - lo], source[mx.maximum(tokens - m - lo, 0)], (tokens - m >= 0)[..., None])
 
-    def decode(self, xn, pos, ring, pooling):
-        """One token at `pos` (an int array), on the ring's rows array: log its row and, if it closes a
-        block (`pooling`), pool that block. -> (the ring's rows, the pooled row [1, head_dim] or None)."""
+    def decode(self, xn, slots, ring, pooling):
+        """One token (`slots`: `LayerCache.decode_slots` as arrays), on the ring's rows array: log its row
+        and, if it closes a block (`pooling`), pool that block. -> (the ring's rows, the pooled row
+        [1, head_dim] or None)."""
         m = self.ratio
-        fresh = self.project(xn, pos[None]).astype(ring.dtype)
+        fresh = self.project(xn, slots["in_block"][None]).astype(ring.dtype)
         reach = 2 * m - 1 if self.overlap else m - 1
-        source = mx.concatenate([ring_rows(ring, pos, reach), fresh]) if pooling else None  # read first
-        ring = write_row(ring, fresh, pos)
+        source = mx.concatenate([ring_rows(ring, slots["pos"], reach), fresh]) if pooling else None  # read first
+        ring = write_row(ring, fresh, slots["frontier"])
         if not pooling:
             return ring, None
         return ring, self.pool(source[None, -m:], source[None, :m] if self.overlap else None)
 
-    def project(self, xn, positions):
-        """The rows to log for tokens at `positions`: kv | score, float32 (pooling is a softmax)."""
-        return self.kv_gate(xn).astype(mx.float32) + self.ape[positions % self.ratio]
+    def project(self, xn, in_block):
+        """The rows to log for tokens at offsets `in_block` in their blocks: kv | score, float32 (pooling is
+        a softmax)."""
+        return self.kv_gate(xn).astype(mx.float32) + self.ape[in_block]
 
     def pool(self, logged, prev=None, prev_valid=None):
         """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap,
@@ -648,37 +657,37 @@ class Attention(nn.Module):
         rows = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
         return quant(self.rope(rows, start, compressor.ratio))
 
-    def _decode_compress(self, compressor, x, pos, arrays, ring, buffer, pooling, quant):
-        """`_compress` for one token at `pos`, on the named `arrays`. -> the buffer's rows array (its
-        whole capacity: rows from (pos + 1) // ratio on are not valid)."""
-        m = compressor.ratio
-        arrays[ring], pooled = compressor.decode(x, pos, arrays[ring], pooling)
+    def _decode_compress(self, compressor, x, slots, arrays, ring, buffer, pooling, quant):
+        """`_compress` for one token, on the named `arrays`. -> the buffer's rows array (its whole
+        capacity: rows from slots["visible"] on are not valid)."""
+        arrays[ring], pooled = compressor.decode(x, slots, arrays[ring], pooling)
         if pooled is not None:
-            row = self._finish_rows(compressor, pooled, pos + 1 - m, quant).astype(arrays[buffer].dtype)
-            arrays[buffer] = write_row(arrays[buffer], row, pos, m)
+            start = slots["pos"] + 1 - compressor.ratio
+            row = self._finish_rows(compressor, pooled, start, quant).astype(arrays[buffer].dtype)
+            arrays[buffer] = write_row(arrays[buffer], row, slots["row"])
         return arrays[buffer]
 
-    def decode(self, x, pos, arrays, pooling, selecting, quant_sim):
-        """`__call__` for one token at `pos` (an int array) past the first window, on the cache's
-        `arrays` (`LayerCache.decode_arrays`): a pure function, so that a layer's decode step compiles
-        whole. `pooling`: the token closes a compressed block; `selecting`: the indexer picks the rows
-        (more than index_topk of them). -> (output [1, H], the arrays written)."""
-        W = self.args.sliding_window
+    def decode(self, x, slots, arrays, pooling, selecting, quant_sim):
+        """`__call__` for one token past the first window (`slots`: `LayerCache.decode_slots` as arrays),
+        on the cache's `arrays` (`LayerCache.decode_arrays`): a pure function, so that a layer's decode
+        step compiles whole. `pooling`: the token closes a compressed block; `selecting`: the indexer
+        picks the rows (more than index_topk of them). -> (output [1, H], the arrays written)."""
+        W, pos = self.args.sliding_window, slots["pos"]
         arrays = dict(arrays)
         qr, q, kv = self._project(x, pos)
         fresh = self._store_kv(kv, quant_sim).astype(arrays["raw"].dtype)
         ring = arrays["raw"]  # read before the write: it may hold just the window's other rows
-        arrays["raw"] = write_row(ring, fresh, pos)
+        arrays["raw"] = write_row(ring, fresh, slots["raw"])
         rows = selected = None
         if self.kind != SLIDING:
-            rows = self._decode_compress(self.compressor, x, pos, arrays, "frontier", "rows", pooling,
+            rows = self._decode_compress(self.compressor, x, slots, arrays, "frontier", "rows", pooling,
                                          lambda r: self._store_kv(r, quant_sim))
             if self.kind == CSA:
-                index_rows = self._decode_compress(self.indexer.compressor, x, pos, arrays, "index_frontier",
+                index_rows = self._decode_compress(self.indexer.compressor, x, slots, arrays, "index_frontier",
                                                    "index_rows", pooling, index_rounding(quant_sim))
             if selecting:
-                count = (pos + 1) // self.ratio
-                selected = self._select(qr, x, pos, index_rows, count.reshape(1, 1), quant_sim)[0]
+                visible = slots["visible"].reshape(1, 1)
+                selected = self._select(qr, x, pos, index_rows, visible, quant_sim)[0]
         out = decode_attention(q[0], ring, fresh, rows, selected, pos, self.sinks, W, self.ratio)
         return self._project_out(out[None], pos), arrays
 
@@ -865,8 +874,9 @@ class DecoderLayer(nn.Module):
             m, pos = cache.ratio, cache.pos
             pooling = bool(m) and (pos + 1) % m == 0
             selecting = self.attn.kind == CSA and (pos + 1) // m > self.attn.args.index_topk
-            streams, arrays = compiled(self, "decode")(streams, ids, position_array(pos), cache.decode_arrays(),
-                                                       pooling, selecting, quant_sim)
+            slots = {name: int_array(value, pos) for name, value in cache.decode_slots().items()}
+            streams, arrays = compiled(self, "decode")(streams, ids, slots, cache.decode_arrays(), pooling,
+                                                       selecting, quant_sim)
             cache.decoded(arrays)
             return streams
         dtype = self.attn_norm.weight.dtype  # the compute dtype; the streams stay float32
@@ -878,12 +888,12 @@ class DecoderLayer(nn.Module):
         out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
 
-    def decode(self, streams, ids, pos, arrays, pooling, selecting, quant_sim):
+    def decode(self, streams, ids, slots, arrays, pooling, selecting, quant_sim):
         """`__call__` for one token, as a pure function of the cache `arrays` (`Attention.decode`).
         -> (streams, the arrays written)."""
         dtype = self.attn_norm.weight.dtype
         x, post, comb = self.hc_attn.pre(streams)
-        out, arrays = self.attn.decode(self.attn_norm(x.astype(dtype)), pos, arrays, pooling, selecting, quant_sim)
+        out, arrays = self.attn.decode(self.attn_norm(x.astype(dtype)), slots, arrays, pooling, selecting, quant_sim)
         streams = HyperConnection.post(out, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
