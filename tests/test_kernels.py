@@ -71,7 +71,7 @@ def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_r
     fresh = mx.random.normal((1, hd), key=k[2]).astype(dtype)
     rows = mx.random.normal((n_rows, hd), key=k[3]).astype(dtype) if ratio else None
     visible = (pos + 1) // ratio if ratio else 0
-    selected = mx.random.permutation(visible, key=k[4])[:top_k] if top_k else None
+    selected = mx.random.permutation(visible, key=k[4])[:top_k].astype(mx.uint32) if top_k else None  # argpartition's
     sinks = mx.random.normal((nh,), key=k[5])
     position = mx.array(pos)
     got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, position, sinks, window, ratio)
@@ -197,17 +197,17 @@ def quantized_experts(n, out, inp, bits, group_size, dtype, key):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("T,k,H,I,bits,group_size,dtype", [
-    (1, 6, 4096, 2048, 2, 64, mx.float16),     # V4 Flash widths, 2-bit experts
-    (1, 6, 4096, 2048, 4, 64, mx.bfloat16),
-    (3, 2, 256, 128, 8, 32, mx.float32),       # a few tokens, 8-bit: a group holds two 16-byte chunks
-    (2, 6, 512, 256, 2, 32, mx.bfloat16),      # a 2-bit chunk holds two groups
+@pytest.mark.parametrize("T,k,H,I,bits,group_size,dtype,ids", [
+    (1, 6, 4096, 2048, 2, 64, mx.float16, mx.uint32),    # V4 Flash widths, 2-bit experts, top-k's ids
+    (1, 6, 4096, 2048, 4, 64, mx.bfloat16, mx.int32),    # a hash layer's ids
+    (3, 2, 256, 128, 8, 32, mx.float32, mx.uint32),      # a few tokens, 8-bit: a group holds two 16-byte chunks
+    (2, 6, 512, 256, 2, 32, mx.bfloat16, mx.int32),      # a 2-bit chunk holds two groups
 ])
-def test_routed_experts_kernel_matches_reference(T, k, H, I, bits, group_size, dtype):
+def test_routed_experts_kernel_matches_reference(T, k, H, I, bits, group_size, dtype, ids):
     keys = mx.random.split(mx.random.key(bits + T), 6)
     n = 16
     x = mx.random.normal((T, H), key=keys[0])
-    chosen = mx.random.randint(0, n, (T, k), key=keys[1])
+    chosen = mx.random.randint(0, n, (T, k), key=keys[1]).astype(ids)
     weights = mx.random.uniform(0.1, 2.0, (T, k), key=keys[2])
     gate, up = (quantized_experts(n, I, H, bits, group_size, dtype, key) for key in keys[3:5])
     down = quantized_experts(n, H, I, bits, group_size, dtype, keys[5])

@@ -212,7 +212,7 @@ def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
         rows = ring
     return _attend_kernel()(
         inputs=[q.astype(f32), ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),
-                pos[None] if selected is None else selected.astype(mx.int32), pos.astype(mx.int32),
+                pos[None] if selected is None else selected, pos.astype(mx.int32),
                 sinks.astype(f32)],
         template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("RATIO", ratio),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[0]),
@@ -420,7 +420,6 @@ def routed_experts(x, chosen, weights, gate, up, down, limit):
     (T, k), f32 = chosen.shape, mx.float32
     inner, hidden = gate[1].shape[1], down[1].shape[1]
     gate_up_kernel, down_kernel = _expert_kernels(limit)
-    chosen = chosen.astype(mx.int32)
 
     def launch(kernel, inputs, matrix, jobs, out):
         _, _, _, group_size, bits = matrix
