@@ -441,6 +441,10 @@ class QuantizedSwitchLinear(nn.Module):
         self.weight, self.scales = w, scales
         if biases:
             self.biases = biases[0]
+        # `each`'s map indices, made once: a compiled graph reads them rather than running a kernel a call
+        # (evaluated now, so they do not belong to the stream of the thread that first uses them)
+        self._each = mx.arange(n)
+        mx.eval(self._each)
         self.freeze()
 
     # x is not cast to the scales' dtype: the compute dtype is x's. Converted scales are float16 (or
@@ -451,7 +455,7 @@ class QuantizedSwitchLinear(nn.Module):
                              mode=self.mode, sorted_indices=sorted_indices)
 
     def each(self, x):
-        return self(x[:, :, None, :], mx.arange(x.shape[1]))[:, :, 0, :]
+        return self(x[:, :, None, :], self._each)[:, :, 0, :]
 
     def one(self, x, i):
         w, scales, biases = self._maps()[i]
