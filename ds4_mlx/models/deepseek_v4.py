@@ -877,10 +877,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, streams, ids, cache, quant_sim):
         # one token with a full window (and a block before the one it closes) decodes as one graph
         if streams.shape[0] == 1 and cache.pos >= max(cache.window - 1, 2 * 4 - 1):
-            m, pos = cache.ratio, cache.pos
-            pooling = bool(m) and (pos + 1) % m == 0
-            selecting = self.attn.kind == CSA and (pos + 1) // m > self.attn.args.index_topk
-            slots = {name: int_array(value, pos) for name, value in cache.decode_slots().items()}
+            ints = cache.decode_slots()
+            pooling = bool(cache.ratio) and ints["in_block"] == cache.ratio - 1  # the token closes a block
+            selecting = self.attn.kind == CSA and ints["visible"] > self.attn.args.index_topk
+            slots = {name: int_array(value, ints["pos"]) for name, value in ints.items()}
             streams, arrays = compiled(self, "decode")(streams, ids, slots, cache.decode_arrays(), pooling,
                                                        selecting, quant_sim)
             cache.decoded(arrays)
