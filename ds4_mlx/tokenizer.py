@@ -37,6 +37,12 @@ def _byte_chars():
     return {chr(b) if b in keep else chr(next(extra)) for b in range(256)}
 
 
+def _encode(tok: _HFTokenizer, text: str) -> list:
+    # encode_batch releases the GIL (encode holds it: 3 s for 3 MiB), so a server thread tokenizing a
+    # long prompt leaves the event loop running
+    return tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 class Tokenizer:
     def __init__(self, tok: _HFTokenizer, config: dict = None):
         self._tok = tok
@@ -93,7 +99,7 @@ class Tokenizer:
         string maps them wherever they occur, as the official encoder does."""
         spans = getattr(text, "template_spans", None)
         if spans is None:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return _encode(self._tok, text)
         ids, plain_from = [], 0
         for start, end in spans:
             for match in self._control_pattern.finditer(text, start, end):
@@ -103,7 +109,7 @@ class Tokenizer:
         return ids + self._encode_plain(text[plain_from:])
 
     def _encode_plain(self, text: str) -> list:
-        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+        return _encode(self._plain, text) if text else []
 
     @cached_property
     def _control_ids(self) -> dict:

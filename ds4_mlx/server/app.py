@@ -29,6 +29,7 @@ from ds4_mlx.server.worker import GenerationRequest, Job, Worker
 
 log = logging.getLogger("ds4_mlx.server")
 
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -37,17 +38,22 @@ def is_anthropic(request: web.Request) -> bool:
 
 
 class Server:
-    def __init__(self, worker: Worker, info: ServerInfo, *, keepalive_s: float = 5.0, access: Access = Access()):
+    def __init__(self, worker: Worker, info: ServerInfo, *, keepalive_s: float = 5.0, access: Access = Access(),
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = 60.0):
+        """`max_body_bytes` refuses longer bodies before they are read; `body_timeout_s` bounds the read of
+        one body (a client dripping it holds no slot, only its connection)."""
         self.worker = worker
         self.info = info
         self.keepalive_s = keepalive_s
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.tool_memory = ToolCallMemory()
         self.access = access
         self.metrics = ServerMetrics(self)
         self.loaded = None  # the model load, a future once the app starts
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, *gates(self.access, self)], client_max_size=256 * 2**20)
+        app = web.Application(middlewares=[self._errors, *gates(self.access, self)], client_max_size=self.max_body_bytes)
         app.add_routes([
             web.get("/health", self.health),
             web.get("/v1/models", self.models),
@@ -120,15 +126,14 @@ class Server:
     # -- generation endpoints -------------------------------------------------------------------------
 
     async def chat_completions(self, request):
-        body = await self._body(request)
-        prepared = openai_api.parse_chat(body, self.info, self.tool_memory)
+        body, prepared = await self._parse(request, lambda body: openai_api.parse_chat(body, self.info, self.tool_memory))
         responder = openai_api.ChatResponder(prepared, include_usage=openai_api.include_usage(body))
         return await self._generate(request, prepared, responder, "chat")
 
     async def completions(self, request):
-        body = await self._body(request)
+        body, prompts = await self._parse(request, lambda body: openai_api.parse_completions(body, self.info))
         responses = []
-        for echo, prepared in openai_api.parse_completions(body, self.info):  # one choice per prompt
+        for echo, prepared in prompts:  # one choice per prompt
             responder = openai_api.CompletionResponder(prepared, include_usage=openai_api.include_usage(body),
                                                        echo=echo)
             responses.append(await self._generate(request, prepared, responder, "completion"))
@@ -137,24 +142,25 @@ class Server:
         return web.json_response(openai_api.merge_completions([json.loads(r.body) for r in responses]))
 
     async def messages(self, request):
-        body = await self._body(request)
-        prepared = anthropic_api.parse_messages(body, self.info, self.tool_memory)
+        _, prepared = await self._parse(request, lambda body: anthropic_api.parse_messages(body, self.info,
+                                                                                          self.tool_memory))
         return await self._generate(request, prepared, anthropic_api.MessagesResponder(prepared), "messages")
 
     async def count_tokens(self, request):
-        body = await self._body(request)
-        prepared = anthropic_api.parse_messages(body, self.info, self.tool_memory, counting=True)
+        _, prepared = await self._parse(request, lambda body: anthropic_api.parse_messages(
+            body, self.info, self.tool_memory, counting=True))
         ids = await self._tokenize(prepared.prompt_text)
         return web.json_response({"input_tokens": len(ids)})
 
     async def responses(self, request):
-        body = await self._body(request)
-        prepared = responses_api.parse_responses(body, self.info, self.tool_memory)
+        body, prepared = await self._parse(request, lambda body: responses_api.parse_responses(body, self.info,
+                                                                                              self.tool_memory))
         return await self._generate(request, prepared, responses_api.ResponsesResponder(prepared, body), "responses")
 
     # -- the generation loop --------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, prepared: Prepared, responder, label: str):
+        self._check_length_bound(prepared)
         ids = await self._tokenize(prepared.prompt_text)
         room = self.info.ctx - len(ids)
         if room <= 0:
@@ -230,12 +236,42 @@ class Server:
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    async def _tokenize(self, text: str) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(None, self.worker.tokenizer.encode, text)
+    def _check_length_bound(self, prepared: Prepared):
+        """A prompt needs at least one token per `longest_token_bytes` bytes (and so characters): one
+        surely over the context is refused before it is tokenized."""
+        at_least = len(prepared.prompt_text) // self.worker.longest_token_bytes
+        if at_least > self.info.ctx:
+            raise APIError(413, f"the prompt has at least {at_least} tokens, the context holds {self.info.ctx}",
+                           param=prepared.param, code="context_length_exceeded")
 
-    @staticmethod
-    async def _body(request: web.Request) -> dict:
-        return parse_body(await request.read())
+    async def _tokenize(self, text: str) -> list[int]:
+        return await _off_loop(self.worker.tokenizer.encode, text)
+
+    async def _body(self, request: web.Request) -> dict:
+        return await _off_loop(parse_body, await self._read(request))
+
+    async def _parse(self, request: web.Request, parse) -> tuple:
+        """(body, parse(body)), both made on an executor thread: a large body is parsed, checked and
+        rendered while the loop goes on serving."""
+        raw = await self._read(request)
+
+        def parsed():
+            body = parse_body(raw)
+            return body, parse(body)
+        return await _off_loop(parsed)
+
+    async def _read(self, request: web.Request) -> bytes:
+        too_large = APIError(413, f"the body is larger than {self.max_body_bytes / 2**20:g} MiB (--max-body-mb)",
+                             code="body_too_large")
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise too_large  # refused before a byte of it is read
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise APIError(408, f"the body did not arrive within {self.body_timeout_s:g} s") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -252,6 +288,10 @@ class Server:
             error = APIError(500, f"internal error: {type(e).__name__}")
         body = error.anthropic_body() if is_anthropic(request) else error.openai_body()
         return web.json_response(body, status=error.status)
+
+
+async def _off_loop(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 def _client_gone(request: web.Request) -> bool:

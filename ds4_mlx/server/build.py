@@ -8,7 +8,7 @@ from functools import partial
 from aiohttp import web
 
 from ds4_mlx.generate import stream_generate
-from ds4_mlx.server.app import Server
+from ds4_mlx.server.app import DEFAULT_MAX_BODY_BYTES, Server
 from ds4_mlx.server.middleware import Access
 from ds4_mlx.server.protocol import ServerInfo
 from ds4_mlx.server.worker import Worker
@@ -19,8 +19,9 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
                  shared_prefill_chunk: int = 256,
                  keepalive_s: float = 5.0,
                  generate=partial(stream_generate, yield_prefill=True), max_tokens: int | None = None,
-                 access: Access = Access(), disk=None) -> Server:
-    """`max_tokens` caps every request's output (a request asking for more stops there, as `length`)."""
+                 access: Access = Access(), disk=None, max_body_bytes: int | None = None) -> Server:
+    """`max_tokens` caps every request's output (a request asking for more stops there, as `length`);
+    `max_body_bytes` refuses longer request bodies (default: `body_limit(ctx)`)."""
     from ds4_mlx import Session
 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
@@ -28,7 +29,13 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
                     generate=generate, disk=disk, prefill_chunk=prefill_chunk,
                     shared_prefill_chunk=shared_prefill_chunk)
     return Server(worker, ServerInfo(model_id=model_id, ctx=ctx, max_tokens=max_tokens), keepalive_s=keepalive_s,
-                  access=access)
+                  access=access, max_body_bytes=max_body_bytes or body_limit(ctx))
+
+
+def body_limit(ctx: int) -> int:
+    """Room for a full context of JSON-escaped text with tools and settings around it: 32 bytes a token
+    (a CJK character escaped as a surrogate pair is 12), and at least `DEFAULT_MAX_BODY_BYTES`."""
+    return max(DEFAULT_MAX_BODY_BYTES, 32 * ctx)
 
 
 class BackgroundServer:

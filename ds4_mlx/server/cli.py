@@ -31,6 +31,8 @@ def run_serve(args):
         raise ValueError("--max-tokens must be at least 1")
     if args.prefill_chunk < 1 or args.shared_prefill_chunk < 1:
         raise ValueError("--prefill-chunk and --shared-prefill-chunk must be at least 1")
+    if args.max_body_mb is not None and args.max_body_mb <= 0:
+        raise ValueError("--max-body-mb must be more than 0")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
 
@@ -48,6 +50,7 @@ def run_serve(args):
                           checkpoint_every=args.checkpoint_every, prefill_chunk=args.prefill_chunk,
                           shared_prefill_chunk=args.shared_prefill_chunk, max_tokens=args.max_tokens,
                           disk=disk_store_from_args(args),
+                          max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
                           access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ())))
     sock = listen(args.host, args.port)
     code = asyncio.run(serve(server, sock, log))
@@ -137,6 +140,8 @@ def register(subparsers):
                         "chunk for its next token (default %(default)s)")
     p.add_argument("--max-tokens", type=int, help="most tokens any request may generate (default: the "
                    "context); a request asking for more stops there with finish reason length")
+    p.add_argument("--max-body-mb", type=float, help="refuse request bodies longer than this (default: 4, or "
+                   "32 bytes a token of --ctx when that is more)")
     p.add_argument("--api-key", help="require this key from clients, as 'Authorization: Bearer KEY' or "
                    "'x-api-key: KEY' (/health stays open)")
     p.add_argument("--cors", action="append", metavar="ORIGIN",

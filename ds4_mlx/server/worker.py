@@ -130,6 +130,7 @@ class Worker:
         self.prefill_chunk, self.shared_prefill_chunk = prefill_chunk, shared_prefill_chunk
         self._load = load
         self.model = self.tokenizer = None
+        self.longest_token_bytes = 1  # of the tokenizer's tokens: a prompt has at least len / this tokens
         self.budget_bytes = budget_bytes
         self.slots: list[Slot] = []
         self._n_slots = n_slots
@@ -185,6 +186,8 @@ class Worker:
         mx.set_default_stream(mx.new_stream(mx.default_device()))
         try:
             self.model, self.tokenizer = self._load()
+            self.longest_token_bytes = max(len(self.tokenizer.decode([i]).encode())
+                                           for i in range(self.tokenizer.vocab_size))
             self.slots = [Slot(i, self._session_factory(self.model)) for i in range(self._n_slots)]
         except Exception as e:  # noqa: BLE001 - reported by start()
             self._load_error = e

@@ -1,0 +1,71 @@
+"""The server facing clients that do not play along: bodies too large for the context, work that would
+hold up the event loop, browsers it did not invite, tenants sharing its caches, and its own faults."""
+
+import threading
+
+import pytest
+import requests
+
+from ds4_mlx.generate import load_for_cli
+from ds4_mlx.server import openai_api
+from ds4_mlx.server.build import BackgroundServer, build_server
+
+MODEL = "deepseek-v4-flash"
+CTX = 4096
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def bg():
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=2, budget_bytes=2**32)
+    with BackgroundServer(server) as bg:
+        yield bg
+
+
+def chat(bg, body=None, **kwargs):
+    return requests.post(bg.url + "/v1/chat/completions", timeout=60,
+                         **({"json": body} if body is not None else {}), **kwargs)
+
+
+# ---------------------------------------------------------------- bounded work before admission
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(bg):
+    limit = bg.server.max_body_bytes
+    assert limit == 4 * 2**20  # the default for a small context
+    r = chat(bg, data=b"{" + b" " * limit + b"}", headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    anthropic = requests.post(bg.url + "/v1/messages", data=b" " * (limit + 1), timeout=60,
+                              headers={"Content-Type": "application/json"})
+    assert anthropic.status_code == 413 and anthropic.json()["error"]["type"] == "request_too_large"
+
+
+def test_a_prompt_surely_over_the_context_is_refused_before_tokenizing(bg, monkeypatch):
+    calls = []
+    tokenizer = bg.server.worker.tokenizer
+    monkeypatch.setattr(tokenizer, "encode", lambda text: calls.append(len(text)) or [])
+    too_long = "x" * ((CTX + 1) * bg.server.worker.longest_token_bytes)
+    r = chat(bg, {"model": MODEL, "messages": [{"role": "user", "content": too_long}]})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "at least" in r.json()["error"]["message"] and calls == []
+
+
+def test_parsing_runs_off_the_event_loop(bg, monkeypatch):
+    """While one request's body is parsed and rendered, /health answers: the parse waits for it."""
+    health_answered = threading.Event()
+    parse_chat = openai_api.parse_chat
+
+    def slow_parse(*args, **kwargs):
+        # on the loop, /health could not answer before this wait gives up
+        result["health first"] = health_answered.wait(10)
+        return parse_chat(*args, **kwargs)
+
+    result = {}
+    monkeypatch.setattr(openai_api, "parse_chat", slow_parse)
+    request = threading.Thread(target=lambda: result.update(r=chat(bg, {"model": MODEL, "messages": HELLO,
+                                                                        "max_tokens": 1})))
+    request.start()
+    assert requests.get(bg.url + "/health", timeout=60).status_code == 200
+    health_answered.set()
+    request.join()
+    assert result["r"].status_code == 200 and result["health first"]
