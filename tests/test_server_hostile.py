@@ -1,6 +1,8 @@
 """The server facing clients that do not play along: bodies too large for the context, work that would
 hold up the event loop, browsers it did not invite, tenants sharing its caches, and its own faults."""
 
+import re
+import socket
 import threading
 
 import pytest
@@ -69,3 +71,43 @@ def test_parsing_runs_off_the_event_loop(bg, monkeypatch):
     health_answered.set()
     request.join()
     assert result["r"].status_code == 200 and result["health first"]
+
+
+def small_server(**limits) -> BackgroundServer:
+    return BackgroundServer(build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1,
+                                         budget_bytes=2**32, **limits))
+
+
+def test_a_connection_that_sends_no_request_head_is_closed():
+    with small_server(idle_timeout_s=0.5) as bg, socket.create_connection(("127.0.0.1", bg.port)) as slow:
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
+        slow.settimeout(60)  # a hang guard
+        assert slow.recv(1024) == b""  # closed by the server
+        assert requests.get(bg.url + "/health", timeout=60).status_code == 200
+
+
+def test_connections_beyond_the_cap_get_a_503_and_one_log_line(caplog):
+    def open_connection():
+        sock = socket.create_connection(("127.0.0.1", bg.port))
+        sock.settimeout(60)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        return sock, sock.recv(65536)
+
+    with small_server(max_connections=3) as bg:
+        held = [open_connection() for _ in range(3)]  # answered, and kept open
+        assert all(answer.startswith(b"HTTP/1.1 200") for _, answer in held)
+        refused = [open_connection() for _ in range(20)]
+        assert all(answer.startswith(b"HTTP/1.1 503") for _, answer in refused)
+        for sock, _ in held + refused:
+            sock.close()
+        for _ in range(1000):  # the server notices the closed connections soon; nothing is timed here
+            try:
+                if requests.get(bg.url + "/health", timeout=60).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+        else:
+            raise AssertionError("connections are still refused after all were closed")
+    lines = [r.getMessage() for r in caplog.records if "connections" in r.getMessage()]
+    assert len(lines) == 2 and "refusing new ones" in lines[0], lines
+    assert int(re.search(r"(\d+) refused", lines[1])[1]) >= 20, lines  # and the retries before the server noticed

@@ -26,7 +26,7 @@ def start_server():
         try:
             if requests.get(url + "/health", timeout=1).status_code == 200:
                 return process, url
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.ReadTimeout):  # not up yet, or busy loading
             time.sleep(0.2)
     process.kill()
     raise AssertionError("the server did not start: " + process.communicate()[0])

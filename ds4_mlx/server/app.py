@@ -16,6 +16,7 @@ from aiohttp import web
 
 from ds4_mlx.server import anthropic_api, openai_api, responses_api, webui
 from ds4_mlx.server.assembly import Answer, ToolCallMemory
+from ds4_mlx.server.connections import CappedSite
 from ds4_mlx.server.errors import APIError, context_exceeded
 from ds4_mlx.server.loading import start_in_background
 from ds4_mlx.server.metrics import ServerMetrics
@@ -39,14 +40,19 @@ def is_anthropic(request: web.Request) -> bool:
 
 class Server:
     def __init__(self, worker: Worker, info: ServerInfo, *, keepalive_s: float = 5.0, access: Access = Access(),
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = 60.0):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = 60.0,
+                 idle_timeout_s: float = 15.0, max_connections: int = 2048):
         """`max_body_bytes` refuses longer bodies before they are read; `body_timeout_s` bounds the read of
-        one body (a client dripping it holds no slot, only its connection)."""
+        one body (a client dripping it holds no slot, only its connection); `idle_timeout_s` closes a
+        connection that sends no complete request head for that long; `max_connections` caps the open
+        connections (see `connections`)."""
         self.worker = worker
         self.info = info
         self.keepalive_s = keepalive_s
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_connections = max_connections
         self.tool_memory = ToolCallMemory()
         self.access = access
         self.metrics = ServerMetrics(self)
@@ -74,6 +80,13 @@ class Server:
         app.on_shutdown.append(self._fail_jobs)
         app.on_cleanup.append(self._stop_worker)
         return app
+
+    def runner(self) -> web.AppRunner:
+        return web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.idle_timeout_s)
+
+    async def serve_on(self, runner: web.AppRunner, sock):
+        """Serve `runner` on the listening socket `sock`, within the connection cap."""
+        await CappedSite(runner, sock, self.max_connections).start()
 
     async def _start_worker(self, app):
         self.loaded = start_in_background(self.worker)  # the port is served meanwhile: 503s until ready

@@ -5,8 +5,6 @@ import socket
 import threading
 from functools import partial
 
-from aiohttp import web
-
 from ds4_mlx.generate import stream_generate
 from ds4_mlx.server.app import DEFAULT_MAX_BODY_BYTES, Server
 from ds4_mlx.server.middleware import Access
@@ -19,9 +17,10 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
                  shared_prefill_chunk: int = 256,
                  keepalive_s: float = 5.0,
                  generate=partial(stream_generate, yield_prefill=True), max_tokens: int | None = None,
-                 access: Access = Access(), disk=None, max_body_bytes: int | None = None) -> Server:
+                 access: Access = Access(), disk=None, max_body_bytes: int | None = None, **limits) -> Server:
     """`max_tokens` caps every request's output (a request asking for more stops there, as `length`);
-    `max_body_bytes` refuses longer request bodies (default: `body_limit(ctx)`)."""
+    `max_body_bytes` refuses longer request bodies (default: `body_limit(ctx)`); `limits` are the
+    connection limits of `Server`."""
     from ds4_mlx import Session
 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
@@ -29,7 +28,7 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
                     generate=generate, disk=disk, prefill_chunk=prefill_chunk,
                     shared_prefill_chunk=shared_prefill_chunk)
     return Server(worker, ServerInfo(model_id=model_id, ctx=ctx, max_tokens=max_tokens), keepalive_s=keepalive_s,
-                  access=access, max_body_bytes=max_body_bytes or body_limit(ctx))
+                  access=access, max_body_bytes=max_body_bytes or body_limit(ctx), **limits)
 
 
 def body_limit(ctx: int) -> int:
@@ -49,9 +48,8 @@ class BackgroundServer:
         self.server = server
         self.wait_ready = wait_ready
         self.host = host
-        with socket.socket() as s:
-            s.bind((host, 0))
-            self.port = s.getsockname()[1]
+        self._sock = socket.create_server((host, 0))
+        self.port = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._runner = None
@@ -68,8 +66,8 @@ class BackgroundServer:
         self._thread.join(timeout=10)
 
     async def _start(self):
-        self._runner = web.AppRunner(self.server.app(), access_log=None)
+        self._runner = self.server.runner()
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        await self.server.serve_on(self._runner, self._sock)
         if self.wait_ready:
             await self.server.loaded

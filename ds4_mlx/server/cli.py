@@ -20,6 +20,7 @@ from ds4_mlx.cache import add_disk_arguments
 def run_serve(args):
     from ds4_mlx.generate import DEMO_NOTE, load_for_cli
     from ds4_mlx.server.build import build_server
+    from ds4_mlx.server.connections import fit_connection_cap
     from ds4_mlx.server.middleware import Access
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s",
@@ -31,6 +32,8 @@ def run_serve(args):
         raise ValueError("--max-tokens must be at least 1")
     if args.prefill_chunk < 1 or args.shared_prefill_chunk < 1:
         raise ValueError("--prefill-chunk and --shared-prefill-chunk must be at least 1")
+    if args.max_connections < 1:
+        raise ValueError("--max-connections must be at least 1")
     if args.max_body_mb is not None and args.max_body_mb <= 0:
         raise ValueError("--max-body-mb must be more than 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -51,6 +54,7 @@ def run_serve(args):
                           shared_prefill_chunk=args.shared_prefill_chunk, max_tokens=args.max_tokens,
                           disk=disk_store_from_args(args),
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
+                          max_connections=fit_connection_cap(args.max_connections),
                           access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ())))
     sock = listen(args.host, args.port)
     code = asyncio.run(serve(server, sock, log))
@@ -92,12 +96,10 @@ def url_of(sock: socket.socket) -> str:
 
 
 async def serve(server, sock: socket.socket, log) -> int:
-    from aiohttp import web
-
-    runner = web.AppRunner(server.app(), access_log=None)
+    runner = server.runner()
     await runner.setup()  # starts loading the model in the background
     try:
-        await web.SockSite(runner, sock).start()
+        await server.serve_on(runner, sock)
         url = url_of(sock)
         log.info(f"listening on {url}; loading the model ({url}/health says \"loading\" until it is ready)")
         await asyncio.shield(server.loaded)  # Ctrl+C here ends the wait, not the load's future
@@ -142,6 +144,8 @@ def register(subparsers):
                    "context); a request asking for more stops there with finish reason length")
     p.add_argument("--max-body-mb", type=float, help="refuse request bodies longer than this (default: 4, or "
                    "32 bytes a token of --ctx when that is more)")
+    p.add_argument("--max-connections", type=int, default=2048,
+                   help="open connections served at once; more get a 503 (default %(default)s)")
     p.add_argument("--api-key", help="require this key from clients, as 'Authorization: Bearer KEY' or "
                    "'x-api-key: KEY' (/health stays open)")
     p.add_argument("--cors", action="append", metavar="ORIGIN",
