@@ -1,6 +1,7 @@
 """The server facing clients that do not play along: bodies too large for the context, work that would
 hold up the event loop, browsers it did not invite, tenants sharing its caches, and its own faults."""
 
+import json
 import re
 import socket
 import threading
@@ -11,6 +12,7 @@ import requests
 from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server import openai_api
 from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.middleware import Access
 
 MODEL = "deepseek-v4-flash"
 CTX = 4096
@@ -111,3 +113,58 @@ def test_connections_beyond_the_cap_get_a_503_and_one_log_line(caplog):
     lines = [r.getMessage() for r in caplog.records if "connections" in r.getMessage()]
     assert len(lines) == 2 and "refusing new ones" in lines[0], lines
     assert int(re.search(r"(\d+) refused", lines[1])[1]) >= 20, lines  # and the retries before the server noticed
+
+
+# ---------------------------------------------------------------- browsers and hosts
+
+
+@pytest.mark.parametrize("host, origin, status", [
+    ("127.0.0.1:8000", None, 200),
+    ("localhost:8000", "http://localhost:8000", 200),  # the server's own page
+    ("[::1]:8000", None, 200),
+    ("192.168.1.20:8000", None, 200),  # an address: nothing to rebind
+    ("app.localhost", None, 200),
+    ("evil.example:8000", None, 403),  # DNS rebinding: the attacker's name, this machine's address
+    ("evil.example", "http://evil.example", 403),
+    ("127.0.0.1:8000", "https://evil.example", 403),  # another page posting with no preflight
+    ("127.0.0.1:8000", "http://127.0.0.1:9999", 403),  # another port is another origin
+    ("127.0.0.1:8000", "null", 403),
+    ("models.lan", None, 200),  # --allowed-host
+])
+def test_origin_and_host_matrix(bg_hosts, host, origin, status):
+    headers = {"Host": host, **({"Origin": origin} if origin else {})}
+    r = requests.post(bg_hosts.url + "/v1/chat/completions", timeout=60, headers=headers,
+                      json={"model": MODEL, "messages": HELLO, "max_tokens": 1})
+    assert r.status_code == status, r.text
+    if status == 403:
+        assert r.json()["error"]["code"] in ("host_not_allowed", "origin_not_allowed")
+
+
+@pytest.fixture(scope="module")
+def bg_hosts():
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
+                          access=Access(allowed_hosts=("models.lan",)))
+    with BackgroundServer(server) as bg:
+        yield bg
+
+
+def test_json_apis_refuse_bodies_a_browser_sends_without_a_preflight(bg):
+    body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 1})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = chat(bg, data=body, headers={"Content-Type": content_type})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+    anthropic = requests.post(bg.url + "/v1/messages", data=body, headers={"Content-Type": "text/plain"}, timeout=60)
+    assert anthropic.status_code == 415 and anthropic.json()["type"] == "error"
+    assert chat(bg, data=body, headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+    assert chat(bg, data=body.encode()).status_code == 200  # no Content-Type at all: not a browser
+
+
+def test_a_key_that_is_not_utf8_is_a_401():
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
+                          access=Access(api_key="secret"))
+    with BackgroundServer(server) as bg, socket.create_connection(("127.0.0.1", bg.port)) as sock:
+        for path, shape in [("/v1/models", "error"), ("/v1/messages", "type")]:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: ".encode() + b"\xff\xfe\xc3\r\n\r\n")
+            head, _, rest = sock.recv(65536).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 401"), head
+            assert shape in json.loads(rest[:int(re.search(rb"Content-Length: (\d+)", head)[1])])

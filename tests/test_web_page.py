@@ -16,6 +16,7 @@ from openai import OpenAI
 
 from ds4_mlx.generate import GenerationChunk, load_for_cli, stream_generate
 from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.middleware import Access
 
 MODEL = "deepseek-v4-flash"
 CHROMIUM = os.environ.get("DS4_MLX_CHROMIUM", "/usr/bin/chromium")
@@ -219,3 +220,20 @@ def test_model_output_markup_is_shown_as_text(page, capsys):
     assert page.locator("#messages img, #messages script, #messages b").count() == 0
     assert page.title() == "ds4-mlx"
     save_screenshot(page, capsys, "web-markup.png")
+
+
+def test_with_an_api_key_the_page_asks_for_it_once_and_keeps_it_for_the_tab(browser):
+    key = "page-key"
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=1,
+                          budget_bytes=2**32, access=Access(api_key=key))
+    with BackgroundServer(server) as bg:
+        context = browser.new_context()
+        page = context.new_page()
+        asked = []
+        page.on("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept(key)))
+        page.goto(bg.url + "/")
+        page.wait_for_selector("#slots tbody tr")  # /v1/sessions answered with the key
+        send(page, "Hello", thinking=False, max_tokens=3)
+        page.wait_for_selector('.turn.assistant[data-state="done"]', timeout=60_000)
+        assert len(asked) == 1 and page.evaluate("sessionStorage.getItem('ds4-mlx-api-key')") == key
+        context.close()

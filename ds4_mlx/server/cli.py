@@ -55,7 +55,8 @@ def run_serve(args):
                           disk=disk_store_from_args(args),
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
                           max_connections=fit_connection_cap(args.max_connections),
-                          access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ())))
+                          access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ()),
+                                        allowed_hosts=tuple(h.lower() for h in args.allowed_host or ())))
     sock = listen(args.host, args.port)
     code = asyncio.run(serve(server, sock, log))
     # Everything is answered, saved and closed by now. Leave without the interpreter's teardown: it frees
@@ -149,6 +150,10 @@ def register(subparsers):
     p.add_argument("--api-key", help="require this key from clients, as 'Authorization: Bearer KEY' or "
                    "'x-api-key: KEY' (/health stays open)")
     p.add_argument("--cors", action="append", metavar="ORIGIN",
-                   help="let web pages from ORIGIN call the server (repeatable; * for any origin)")
+                   help="let web pages from ORIGIN call the server (repeatable; * for any origin); requests "
+                        "from other pages than the server's own are refused")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a name clients may reach the server by, besides loopback names and IP addresses "
+                        "(repeatable; a request with another Host is refused, against DNS rebinding)")
     add_disk_arguments(p)
     p.set_defaults(func=run_serve)

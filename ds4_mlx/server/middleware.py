@@ -1,11 +1,19 @@
-"""What stands in front of the routes: CORS for browser clients, the API key, and 503s while the model loads.
+"""What stands in front of the routes: browser and Host checks, CORS, the API key, and 503s while the model loads.
+
+Browser safety by default, as Ollama does it: a request whose `Origin` is neither this server's own
+page nor allowed by `--cors` is refused, so no other web page can drive the server (a simple request
+needs no preflight). The `Host` must be an IP address, a loopback name or an `--allowed-host`, so a page
+whose own name was rebound to this machine (DNS rebinding) is refused as well. A POST body is JSON:
+`text/plain` and the form types a browser sends without asking are a 415.
 
 The gates run inside the app's error middleware, so a refusal is an `APIError` answered in the body
 format of the API the client called.
 """
 
 import hmac
+import ipaddress
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -19,17 +27,29 @@ DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-ver
 
 @dataclass(frozen=True)
 class Access:
-    """`api_key`: None serves everyone. `cors_origins`: origins browsers may call from ("*": any)."""
+    """`api_key`: None serves everyone. `cors_origins`: origins browsers may call from ("*": any).
+    `allowed_hosts`: names besides loopback ones that clients may reach the server by."""
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
 
     def allows_origin(self, origin: str | None) -> bool:
         return origin is not None and ("*" in self.cors_origins or origin in self.cors_origins)
 
+    def allows_host(self, host: str) -> bool:
+        name = host.lower().rstrip(".")
+        if name == "localhost" or name.endswith(".localhost") or name in self.allowed_hosts:
+            return True
+        try:
+            ipaddress.ip_address(name.strip("[]"))
+            return True  # an address names no domain that could be rebound to this machine
+        except ValueError:
+            return False
+
 
 def gates(access: Access, server) -> list:
-    """The middlewares, outermost first: CORS preflight, the API key, readiness."""
-    chain = []
+    """The middlewares, outermost first: browser checks, CORS preflight, the API key, readiness."""
+    chain = [_browser_checks(access)]
     if access.cors_origins:
         chain.append(_preflight(access))
     if access.api_key:
@@ -51,6 +71,28 @@ def add_cors_headers(app: web.Application, access: Access):
             response.headers.add("Vary", "Origin")
 
     app.on_response_prepare.append(on_prepare)
+
+
+def _browser_checks(access: Access):
+    @web.middleware
+    async def browser_checks(request: web.Request, handler):
+        host = request.headers.get("Host")  # a client without one (HTTP/1.0) is no browser
+        if host is not None and not access.allows_host(urlsplit(f"//{host}").hostname or ""):
+            raise APIError(403, f"the Host {request.host!r} is not allowed: reach the server by a loopback name or "
+                                "address, or start it with --allowed-host NAME", code="host_not_allowed")
+        origin = request.headers.get("Origin")
+        if origin is not None and not access.allows_origin(origin) and origin != f"{request.scheme}://{request.host}":
+            raise APIError(403, f"origin {origin!r} is not allowed (--cors)", code="origin_not_allowed")
+        content_type = request.headers.get("Content-Type")
+        if request.method == "POST" and content_type is not None and not _is_json(request.content_type):
+            raise APIError(415, f"the body must be JSON (Content-Type: application/json), not {content_type!r}",
+                           code="unsupported_media_type")
+        return await handler(request)
+    return browser_checks
+
+
+def _is_json(media_type: str) -> bool:
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 def _preflight(access: Access):
@@ -80,7 +122,8 @@ def _api_key(key: str):
             if given is None:
                 raise APIError(401, "an API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                code="missing_api_key")
-            if not hmac.compare_digest(given.encode(), expected):
+            # aiohttp keeps undecodable header bytes as surrogates: encoded back, such a key just does not match
+            if not hmac.compare_digest(given.encode(errors="surrogateescape"), expected):
                 raise APIError(401, "the API key is not valid", code="invalid_api_key")
         return await handler(request)
     return api_key

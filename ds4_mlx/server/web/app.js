@@ -9,6 +9,31 @@ const CHART_REQUESTS = 40;
 
 const chat = { messages: [], controller: null };
 
+// ---------------------------------------------------------------- the API key
+
+// A server started with --api-key answers 401 without it: the page asks once and keeps the key for this
+// tab only (sessionStorage), never in the page's code or URL. A dismissed question is not asked again by
+// the background polling; the next message sent asks again.
+const KEY_ITEM = "ds4-mlx-api-key";
+const keyState = { declined: false };
+
+async function apiFetch(path, options = {}) {
+  for (let attempt = 0; ; attempt++) {
+    const key = sessionStorage.getItem(KEY_ITEM);
+    const headers = { ...(options.headers || {}) };
+    if (key) headers.Authorization = `Bearer ${key}`;
+    const response = await fetch(path, { ...options, headers });
+    if (response.status !== 401 || attempt > 0 || keyState.declined) return response;
+    const entered = window.prompt(key ? "The API key was not accepted; enter it again:"
+                                      : "This server needs its API key (serve --api-key):");
+    if (!entered || !entered.trim()) {
+      keyState.declined = true;
+      return response;
+    }
+    sessionStorage.setItem(KEY_ITEM, entered.trim());
+  }
+}
+
 function el(tag, className, text) {
   const node = document.createElement(tag);
   if (className) node.className = className;
@@ -209,7 +234,8 @@ async function send(text) {
   const maxTokens = parseInt($("max-tokens").value, 10);
   if (maxTokens > 0) request.max_tokens = maxTokens;
   try {
-    const response = await fetch("v1/chat/completions", {
+    keyState.declined = false; // sending is the user's own act: a key may be asked for again
+    const response = await apiFetch("v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" }, signal: controller.signal,
       body: JSON.stringify(request),
     });
@@ -347,7 +373,7 @@ function renderChart(requests) {
 
 async function refreshSessions() {
   try {
-    const response = await fetch("v1/sessions", { cache: "no-store" });
+    const response = await apiFetch("v1/sessions", { cache: "no-store" });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const snapshot = await response.json();
     $("model").textContent = `${snapshot.model}, ${snapshot.context_length}-token context`;
