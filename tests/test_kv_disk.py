@@ -235,3 +235,23 @@ def test_bad_budget_is_a_clear_error(tmp_path):
     add_disk_arguments(parser)
     with pytest.raises(ValueError, match="kv-disk-space-mb"):
         disk_store_from_args(parser.parse_args([f"--kv-disk-dir={tmp_path}", "--kv-disk-space-mb=0"]))
+
+
+def test_a_full_disk_never_raises_to_its_caller(tmp_path, monkeypatch, caplog):
+    model = model_for(0)
+    store = DiskStore(tmp_path, 64, min_tokens=64)
+    session = filled(model, random_tokens(model, 200, 5))
+    assert store.save(session, "evict") is not None
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("ds4_mlx.cache.store.write_state_file", full)
+    monkeypatch.setattr("ds4_mlx.cache.store.read_state_file", full)
+    monkeypatch.setattr("pathlib.Path.write_text", full)
+    longer = filled(model, session.tokens + random_tokens(model, 100, 6))
+    assert store.save(longer, "evict") is None  # not stored, not raised
+    other = Session(model, rewind_slack=256, checkpoint_every=64, max_chunk=32)
+    assert store.restore(other, session.tokens + [1], 0) == 0 and other.tokens == []  # the read failed
+    store.during_prefill(longer)
+    assert any("No space left" in r.getMessage() for r in caplog.records)

@@ -1,7 +1,9 @@
 """The server facing clients that do not play along: bodies too large for the context, work that would
 hold up the event loop, browsers it did not invite, tenants sharing its caches, and its own faults."""
 
+import asyncio
 import json
+import logging
 import re
 import socket
 import threading
@@ -13,6 +15,7 @@ from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server import openai_api
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.server.middleware import Access
+from ds4_mlx.server.worker import GenerationRequest, Job
 
 MODEL = "deepseek-v4-flash"
 CTX = 4096
@@ -168,3 +171,113 @@ def test_a_key_that_is_not_utf8_is_a_401():
             head, _, rest = sock.recv(65536).partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 401"), head
             assert shape in json.loads(rest[:int(re.search(rb"Content-Length: (\d+)", head)[1])])
+
+
+# ---------------------------------------------------------------- the worker survives its faults
+
+
+class FailingDisk:
+    """A disk store whose every method raises, as a buggy or full store would; `restore` may instead
+    wait for `release` (a slow disk)."""
+    min_tokens = 0
+
+    def __init__(self):
+        self.entered, self.release, self.fail = threading.Event(), threading.Event(), True
+
+    def restore(self, session, prompt, shared):
+        self.entered.set()
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        self.release.wait(30)  # a hang guard
+        return shared
+
+    def save(self, session, reason):
+        if self.fail:
+            raise OSError(28, "No space left on device")
+
+    def during_prefill(self, session):
+        if self.fail:
+            raise OSError(28, "No space left on device")
+
+
+def test_a_failing_disk_fails_that_request_alone_in_the_api_shape():
+    disk = FailingDisk()
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
+                          disk=disk)
+    with BackgroundServer(server) as bg:
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+        failed = chat(bg, body)
+        assert failed.status_code == 500 and "No space left" in failed.json()["error"]["message"], failed.text
+        claude = requests.post(bg.url + "/v1/messages", json=body, timeout=60)
+        assert claude.status_code == 500 and claude.json()["error"]["type"] == "api_error"
+        assert not any(slot.busy for slot in bg.server.worker.slots)  # the slot is free again
+        assert requests.get(bg.url + "/health", timeout=60).json()["status"] == "ok"
+        disk.fail = disk.release.set() or False  # the disk recovers: the next request is served
+        assert chat(bg, body).status_code == 200
+
+
+def test_disk_work_is_not_done_under_the_lock_submit_takes(caplog):
+    disk = FailingDisk()
+    disk.fail = False
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
+                          disk=disk)
+    with BackgroundServer(server) as bg:
+        slow = threading.Thread(target=chat, args=(bg, {"model": MODEL, "messages": HELLO, "max_tokens": 1}))
+        slow.start()
+        assert disk.entered.wait(60)  # the first request's restore is running (and waits)
+        probe = Job(GenerationRequest([1], 1), bg._loop)
+        probe.cancel()  # dropped from the queue at once, once admitted
+        submitting = threading.Thread(target=bg.server.worker.submit, args=(probe,))
+        submitting.start()
+        submitting.join(10)  # a hang guard: under the lock, submit() would wait for the restore
+        submitted = not submitting.is_alive()
+        disk.release.set()
+        slow.join()
+        assert submitted
+
+
+def dying_server(monkeypatch):
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32)
+    monkeypatch.setattr(server.worker, "_admissible", lambda: 1 / 0)  # a bug in the worker's own loop
+    return server
+
+
+def test_a_dead_worker_fails_requests_and_health_says_so(monkeypatch):
+    with BackgroundServer(dying_server(monkeypatch)) as bg:
+        assert requests.get(bg.url + "/health", timeout=60).json()["status"] == "ok"
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 1}
+        for _ in range(2):  # the request that met the fault, then one refused at once
+            r = chat(bg, body)
+            assert r.status_code == 500 and "worker failed" in r.json()["error"]["message"], r.text
+        health = requests.get(bg.url + "/health", timeout=60)
+        assert health.status_code == 503 and health.json()["error"] == "the worker thread died"
+
+
+def test_a_dead_worker_ends_serve_with_status_1(monkeypatch):
+    from ds4_mlx.server.cli import listen, serve
+
+    server = dying_server(monkeypatch)
+    sock = listen("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    seen = {}
+
+    def client():
+        for _ in range(600):  # until the model is loaded; nothing is timed
+            try:
+                if requests.get(url + "/health", timeout=60).status_code == 200:
+                    break
+            except (requests.ConnectionError, requests.ReadTimeout):
+                threading.Event().wait(0.1)
+        try:  # answered, or cut off as the server exits
+            seen["request"] = requests.post(url + "/v1/chat/completions", timeout=60,
+                                            json={"model": MODEL, "messages": HELLO, "max_tokens": 1})
+        except requests.ConnectionError:
+            pass
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    code = asyncio.run(serve(server, sock, logging.getLogger("test")))
+    thread.join()
+    assert code == 1
+    if "request" in seen:
+        assert seen["request"].status_code == 500 and "worker failed" in seen["request"].json()["error"]["message"]

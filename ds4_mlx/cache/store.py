@@ -10,9 +10,13 @@
   evicted by value per byte, value = (1 + hits) halved every `half_life_s` since the last use, so a
   short prefix that many requests share outlives long conversations read once.
 
+Every public method after the constructor logs a failure (a full disk, a folder removed underneath) and
+answers as if nothing was stored, never raising: the disk is a cache, its caller goes on without it.
+
 One process uses a folder at a time.
 """
 
+import functools
 import hashlib
 import json
 import logging
@@ -55,6 +59,19 @@ def prefix_hashes(tokens, lengths) -> dict:
     return out
 
 
+def _never_raises(default=None):
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the disk is a cache: its failure costs a recompute
+                log.warning(f"kv disk: {method.__name__} failed, going on without it: {type(e).__name__}: {e}")
+                return default
+        return guarded
+    return wrap
+
+
 class DiskStore:
     def __init__(self, directory, budget_mb, *, history=512, index_every=128, min_tokens=256,
                  prefill_every=8192, half_life_s=6 * 3600, clock=time.time):
@@ -70,6 +87,7 @@ class DiskStore:
         self._open()
 
     # -- public ------------------------------------------------------------------------------
+    @_never_raises()
     def save(self, session, reason) -> Entry | None:
         """Write `session` (if long enough and not already stored); returns its entry."""
         n = len(session.tokens)
@@ -108,6 +126,7 @@ class DiskStore:
                  f"save={(time.perf_counter() - t) * 1000:.0f} ms file={name}")
         return entry
 
+    @_never_raises()
     def find(self, model, prompt) -> tuple[Entry, int] | None:
         """The stored file sharing the longest prefix with `prompt`, and that prefix's length."""
         identity = self._bind(model)
@@ -126,6 +145,7 @@ class DiskStore:
                 return entry, length
         return None
 
+    @_never_raises(False)
     def load(self, session, entry) -> bool:
         """Make `session` hold `entry`'s state; a bad file is logged, deleted, and False returned."""
         t = time.perf_counter()
@@ -153,6 +173,7 @@ class DiskStore:
         entry, length = found
         return length if self.load(session, entry) else shared
 
+    @_never_raises()
     def during_prefill(self, session):
         """Called after each prefill chunk: save at every multiple of `prefill_every` tokens."""
         if self.prefill_every and session.tokens and len(session.tokens) % self.prefill_every == 0:
@@ -162,6 +183,7 @@ class DiskStore:
         entries = [e for e in self.entries.values() if reason is None or e.reason == reason]
         return max(entries, key=lambda e: e.last_used, default=None)
 
+    @_never_raises()
     def remove(self, entry):
         self._delete(entry, "replaced")
         self._write_index()
@@ -202,6 +224,7 @@ class DiskStore:
         log.info(f"kv disk: removed tokens={entry.tokens} hits={entry.hits} size={entry.size / 2**20:.2f} MiB "
                  f"reason={why} file={entry.name}")
 
+    @_never_raises()  # files are indexed again from their headers when the index is missing or stale
     def _write_index(self):
         tmp = self.dir / f".{INDEX}.{os.getpid()}.tmp"
         text = json.dumps({"entries": [asdict(e) for e in self.entries.values()]})

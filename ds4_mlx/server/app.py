@@ -57,6 +57,7 @@ class Server:
         self.access = access
         self.metrics = ServerMetrics(self)
         self.loaded = None  # the model load, a future once the app starts
+        self.worker_died = asyncio.Event()  # set if the worker thread dies: `serve` then exits non-zero
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, *gates(self.access, self)], client_max_size=self.max_body_bytes)
@@ -89,6 +90,8 @@ class Server:
         await CappedSite(runner, sock, self.max_connections).start()
 
     async def _start_worker(self, app):
+        loop = asyncio.get_running_loop()
+        self.worker.on_death = lambda: loop.call_soon_threadsafe(self.worker_died.set)
         self.loaded = start_in_background(self.worker)  # the port is served meanwhile: 503s until ready
 
     @property
@@ -114,6 +117,9 @@ class Server:
     # -- plain endpoints ------------------------------------------------------------------------------
 
     async def health(self, request):
+        trouble = self.worker.health()
+        if trouble is not None:
+            return web.json_response({"status": "error", "model": self.info.model_id, "error": trouble}, status=503)
         slots = [{"slot": s.index, "tokens": len(s.tokens), "busy": s.busy, "bytes": s.nbytes}
                  for s in self.worker.slots]
         return web.json_response({"status": "ok", "model": self.info.model_id, "context_length": self.info.ctx,

@@ -111,7 +111,14 @@ async def serve(server, sock: socket.socket, log) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):  # a clean shutdown, exit 0, once serving
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(server.worker_died.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        if server.worker_died.is_set():
+            log.error("the worker thread died (see above); exiting with status 1 so that a supervisor restarts "
+                      "the server")
+            return 1
         return 0
     finally:
         await runner.cleanup()

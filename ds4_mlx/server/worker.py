@@ -5,8 +5,12 @@ slot, and advances every running job by one step in turn: one prefill chunk or o
 forward runs at a time, and a running stream waits at most one chunk per other request between its
 tokens, however long their prompts. A job whose client has gone is dropped before it starts, and
 stops at its next token (or prefill chunk) when it goes while running; its session keeps what was
-computed. A job whose forward fails gets an error; its session stays consistent (see `Session`). On
-shutdown every job gets an error and the thread ends after the chunk it is computing.
+computed. A job whose forward fails gets an error; its session stays consistent (see `Session`). A job
+whose start fails (a snapshot, the disk) gets an error and frees its slot; the lock that `submit()`
+takes on the event loop is held only to change the queue, never over model or disk work. Should the
+thread itself die, every open job gets an error, later ones are refused, `health()` says so and
+`on_death` is called (the server exits non-zero). On shutdown every job gets an error and the thread
+ends after the chunk it is computing.
 Events reach the handler through an asyncio queue: ("prefill", (done, total)) during the prefill,
 ("started", {prompt_tokens, reused, replayed, computed}) once it is over, ("chunk", GenerationChunk) per token, ("error", message)
 if generation failed, and last ("done", Outcome), or ("done", None) for a job dropped from the queue.
@@ -118,14 +122,15 @@ class _Running:
 
 class Worker:
     def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate, disk=None,
-                 prefill_chunk: int = 2048, shared_prefill_chunk: int = 256):
+                 prefill_chunk: int = 2048, shared_prefill_chunk: int = 256, stuck_after_s: float = 600.0):
         """`load()` returns (model, tokenizer) and runs on the worker thread, which owns the model from
         then on (MLX arrays belong to the thread that made them); `session_factory(model)` makes a
         Session; `generate` is `ds4_mlx.generate.stream_generate`; `disk` a `ds4_mlx.cache.store.DiskStore`
         (or None): sessions are saved there when evicted, at shutdown and during long prompts, and a
         request that no slot serves well looks there for its longest prefix. A prompt is computed
         `prefill_chunk` tokens a turn while it is the only job running (long chunks prefill faster),
-        `shared_prefill_chunk` while other streams run (each waits about one chunk for its next token)."""
+        `shared_prefill_chunk` while other streams run (each waits about one chunk for its next token).
+        A turn (one chunk or token of each running job) longer than `stuck_after_s` is reported by `health()`."""
         self.disk = disk
         self.prefill_chunk, self.shared_prefill_chunk = prefill_chunk, shared_prefill_chunk
         self._load = load
@@ -144,6 +149,10 @@ class Worker:
         self._cond = threading.Condition()
         self._stopping = False
         self.shutting_down = False
+        self.died: BaseException | None = None
+        self.on_death = None  # called on the worker thread if it dies
+        self.turn_started: float | None = None  # monotonic time the running turn began
+        self.stuck_after_s = stuck_after_s
         self._thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
 
     def start(self):
@@ -169,8 +178,21 @@ class Worker:
 
     def submit(self, job: Job):
         with self._cond:
+            if self.died is not None:
+                job.emit("error", "the server's worker failed; see the server's log")
+                job.emit("done", None)
+                return
             self._pending.append(job)
             self._cond.notify()
+
+    def health(self) -> str | None:
+        """None when the worker serves; else why not: it died, or one turn has run for `stuck_after_s`."""
+        if self.died is not None:
+            return "the worker thread died"
+        started = self.turn_started
+        if started is not None and time.monotonic() - started > self.stuck_after_s:
+            return f"one turn of the worker has run for over {self.stuck_after_s:g} s"
+        return None
 
     @property
     def queued(self) -> int:
@@ -194,18 +216,38 @@ class Worker:
             return
         finally:
             self._ready.set()
-        while True:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: said loudly, never a silent hang
+            log.critical(f"the worker thread died:\n{traceback.format_exc()}")
             with self._cond:
+                self.died = e  # submit() refuses from now on
+                jobs = [*self._pending, *(run.job for run in self._running)]
+                self._pending.clear()
+            for job in jobs:
+                job.emit("error", "the server's worker failed; see the server's log")
+                job.emit("done", None)
+            if self.on_death is not None:
+                self.on_death()
+
+    def _serve(self):
+        while True:
+            with self._cond:  # held only to read and change the queue: submit() waits for nothing else
                 while not self._pending and not self._running and not self._stopping:
                     self._cond.wait()
-                if self.shutting_down:
-                    self._fail_all("the server is shutting down")
-                if self._stopping:
-                    for slot in self.slots if self.disk is not None else []:
-                        self.disk.save(slot.session, "shutdown")
-                    self._release()
-                    return
-                self._admit()
+                refused = self._take_pending() if self.shutting_down else []
+                stopping = self._stopping
+                admitted = [] if stopping else self._admissible()
+            if self.shutting_down:
+                self._fail_all(refused, "the server is shutting down")
+            if stopping:
+                for slot in self.slots if self.disk is not None else []:
+                    self.disk.save(slot.session, "shutdown")
+                self._release()
+                return
+            self.turn_started = time.monotonic()
+            for job, placement in admitted:
+                self._start_guarded(job, placement)
             for run in list(self._running):
                 try:
                     self._advance(run)
@@ -215,6 +257,7 @@ class Worker:
                         self._running.remove(run)
                         run.placement.slot.busy = False
                     run.job.emit("done", None)
+            self.turn_started = None
 
     def _release(self):
         """Free the model and the sessions on this thread, which made them: arrays freed by another
@@ -224,28 +267,46 @@ class Worker:
         self.model = None
         gc.collect()
 
-    def _fail_all(self, message: str):
-        while self._pending:
-            job = self._pending.popleft()
+    def _take_pending(self) -> list[Job]:
+        jobs = list(self._pending)
+        self._pending.clear()
+        return jobs
+
+    def _fail_all(self, queued: list[Job], message: str):
+        for job in queued:
             job.emit("error", message)
             job.emit("done", None)
         for run in list(self._running):
             run.job.emit("error", message)
             self._finish(run, None)
 
-    def _admit(self):
-        """Start queued jobs in arrival order while slots allow; drop those whose client left."""
+    def _admissible(self) -> list[tuple[Job, Placement]]:
+        """Take queued jobs in arrival order while slots allow, each with its slot (marked busy); drop
+        those whose client left. Placing is cheap: the work of starting is done after the lock."""
         for job in [j for j in self._pending if j.should_abort()]:
             self._pending.remove(job)
             log.info(f"{job.request.label} dropped from the queue: client gone")
             job.emit("done", None)
+        admitted = []
         while self._pending:
             placement = place(self.slots, self._pending[0].request.prompt_ids)
             if placement is None:
-                return  # the head waits for its slot; later jobs wait behind it
-            job = self._pending.popleft()
+                break  # the head waits for its slot; later jobs wait behind it
             placement.slot.busy = True
+            admitted.append((self._pending.popleft(), placement))
+        return admitted
+
+    def _start_guarded(self, job: Job, placement: Placement):
+        """Start `job`; a failure (a snapshot, the disk, a bug) fails this job alone and frees its slot,
+        emptied so that whatever state the failure left is never reused."""
+        try:
             self._running.append(self._start(job, placement))
+        except Exception as e:  # noqa: BLE001 - this job fails, the server goes on
+            log.error(f"{job.request.label} failed to start:\n{traceback.format_exc()}")
+            placement.slot.session.reset()
+            placement.slot.busy = False
+            job.emit("error", f"the request could not start: {type(e).__name__}: {e}")
+            job.emit("done", None)
 
     def _start(self, job: Job, placement: Placement) -> _Running:
         request, session = job.request, placement.slot.session
