@@ -4,13 +4,15 @@ most-hit shared prefix survives, and `chat` resumes its last conversation."""
 
 import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from openai import OpenAI
 
 from ds4_mlx.cache import state as state_module
-from ds4_mlx.cache.store import INDEX, DiskStore
+from ds4_mlx.cache.store import INDEX, DiskStore, FolderInUse
 from ds4_mlx.chat import render
 from ds4_mlx.generate import SamplingParams, load_for_cli
 from ds4_mlx.repl import Conversation
@@ -255,3 +257,22 @@ def test_a_full_disk_never_raises_to_its_caller(tmp_path, monkeypatch, caplog):
     assert store.restore(other, session.tokens + [1], 0) == 0 and other.tokens == []  # the read failed
     store.during_prefill(longer)
     assert any("No space left" in r.getMessage() for r in caplog.records)
+
+
+def test_a_folder_in_use_by_another_process_is_refused_and_left_alone(tmp_path):
+    leftover = tmp_path / ".index.json.123.tmp"  # the other process's write in progress
+    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom ds4_mlx.cache.store import DiskStore\n"
+                               f"store = DiskStore({str(tmp_path)!r}, 16)\nprint('held', flush=True)\n"
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        leftover.write_text("{}")
+        with pytest.raises(FolderInUse, match=f"pid {holder.pid}.*its own --kv-disk-dir"):
+            DiskStore(tmp_path, 16)
+        serve = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "serve", "--port", "0", "--kv-disk-dir",
+                                str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert serve.returncode == 1 and "in use by another ds4-mlx process" in serve.stderr, serve.stderr
+        assert "Traceback" not in serve.stderr and leftover.exists()
+    finally:
+        holder.communicate("")
+    DiskStore(tmp_path, 16)  # free again once that process ended

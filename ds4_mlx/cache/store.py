@@ -13,9 +13,11 @@
 Every public method after the constructor logs a failure (a full disk, a folder removed underneath) and
 answers as if nothing was stored, never raising: the disk is a cache, its caller goes on without it.
 
-One process uses a folder at a time.
+One process uses a folder at a time: it holds a lock on the folder's `.lock` file while it lives, and a
+second process (another server, a REPL) is refused before it reads or deletes anything there.
 """
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -32,7 +34,11 @@ from ds4_mlx.cache.state import (StateFileError, export_session, file_size_bound
 
 log = logging.getLogger("ds4_mlx.kv_disk")
 
-INDEX, SUFFIX = "index.json", ".kv.safetensors"
+INDEX, SUFFIX, LOCK = "index.json", ".kv.safetensors", ".lock"
+
+
+class FolderInUse(OSError):
+    """Another process holds the folder."""
 
 
 @dataclass
@@ -80,6 +86,7 @@ class DiskStore:
         self.history, self.index_every, self.min_tokens = history, index_every, min_tokens
         self.prefill_every, self.half_life_s, self.clock = prefill_every, half_life_s, clock
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock_file = self._lock()
         self.entries: dict[str, Entry] = {}
         self._identities = {}  # id(model) -> identity
         self._bound_to = None
@@ -236,6 +243,24 @@ class DiskStore:
     def _index_reserve(self):
         """Room for the index and its temporary copy, with margin for a few more entries."""
         return 2 * self._index_bytes + 16384
+
+    def _lock(self):
+        """The folder's lock, held until this process ends. A POSIX record lock (lockf) belongs to the
+        process, so stores opened again in one process (a restart in a test) share it."""
+        lock_file = open(self.dir / LOCK, "a+")
+        try:
+            fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock_file.seek(0)
+            holder = lock_file.read().strip()
+            lock_file.close()
+            raise FolderInUse(f"{self.dir} is in use by another ds4-mlx process"
+                              + (f" (pid {holder})" if holder else "")
+                              + ": give each server its own --kv-disk-dir") from None
+        lock_file.truncate(0)
+        lock_file.write(str(os.getpid()))
+        lock_file.flush()
+        return lock_file
 
     def _open(self):
         """Read the index, check it against the folder, index files it misses, drop leftovers."""
