@@ -28,7 +28,7 @@ HELLO = [{"role": "user", "content": "Hello"}]
 @pytest.fixture(scope="module")
 def bg():
     server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=4096, sessions=1,
-                          budget_bytes=2**32, access=Access(api_key=KEY, cors_origins=(ORIGIN,)))
+                          budget_bytes=2**32, access=Access(api_keys=(KEY,), cors_origins=(ORIGIN,)))
     with BackgroundServer(server) as bg:
         yield bg
 

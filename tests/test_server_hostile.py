@@ -15,6 +15,7 @@ from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server import openai_api
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.server.middleware import Access
+from ds4_mlx.server.slots import Slot, place
 from ds4_mlx.server.worker import GenerationRequest, Job
 
 MODEL = "deepseek-v4-flash"
@@ -164,7 +165,7 @@ def test_json_apis_refuse_bodies_a_browser_sends_without_a_preflight(bg):
 
 def test_a_key_that_is_not_utf8_is_a_401():
     server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
-                          access=Access(api_key="secret"))
+                          access=Access(api_keys=("secret",)))
     with BackgroundServer(server) as bg, socket.create_connection(("127.0.0.1", bg.port)) as sock:
         for path, shape in [("/v1/models", "error"), ("/v1/messages", "type")]:
             sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: ".encode() + b"\xff\xfe\xc3\r\n\r\n")
@@ -184,18 +185,18 @@ class FailingDisk:
     def __init__(self):
         self.entered, self.release, self.fail = threading.Event(), threading.Event(), True
 
-    def restore(self, session, prompt, shared):
+    def restore(self, session, prompt, shared, namespace):
         self.entered.set()
         if self.fail:
             raise OSError(28, "No space left on device")
         self.release.wait(30)  # a hang guard
         return shared
 
-    def save(self, session, reason):
+    def save(self, session, reason, namespace):
         if self.fail:
             raise OSError(28, "No space left on device")
 
-    def during_prefill(self, session):
+    def during_prefill(self, session, namespace):
         if self.fail:
             raise OSError(28, "No space left on device")
 
@@ -281,3 +282,97 @@ def test_a_dead_worker_ends_serve_with_status_1(monkeypatch):
     assert code == 1
     if "request" in seen:
         assert seen["request"].status_code == 500 and "worker failed" in seen["request"].json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- tenants
+
+
+def tenant_slots(*specs, busy=()):
+    """Slots from (tokens, namespace) pairs, the later ones used more recently."""
+    class Held:
+        def __init__(self, tokens):
+            self.tokens = list(tokens)
+    return [Slot(i, Held(t), busy=i in busy, last_used=i, namespace=ns) for i, (t, ns) in enumerate(specs)]
+
+
+def test_policy_shares_nothing_with_another_namespace_and_takes_its_slot_last():
+    prompt = list(range(1000))
+    theirs = (prompt[:900], "victim")
+    # the other tenant's slot holds 900 tokens of this prompt: no reuse, no fork, an empty slot instead
+    placed = place(tenant_slots(theirs, ([], "")), prompt, "attacker")
+    assert (placed.slot.index, placed.common, placed.source) == (1, 0, None)
+    # no empty slot: the attacker's own older conversation goes before the victim's newer one...
+    placed = place(tenant_slots(([-1] * 10, "attacker"), theirs), prompt, "attacker")
+    assert placed.slot.index == 0 and placed.common == 0
+    # ... and the victim's own request reuses its slot
+    assert place(tenant_slots(([-1] * 10, "attacker"), theirs), prompt, "victim").common == 900
+    # the victim's slot is taken (whole, never trimmed to a shared prefix) only when it is the only one left
+    placed = place(tenant_slots(theirs), prompt, "attacker")
+    assert placed.slot.index == 0 and placed.common == 0 and placed.source is None
+
+
+SYSTEM = "You are the bank's assistant. " + " ".join(f"rule{i}" for i in range(300))
+
+
+def conversation(pin: str) -> list:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"My PIN is {pin}. Check it."}]
+
+
+def usage_of(bg, messages, headers, **extra):
+    r = chat(bg, {"model": "deepseek-chat", "messages": messages, "max_tokens": 1, "temperature": 0, **extra},
+             headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+@pytest.mark.parametrize("by", ["cache_salt", "api_key"])
+def test_a_tenant_reuses_and_learns_about_only_its_own_prefixes(by):
+    tenants = ("victim", "attacker", "other")
+    access = Access(api_keys=tuple(f"key-{t}" for t in tenants)) if by == "api_key" else Access()
+    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=3, budget_bytes=2**32,
+                          access=access)
+
+    def headers(tenant):
+        return {"Authorization": f"Bearer key-{tenant}"} if by == "api_key" else {}
+
+    def salt(tenant):
+        return {} if by == "api_key" else {"cache_salt": tenant}
+
+    with BackgroundServer(server) as bg:
+        victim = usage_of(bg, conversation("4081"), headers=headers("victim"), **salt("victim"))
+        # the attacker shares the system prompt and guesses the PIN right: nothing is reused, nothing learned
+        probe = usage_of(bg, conversation("4081"), headers=headers("attacker"), **salt("attacker"))
+        assert probe["prompt_tokens"] == victim["prompt_tokens"] and probe["prompt_tokens_details"]["cached_tokens"] == 0
+        # nor through Anthropic's usage
+        body = {"model": "deepseek-chat", "max_tokens": 1, "system": SYSTEM,
+                "messages": [{"role": "user", "content": "My PIN is 4081. Check it."}], **salt("other")}
+        claude = requests.post(bg.url + "/v1/messages", json=body, headers=headers("other"), timeout=60)
+        assert claude.json()["usage"]["cache_read_input_tokens"] == 0, claude.text
+        # the victim's slot was neither taken over nor trimmed: its resend is a whole hit
+        again = usage_of(bg, conversation("4081"), headers=headers("victim"), **salt("victim"))
+        assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1  # all but the last
+        # /v1/sessions shows each tenant its own requests and slots only; /health shows counts only
+        seen = requests.get(bg.url + "/v1/sessions", params=salt("attacker"), headers=headers("attacker"),
+                            timeout=60).json()
+        assert [r["prompt_tokens"] for r in seen["requests"]] == [probe["prompt_tokens"]]
+        assert sum(s["tokens"] is None and s["last_request"] is None for s in seen["slots"]) == 2
+        assert all(set(s) == {"slot", "busy"} for s in requests.get(bg.url + "/health", timeout=60).json()["slots"])
+
+
+def test_the_disk_store_finds_only_the_namespace_s_own_prefixes(tmp_path):
+    from ds4_mlx.cache.store import DiskStore
+    from ds4_mlx.session import Session
+
+    model, tokenizer = load_for_cli(None)[:2]
+    tokens = tokenizer.encode(SYSTEM)[:300]
+    session = Session(model, rewind_slack=64, checkpoint_every=64, max_chunk=64)
+    session.sync(tokens)
+    store = DiskStore(tmp_path, 64, min_tokens=64)
+    assert store.save(session, "evict", "victim") is not None
+    assert store.find(model, tokens + [1], "attacker") is None and store.find(model, tokens + [1]) is None
+    assert store.find(model, tokens + [1], "victim")[1] == 300
+    reopened = DiskStore(tmp_path, 64, min_tokens=64)  # the namespace survives an index rebuilt from the files
+    (tmp_path / "index.json").unlink()
+    rebuilt = DiskStore(tmp_path, 64, min_tokens=64)
+    for store in (reopened, rebuilt):
+        assert store.find(model, tokens + [1], "attacker") is None and store.find(model, tokens + [1], "victim")

@@ -225,7 +225,7 @@ def test_model_output_markup_is_shown_as_text(page, capsys):
 def test_with_an_api_key_the_page_asks_for_it_once_and_keeps_it_for_the_tab(browser):
     key = "page-key"
     server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=1,
-                          budget_bytes=2**32, access=Access(api_key=key))
+                          budget_bytes=2**32, access=Access(api_keys=(key,)))
     with BackgroundServer(server) as bg:
         context = browser.new_context()
         page = context.new_page()

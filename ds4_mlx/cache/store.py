@@ -49,15 +49,17 @@ class Entry:
     keys: dict  # {prefix length: prefix hash} for the positions this file restores cheaply
     size: int
     reason: str  # evict, shutdown, prefill, chat
+    namespace: str = ""  # the tenant whose prefixes these are (its hashes are salted with it)
     hits: int = 0
     last_used: float = 0.0
     created: float = field(default_factory=time.time)
 
 
-def prefix_hashes(tokens, lengths) -> dict:
-    """{length: hash of tokens[:length]} for each length, in one pass over the tokens."""
+def prefix_hashes(tokens, lengths, namespace: str = "") -> dict:
+    """{length: hash of tokens[:length]} for each length, in one pass over the tokens; salted with the
+    namespace (vLLM's `cache_salt`), so no lookup matches another namespace's prefix."""
     ids = np.asarray(tokens, dtype=np.int32)
-    h, done, out = hashlib.blake2b(digest_size=16), 0, {}
+    h, done, out = hashlib.blake2b(namespace.encode(), digest_size=16), 0, {}
     for n in sorted(set(lengths)):
         h.update(ids[done:n].tobytes())
         done = n
@@ -95,13 +97,13 @@ class DiskStore:
 
     # -- public ------------------------------------------------------------------------------
     @_never_raises()
-    def save(self, session, reason) -> Entry | None:
-        """Write `session` (if long enough and not already stored); returns its entry."""
+    def save(self, session, reason, namespace: str = "") -> Entry | None:
+        """Write `session` (if long enough and not already stored) for `namespace`; returns its entry."""
         n = len(session.tokens)
         if n < self.min_tokens:
             return None
         identity = self._bind(session.model)
-        full_key = prefix_hashes(session.tokens, [n])[n]
+        full_key = prefix_hashes(session.tokens, [n], namespace)[n]
         for e in self.entries.values():
             if e.model == identity and e.keys.get(str(n)) == full_key:
                 e.last_used = self.clock()  # already restorable from this file
@@ -109,6 +111,7 @@ class DiskStore:
                 return e
         try:
             arrays, header = export_session(session, self.history)
+            header["namespace"] = namespace  # so that an index rebuilt from the files keeps it
             bound = file_size_bound(arrays, header)
             if bound + self._index_reserve > self.budget:
                 log.warning(f"kv disk: a {n}-token session ({bound / 2**20:.1f} MiB) exceeds the "
@@ -121,9 +124,10 @@ class DiskStore:
         except Exception as e:  # noqa: BLE001 - a failed save must not fail the request
             log.warning(f"kv disk: saving a {n}-token session failed: {type(e).__name__}: {e}")
             return None
-        entry = Entry(name, identity, n, self._keys(session.tokens, header["lanes"]), size, reason,
-                      last_used=self.clock())
+        entry = Entry(name, identity, n, self._keys(session.tokens, header["lanes"], namespace), size, reason,
+                      last_used=self.clock(), namespace=namespace)
         for old in [e for e in self.entries.values() if e.model == identity and e.name != name
+                    and e.namespace == namespace
                     and entry.keys.get(str(e.tokens)) == e.keys.get(str(e.tokens))]:
             entry.hits += old.hits  # the new file restores the old one's end: it takes its place
             self._delete(old, "covered")
@@ -134,18 +138,18 @@ class DiskStore:
         return entry
 
     @_never_raises()
-    def find(self, model, prompt) -> tuple[Entry, int] | None:
-        """The stored file sharing the longest prefix with `prompt`, and that prefix's length."""
+    def find(self, model, prompt, namespace: str = "") -> tuple[Entry, int] | None:
+        """The stored file of `namespace` sharing the longest prefix with `prompt`, and that prefix's length."""
         identity = self._bind(model)
         candidates = {}
         for e in self.entries.values():
-            if e.model == identity:
+            if e.model == identity and e.namespace == namespace:
                 for length, key in e.keys.items():
                     if int(length) <= len(prompt):
                         candidates.setdefault(int(length), {})[key] = e
         if not candidates:
             return None
-        hashes = prefix_hashes(prompt, candidates)
+        hashes = prefix_hashes(prompt, candidates, namespace)
         for length in sorted(candidates, reverse=True):
             entry = candidates[length].get(hashes[length])
             if entry is not None:
@@ -171,20 +175,20 @@ class DiskStore:
                  f"load={(time.perf_counter() - t) * 1000:.0f} ms file={entry.name}")
         return True
 
-    def restore(self, session, prompt, shared) -> int:
-        """Before serving `prompt` from `session`, which shares `shared` tokens with it: load the
-        stored file with a longer shared prefix, if any. Returns the tokens now shared."""
-        found = self.find(session.model, prompt)
+    def restore(self, session, prompt, shared, namespace: str = "") -> int:
+        """Before serving `prompt` of `namespace` from `session`, which shares `shared` tokens with it:
+        load the stored file with a longer shared prefix, if any. Returns the tokens now shared."""
+        found = self.find(session.model, prompt, namespace)
         if found is None or found[1] < shared + self.index_every:
             return shared
         entry, length = found
         return length if self.load(session, entry) else shared
 
     @_never_raises()
-    def during_prefill(self, session):
+    def during_prefill(self, session, namespace: str = ""):
         """Called after each prefill chunk: save at every multiple of `prefill_every` tokens."""
         if self.prefill_every and session.tokens and len(session.tokens) % self.prefill_every == 0:
-            self.save(session, "prefill")
+            self.save(session, "prefill", namespace)
 
     def latest(self, reason=None) -> Entry | None:
         entries = [e for e in self.entries.values() if reason is None or e.reason == reason]
@@ -290,19 +294,20 @@ class DiskStore:
             header = read_header(path)
             tokens = [int(t) for t in header["tokens"]]
             identity = header["model"]
+            namespace = str(header.get("namespace", ""))
         except (StateFileError, KeyError, TypeError, ValueError) as e:
             log.warning(f"kv disk: {path.name} is unusable ({e}); deleted")
             path.unlink(missing_ok=True)
             return None
         stat = path.stat()
-        return Entry(path.name, identity, len(tokens), self._keys(tokens, header["lanes"]), stat.st_size, "found",
-                     last_used=stat.st_mtime, created=stat.st_mtime)
+        return Entry(path.name, identity, len(tokens), self._keys(tokens, header["lanes"], namespace), stat.st_size,
+                     "found", last_used=stat.st_mtime, created=stat.st_mtime, namespace=namespace)
 
-    def _keys(self, tokens, lanes) -> dict:
+    def _keys(self, tokens, lanes, namespace: str) -> dict:
         """Prefix hashes at the end and at each `index_every`-th position whose previous position (where
         a prompt of exactly that length rewinds to) the file restores cheaply: from its oldest lane on."""
         n = len(tokens)
         lowest = max(min(lanes, default=n) + 1, self.min_tokens, 1)
         lengths = [q for q in range(n - n % self.index_every, lowest - 1, -self.index_every)] + [n]
-        return {str(k): v for k, v in prefix_hashes(tokens, lengths).items()}
+        return {str(k): v for k, v in prefix_hashes(tokens, lengths, namespace).items()}
 

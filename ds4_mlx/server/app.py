@@ -20,7 +20,7 @@ from ds4_mlx.server.connections import CappedSite
 from ds4_mlx.server.errors import APIError, context_exceeded
 from ds4_mlx.server.loading import start_in_background
 from ds4_mlx.server.metrics import ServerMetrics
-from ds4_mlx.server.middleware import Access, add_cors_headers, gates
+from ds4_mlx.server.middleware import TENANT, Access, add_cors_headers, gates, namespace_of
 from ds4_mlx.server.openapi import openapi_spec
 from ds4_mlx.server.protocol import Prepared, ServerInfo, parse_body
 from ds4_mlx.server.sessions_api import sessions_snapshot
@@ -31,6 +31,7 @@ from ds4_mlx.server.worker import GenerationRequest, Job, Worker
 log = logging.getLogger("ds4_mlx.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+CACHE_SALT = web.RequestKey("cache_salt", object)  # the body's `cache_salt`, a str or None
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -120,8 +121,8 @@ class Server:
         trouble = self.worker.health()
         if trouble is not None:
             return web.json_response({"status": "error", "model": self.info.model_id, "error": trouble}, status=503)
-        slots = [{"slot": s.index, "tokens": len(s.tokens), "busy": s.busy, "bytes": s.nbytes}
-                 for s in self.worker.slots]
+        # counts only: the tokens a slot holds are its tenant's business (/v1/sessions shows a tenant its own)
+        slots = [{"slot": s.index, "busy": s.busy} for s in self.worker.slots]
         return web.json_response({"status": "ok", "model": self.info.model_id, "context_length": self.info.ctx,
                                   "queued": self.worker.queued, "slots": slots})
 
@@ -140,7 +141,8 @@ class Server:
         return web.json_response(openapi_spec(self.info))
 
     async def sessions(self, request):
-        return web.json_response(sessions_snapshot(self.worker, self.info))
+        salt = request.query.get("cache_salt")
+        return web.json_response(sessions_snapshot(self.worker, self.info, _namespace(request, salt)))
 
     # -- generation endpoints -------------------------------------------------------------------------
 
@@ -185,7 +187,8 @@ class Server:
         if room <= 0:
             raise context_exceeded(len(ids), self.info.ctx, prepared.param)
         max_tokens = min(prepared.max_tokens or room, room, self.info.max_tokens or room)
-        job = Job(GenerationRequest(ids, max_tokens, prepared.sampling, prepared.stop, label),
+        job = Job(GenerationRequest(ids, max_tokens, prepared.sampling, prepared.stop, label,
+                                    _namespace(request, request.get(CACHE_SALT))),
                   asyncio.get_running_loop(), client_gone=lambda: _client_gone(request))
         answer = Answer(thinking=prepared.thinking, tools=prepared.tools, tool_memory=self.tool_memory,
                         tool_id_prefix=prepared.tool_id_prefix)
@@ -276,8 +279,12 @@ class Server:
 
         def parsed():
             body = parse_body(raw)
-            return body, parse(body)
-        return await _off_loop(parsed)
+            salt = body.pop("cache_salt", None)  # read here for every API: vLLM's field, no API module's
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise APIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+            return salt, body, parse(body)
+        request[CACHE_SALT], body, prepared = await _off_loop(parsed)
+        return body, prepared
 
     async def _read(self, request: web.Request) -> bytes:
         too_large = APIError(413, f"the body is larger than {self.max_body_bytes / 2**20:g} MiB (--max-body-mb)",
@@ -307,6 +314,10 @@ class Server:
             error = APIError(500, f"internal error: {type(e).__name__}")
         body = error.anthropic_body() if is_anthropic(request) else error.openai_body()
         return web.json_response(body, status=error.status)
+
+
+def _namespace(request: web.Request, cache_salt: str | None) -> str:
+    return namespace_of(request.get(TENANT, ""), cache_salt)
 
 
 async def _off_loop(fn, *args):

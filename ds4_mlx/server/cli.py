@@ -36,7 +36,7 @@ def run_serve(args):
         raise ValueError("--max-connections must be at least 1")
     if args.max_body_mb is not None and args.max_body_mb <= 0:
         raise ValueError("--max-body-mb must be more than 0")
-    if args.api_key is not None and not args.api_key.strip():
+    if any(not key.strip() for key in args.api_key or ()):
         raise ValueError("--api-key must not be empty")
 
     def load():  # runs on the worker thread once the app starts, so `server` below is set
@@ -55,7 +55,7 @@ def run_serve(args):
                           disk=disk_store_from_args(args),
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
                           max_connections=fit_connection_cap(args.max_connections),
-                          access=Access(api_key=args.api_key, cors_origins=tuple(args.cors or ()),
+                          access=Access(api_keys=tuple(args.api_key or ()), cors_origins=tuple(args.cors or ()),
                                         allowed_hosts=tuple(h.lower() for h in args.allowed_host or ())))
     sock = listen(args.host, args.port)
     code = asyncio.run(serve(server, sock, log))
@@ -154,8 +154,10 @@ def register(subparsers):
                    "32 bytes a token of --ctx when that is more)")
     p.add_argument("--max-connections", type=int, default=2048,
                    help="open connections served at once; more get a 503 (default %(default)s)")
-    p.add_argument("--api-key", help="require this key from clients, as 'Authorization: Bearer KEY' or "
-                   "'x-api-key: KEY' (/health stays open)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require this key from clients, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                        "(/health stays open); repeatable: each key is a tenant whose cached prefixes no other "
+                        "key reuses or learns about")
     p.add_argument("--cors", action="append", metavar="ORIGIN",
                    help="let web pages from ORIGIN call the server (repeatable; * for any origin); requests "
                         "from other pages than the server's own are refused")

@@ -10,6 +10,7 @@ The gates run inside the app's error middleware, so a refusal is an `APIError` a
 format of the API the client called.
 """
 
+import hashlib
 import hmac
 import ipaddress
 from dataclasses import dataclass
@@ -23,13 +24,15 @@ PUBLIC_PATHS = {"/health"}  # answered without the API key: health checks carry 
 WITHOUT_MODEL_PATHS = {"/metrics", "/openapi.json"}  # answered while the model loads
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version"
+TENANT = web.RequestKey("tenant", str)  # a hash of the request's API key
 
 
 @dataclass(frozen=True)
 class Access:
-    """`api_key`: None serves everyone. `cors_origins`: origins browsers may call from ("*": any).
-    `allowed_hosts`: names besides loopback ones that clients may reach the server by."""
-    api_key: str | None = None
+    """`api_keys`: empty serves everyone; else each key is a tenant with its own prefix-cache namespace.
+    `cors_origins`: origins browsers may call from ("*": any). `allowed_hosts`: names besides loopback
+    ones that clients may reach the server by."""
+    api_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
 
@@ -52,8 +55,8 @@ def gates(access: Access, server) -> list:
     chain = [_browser_checks(access)]
     if access.cors_origins:
         chain.append(_preflight(access))
-    if access.api_key:
-        chain.append(_api_key(access.api_key))
+    if access.api_keys:
+        chain.append(_api_key(access.api_keys))
     chain.append(_readiness(server))
     return chain
 
@@ -109,8 +112,16 @@ def _preflight(access: Access):
     return preflight
 
 
-def _api_key(key: str):
-    expected = key.encode()
+def namespace_of(tenant: str, cache_salt: str | None) -> str:
+    """The prefix-cache namespace of a request: its key's, salted by its `cache_salt` (vLLM's field);
+    "" for a keyless request without a salt. A hash: neither the key nor the salt is kept."""
+    if not tenant and cache_salt is None:
+        return ""
+    return hashlib.sha256(f"{tenant}\0{cache_salt or ''}".encode()).hexdigest()[:32]
+
+
+def _api_key(keys: tuple[str, ...]):
+    expected = [key.encode() for key in keys]
 
     @web.middleware
     async def api_key(request: web.Request, handler):
@@ -123,8 +134,11 @@ def _api_key(key: str):
                 raise APIError(401, "an API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                code="missing_api_key")
             # aiohttp keeps undecodable header bytes as surrogates: encoded back, such a key just does not match
-            if not hmac.compare_digest(given.encode(errors="surrogateescape"), expected):
+            given = given.encode(errors="surrogateescape")
+            matches = [hmac.compare_digest(given, key) for key in expected]  # each compared, in constant time
+            if not any(matches):
                 raise APIError(401, "the API key is not valid", code="invalid_api_key")
+            request[TENANT] = hashlib.sha256(given).hexdigest()
         return await handler(request)
     return api_key
 

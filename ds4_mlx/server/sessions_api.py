@@ -1,7 +1,9 @@
 """`GET /v1/sessions`: the live session slots and the figures of recent requests, read-only.
 
-Counts and speeds only, never prompt or answer text (nor token ids, which spell it). Everything read
-here is a plain number the worker thread wrote: no MLX array is touched off that thread.
+Counts and speeds only, never prompt or answer text (nor token ids, which spell it), and only of the
+caller's namespace (its API key, and `?cache_salt=`): the slots of other tenants are listed as busy or
+not, nothing more, and their requests not at all. Everything read here is a plain number the worker
+thread wrote: no MLX array is touched off that thread.
 """
 
 import time
@@ -31,13 +33,17 @@ def _request(outcome) -> dict:
             "live_tokens": outcome.live, "miss": miss, **request_figures(outcome)}
 
 
-def sessions_snapshot(worker, info) -> dict:
+def sessions_snapshot(worker, info, namespace: str = "") -> dict:
     now = time.monotonic()
     slots = [{"slot": s.index, "busy": s.busy, "tokens": len(s.tokens), "bytes": s.nbytes,
               "idle_seconds": round(now - s.last_used, 1) if s.last_used else None,
               "last_request": _request(s.last_outcome) if s.last_outcome else None}
+             if s.namespace == namespace else
+             {"slot": s.index, "busy": s.busy, "tokens": None, "bytes": None, "idle_seconds": None,
+              "last_request": None}
              for s in worker.slots]
-    requests = [{"finished_at": round(at, 3), **_request(outcome)} for at, outcome in list(worker.recent)]
+    requests = [{"finished_at": round(at, 3), **_request(outcome)} for at, outcome in list(worker.recent)
+                if outcome.namespace == namespace]
     return {"object": "list", "model": info.model_id, "context_length": info.ctx,
             "budget_bytes": worker.budget_bytes, "queued": worker.queued, "slots": slots, "requests": requests}
 
@@ -56,8 +62,9 @@ SESSIONS_SCHEMA = {"type": "object", "properties": {
     "model": {"type": "string"}, "context_length": {"type": "integer"}, "budget_bytes": {"type": "integer"},
     "queued": {"type": "integer"},
     "slots": {"type": "array", "items": {"type": "object", "properties": {
-        "slot": {"type": "integer"}, "busy": {"type": "boolean"}, "tokens": {"type": "integer"},
-        "bytes": {"type": "integer"}, "idle_seconds": {"type": ["number", "null"]},
+        "slot": {"type": "integer"}, "busy": {"type": "boolean"},
+        "tokens": {"type": ["integer", "null"], "description": "null for another tenant's slot"},
+        "bytes": {"type": ["integer", "null"]}, "idle_seconds": {"type": ["number", "null"]},
         "last_request": {"oneOf": [_REQUEST, {"type": "null"}]}}}},
     "requests": {"type": "array", "description": f"the last {RECENT_REQUESTS} finished requests, oldest first",
                  "items": {**_REQUEST, "properties": {"finished_at": {"type": "number", "description": "unix time"},

@@ -10,6 +10,11 @@ least recently used one; and when another slot (idle or busy) shares at least `M
 the prompt, the new slot starts from a snapshot of that one (snapshots are free) and computes only the
 rest. So a side request that shares a prefix with a long conversation neither evicts it nor starts
 cold. The policy is pure: it reads slots and returns a decision.
+
+Tenants: every request carries a namespace (its API key's, salted by its `cache_salt`), and a slot
+holding tokens belongs to the namespace that filled it. A request shares nothing with another
+namespace's slot (it reuses, forks from and learns the length of only its own namespace's prefixes), and
+takes such a slot over only when no slot is empty or of its own namespace.
 """
 
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ class Slot:
     last_used: float = 0.0
     nbytes: int = 0  # the session's bytes, refreshed by the worker thread (readers must not touch arrays)
     last_outcome: object = None  # the worker's Outcome of the last request served here (plain numbers)
+    namespace: str = ""  # of the requests whose tokens the slot holds
 
     @property
     def tokens(self) -> list[int]:
@@ -52,18 +58,19 @@ def _value(slot: Slot, share: int, prompt_len: int) -> int:
     return share - (live - share)
 
 
-def place(slots: list[Slot], prompt: list[int]) -> Placement | None:
-    """The slot for `prompt`, or None when it should wait for a slot to come free."""
+def place(slots: list[Slot], prompt: list[int], namespace: str = "") -> Placement | None:
+    """The slot for `prompt` of a request in `namespace`, or None when it should wait for a slot."""
     idle = [s for s in slots if not s.busy]
     if not idle:
         return None
-    shares = {s.index: common_prefix(s.tokens, prompt) for s in slots}
+    ours = {s.index: not s.tokens or s.namespace == namespace for s in slots}
+    shares = {s.index: common_prefix(s.tokens, prompt) if ours[s.index] else 0 for s in slots}
     values = {s.index: _value(s, shares[s.index], len(prompt)) for s in slots}
     best = max(idle, key=lambda s: (values[s.index], s.last_used))
     if values[best.index] > 0:
         share = shares[best.index]
         return Placement(best, len(best.tokens), share, _partial_miss(best, share, prompt))
-    victim = max(idle, key=lambda s: (values[s.index], -s.last_used))
+    victim = max(idle, key=lambda s: (ours[s.index], values[s.index], -s.last_used))
     live, share = len(victim.tokens), shares[victim.index]
     source = max((s for s in slots if s is not victim), key=lambda s: shares[s.index], default=None)
     if source is not None and shares[source.index] >= max(MIN_SHARE, share + 1):

@@ -40,6 +40,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_strings: list[str] = field(default_factory=list)
     label: str = "chat"  # names the endpoint in the log
+    namespace: str = ""  # the tenant: prefixes are shared only within one (see `slots`)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Outcome:
     decode_s: float
     miss: str | None
     source: int | None = None  # the slot a fork started from (slots.place)
+    namespace: str = ""
 
     @property
     def cached_tokens(self) -> int:
@@ -242,7 +244,7 @@ class Worker:
                 self._fail_all(refused, "the server is shutting down")
             if stopping:
                 for slot in self.slots if self.disk is not None else []:
-                    self.disk.save(slot.session, "shutdown")
+                    self.disk.save(slot.session, "shutdown", slot.namespace)
                 self._release()
                 return
             self.turn_started = time.monotonic()
@@ -289,7 +291,8 @@ class Worker:
             job.emit("done", None)
         admitted = []
         while self._pending:
-            placement = place(self.slots, self._pending[0].request.prompt_ids)
+            request = self._pending[0].request
+            placement = place(self.slots, request.prompt_ids, request.namespace)
             if placement is None:
                 break  # the head waits for its slot; later jobs wait behind it
             placement.slot.busy = True
@@ -312,15 +315,16 @@ class Worker:
         request, session = job.request, placement.slot.session
         kept = placement.common if placement.source is None else 0  # a fork replaces the slot's tokens
         if self.disk is not None and len(session.tokens) - kept >= self.disk.min_tokens:
-            self.disk.save(session, "evict")  # the request is about to discard these tokens
+            self.disk.save(session, "evict", placement.slot.namespace)  # the request will discard these tokens
+        placement.slot.namespace = request.namespace
         if placement.source is not None:  # start from the snapshot of a slot sharing a long prefix
             session.restore(placement.source.session.snapshot())
         if self.disk is not None:
-            self.disk.restore(session, request.prompt_ids, placement.common)
+            self.disk.restore(session, request.prompt_ids, placement.common, request.namespace)
 
         def on_prefill(done, total):
             if self.disk is not None:
-                self.disk.during_prefill(session)
+                self.disk.during_prefill(session, request.namespace)
             job.emit("prefill", (done, total))
 
         chunks = self._generate(
@@ -373,7 +377,8 @@ class Worker:
             live=placement.live, common=placement.common, reused=stats.reused_tokens,
             replayed=stats.replayed_tokens, computed=stats.computed_tokens, prefill_s=stats.prefill_seconds,
             decode_s=stats.decode_seconds, miss=placement.miss,
-            source=placement.source.index if placement.source is not None else None)
+            source=placement.source.index if placement.source is not None else None,
+            namespace=run.job.request.namespace)
 
     def _keep_within_budget(self, just_used: Slot):
         """Empty idle slots, least recently used first, until the sessions fit the byte budget."""
@@ -385,7 +390,7 @@ class Worker:
                 continue
             freed = slot.session.nbytes
             if self.disk is not None:
-                self.disk.save(slot.session, "evict")
+                self.disk.save(slot.session, "evict", slot.namespace)
             slot.session.reset()
             total -= freed
             log.info(f"slot={slot.index} emptied to stay within the session budget ({freed / 2**20:.1f} MiB freed)")

@@ -306,9 +306,10 @@ function formatAgo(seconds) {
 function renderSlots(slots) {
   const rows = slots.map((slot) => {
     const last = slot.last_request;
+    const theirs = slot.tokens === null; // another tenant's slot: the server says only whether it is busy
     const cells = {
-      slot: slot.slot, state: slot.busy ? "busy" : "idle", tokens: slot.tokens, bytes: formatBytes(slot.bytes),
-      "last-use": slot.busy ? "now" : formatAgo(slot.idle_seconds),
+      slot: slot.slot, state: slot.busy ? "busy" : "idle", tokens: theirs ? "another key's" : slot.tokens,
+      bytes: theirs ? "" : formatBytes(slot.bytes), "last-use": slot.busy ? "now" : formatAgo(slot.idle_seconds),
       reused: last ? last.reused_tokens : "", replayed: last ? last.replayed_tokens : "",
       computed: last ? last.computed_tokens : "",
       prefill: last ? last.prefill_tokens_per_second : "", decode: last ? last.decode_tokens_per_second : "",
