@@ -66,6 +66,8 @@ def test_restarted_server_resumes_from_disk_and_answers_as_a_cold_run(tmp_path, 
     assert int(line["computed"]) + int(line["replayed"]) <= 128, line
     assert (warm.content, warm.reasoning_content) == (cold.content, cold.reasoning_content)
     assert any("kv disk: hit" in r.getMessage() for r in caplog.records)
+    request_line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chat ")][-1]
+    assert request_line.startswith("chat disk hit: slot 0 starts from a stored session sharing"), request_line
 
 
 def test_a_slot_a_fork_takes_over_is_saved_first(tmp_path):

@@ -97,31 +97,47 @@ def url_of(sock: socket.socket) -> str:
 
 
 async def serve(server, sock: socket.socket, log) -> int:
+    """Serve until SIGINT or SIGTERM (exit 0, also during the model load) or the worker's death (exit 1)."""
+    loop = asyncio.get_running_loop()
+    signalled = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda sig=sig: signalled.done() or signalled.set_result(sig))
     runner = server.runner()
     await runner.setup()  # starts loading the model in the background
     try:
         await server.serve_on(runner, sock)
         url = url_of(sock)
         log.info(f"listening on {url}; loading the model ({url}/health says \"loading\" until it is ready)")
-        await asyncio.shield(server.loaded)  # Ctrl+C here ends the wait, not the load's future
+        await _first_of(server.loaded, signalled)
+        if signalled.done():
+            log.info(f"{signal.Signals(signalled.result()).name} during the model load: stopped without serving")
+            return 0
+        server.loaded.result()  # a failed load raises here
         info, n = server.info, len(server.worker.slots)
         log.info(f"serving {info.model_id} (ctx {info.ctx}, {n} live session(s))")
         log.info(THINKING_NOTE)
         log.info(f"ready: {url} (OpenAI: /v1, Anthropic: /v1/messages)")
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a clean shutdown, exit 0, once serving
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(server.worker_died.wait())]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for wait in waits:
-            wait.cancel()
-        if server.worker_died.is_set():
+        await _first_of(signalled, server.worker_died.wait())
+        if not signalled.done():
             log.error("the worker thread died (see above); exiting with status 1 so that a supervisor restarts "
                       "the server")
             return 1
+        log.info(f"{signal.Signals(signalled.result()).name}: shutting down; open requests get an error"
+                 + (", sessions are saved to the disk store" if server.worker.disk is not None else ""))
         return 0
     finally:
         await runner.cleanup()
+        log.info("stopped")
+
+
+async def _first_of(*waits):
+    """Wait until one of the futures or coroutines is done; the others are left running (futures) or
+    cancelled (coroutines)."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for wait, task in zip(waits, tasks):
+        if task is not wait:
+            task.cancel()
 
 
 def register(subparsers):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ds4_mlx.generate import RATE_MIN_TOKENS, GenerationStats, SamplingParams
 from ds4_mlx.server.slots import Placement, Slot, place
+from ds4_mlx.session import common_prefix
 
 log = logging.getLogger("ds4_mlx.server")
 
@@ -60,6 +61,8 @@ class Outcome:
     miss: str | None
     source: int | None = None  # the slot a fork started from (slots.place)
     namespace: str = ""
+    from_disk: int = 0  # prompt tokens loaded from the disk store before the prefill
+    cut_off: bool = False  # ended by the shutdown while running; then the figures are what the slot holds
 
     @property
     def cached_tokens(self) -> int:
@@ -73,7 +76,13 @@ class Outcome:
             return f"{seconds:.2f} s{rate}"
 
         slot = f"slot {self.slot}"
-        if self.miss is None:
+        if self.cut_off:
+            return (f"{label} cut off by the shutdown after {self.reused + self.computed} of {self.prompt_tokens} "
+                    f"prompt tokens and {self.completion_tokens} answer tokens; {slot} keeps them")
+        if self.from_disk:
+            kind = (f"disk hit: {slot} starts from a stored session sharing {self.from_disk} tokens with the prompt"
+                    + (f" (its own {self.live} were dropped)" if self.live else ""))
+        elif self.miss is None:
             kind = "hit: " + (f"{slot} already holds this prompt (a resend)" if self.prompt_tokens <= self.live
                               else f"{slot} continues its conversation")
         elif self.source is not None:
@@ -120,6 +129,7 @@ class _Running:
     placement: Placement
     chunks: object  # the iterator from stream_generate
     started: bool = False  # the prefill is over and the first chunk came
+    from_disk: int = 0  # prompt tokens the disk store restored
 
 
 class Worker:
@@ -280,7 +290,7 @@ class Worker:
             job.emit("done", None)
         for run in list(self._running):
             run.job.emit("error", message)
-            self._finish(run, None)
+            self._finish(run, None, cut_off=True)
 
     def _admissible(self) -> list[tuple[Job, Placement]]:
         """Take queued jobs in arrival order while slots allow, each with its slot (marked busy); drop
@@ -319,8 +329,9 @@ class Worker:
         placement.slot.namespace = request.namespace
         if placement.source is not None:  # start from the snapshot of a slot sharing a long prefix
             session.restore(placement.source.session.snapshot())
+        shared = placement.common
         if self.disk is not None:
-            self.disk.restore(session, request.prompt_ids, placement.common, request.namespace)
+            shared = self.disk.restore(session, request.prompt_ids, placement.common, request.namespace)
 
         def on_prefill(done, total):
             if self.disk is not None:
@@ -331,7 +342,7 @@ class Worker:
             session, self.tokenizer, request.prompt_ids,
             max_tokens=request.max_tokens, sampling=request.sampling, stop_strings=request.stop_strings,
             should_abort=job.should_abort, on_prefill=on_prefill)
-        return _Running(job, placement, iter(chunks))
+        return _Running(job, placement, iter(chunks), from_disk=shared if shared > placement.common else 0)
 
     def _advance(self, run: _Running):
         alone = len(self._running) == 1
@@ -353,12 +364,12 @@ class Worker:
         if chunk.finish_reason:
             self._finish(run, chunk)
 
-    def _finish(self, run: _Running, last_chunk):
+    def _finish(self, run: _Running, last_chunk, *, cut_off: bool = False):
         self._running.remove(run)
         slot = run.placement.slot
         slot.busy = False
         slot.last_used = time.monotonic()
-        outcome = self._outcome(run, last_chunk)
+        outcome = self._outcome(run, last_chunk, cut_off)
         log.info(outcome.log_line(run.job.request.label), extra={"outcome": outcome})  # tests read the figures
         slot.last_outcome = outcome
         self.recent.append((time.time(), outcome))
@@ -368,9 +379,15 @@ class Worker:
         run.job.emit("done", outcome)
 
     @staticmethod
-    def _outcome(run: _Running, last_chunk) -> Outcome:
+    def _outcome(run: _Running, last_chunk, cut_off: bool = False) -> Outcome:
         stats = last_chunk.stats if last_chunk is not None else GenerationStats()
         placement = run.placement
+        if cut_off:  # the generator's figures never came: what the slot holds now says how far it got
+            prompt, tokens = run.job.request.prompt_ids, placement.slot.tokens
+            done = common_prefix(tokens, prompt)  # of the prompt, in the slot
+            reused = min(done, max(placement.common, run.from_disk))
+            stats = GenerationStats(reused_tokens=reused, computed_tokens=done - reused,
+                                    completion_tokens=len(tokens) - done if done == len(prompt) else 0)
         return Outcome(
             slot=placement.slot.index, finish_reason=last_chunk.finish_reason if last_chunk else "error",
             prompt_tokens=len(run.job.request.prompt_ids), completion_tokens=stats.completion_tokens,
@@ -378,7 +395,7 @@ class Worker:
             replayed=stats.replayed_tokens, computed=stats.computed_tokens, prefill_s=stats.prefill_seconds,
             decode_s=stats.decode_seconds, miss=placement.miss,
             source=placement.source.index if placement.source is not None else None,
-            namespace=run.job.request.namespace)
+            namespace=run.job.request.namespace, from_disk=run.from_disk, cut_off=cut_off)
 
     def _keep_within_budget(self, just_used: Slot):
         """Empty idle slots, least recently used first, until the sessions fit the byte budget."""
