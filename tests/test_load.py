@@ -26,3 +26,27 @@ def test_eight_clients_with_random_aborts_get_no_errors_and_exact_answers():
     assert figures["requests"] == 104 and figures["aborted_in_prefill"] > 0 and figures["aborted_in_decode"] > 0
     assert figures["errors"] == 0, figures["error_kinds"]
     assert figures["completed"] >= 50 and figures["mismatches"] == 0, figures
+
+
+def test_hostile_attacks_are_answered_and_bounded(monkeypatch):
+    """`bench load --hostile`'s attacks at a small scale: each is answered as designed, /health never fails."""
+    import os
+
+    from ds4_mlx.server import load_bench
+
+    monkeypatch.setattr(load_bench, "SLOW_CONNECTIONS", 20)
+    monkeypatch.setattr(load_bench, "SLOW_SECONDS", 60.0)  # a bound: the server closes them after 1 s
+    monkeypatch.setattr(load_bench, "ABORTED_REQUESTS", 5)
+    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=4096, sessions=1,
+                          budget_bytes=2**32, idle_timeout_s=1.0)
+    with BackgroundServer(server) as bg:
+        hostile = load_bench.Hostile(bg.url, os.getpid())
+        hostile.start()
+        for thread in hostile.threads[1:]:  # the attacks end by themselves; then the prober stops
+            thread.join()
+        hostile.finish()
+    figures = hostile.figures()
+    assert all(status == 413 or str(status).startswith("closed") for status in figures["big_body"]), figures
+    assert 413 in figures["big_body"]
+    assert figures["slow_connections"] == figures["slow_closed_by_server"] == 20, figures
+    assert figures["aborted_requests"] == 5 and figures["health_failures"] == 0 and figures["health_probes"] > 0

@@ -10,8 +10,17 @@ Reported: requests, aborted (in prefill, in decode), errors (any status >= 500 o
 hang, a broken stream: one that ends without a finish reason), mismatches (completed answers that
 differ from the lone answer), p50/p99 time to first token, the largest gap between two tokens of one
 stream, and the server's peak RSS.
+
+`--hostile`: the clients never abort (they are the well-behaved streams), and while they run, the
+server (loopback only, every attack bounded in count and time) gets a 64 MiB body (once with its
+length announced, once chunked), `SLOW_CONNECTIONS` connections that drip one header line a second
+and never finish their request head, and `ABORTED_REQUESTS` requests whose client leaves right after
+sending them; a prober times `/health` all along. Reported besides: what each attack got back,
+`/health` latency p50/p99 and failures, and the server's peak RSS above its idle RSS (Linux).
 """
 
+import http.client
+import json
 import random
 import resource
 import signal
@@ -25,6 +34,18 @@ from dataclasses import dataclass, field
 
 MODEL = "deepseek-v4-flash"
 HANG_S = 120.0  # a request with no byte for this long is hung
+NEEDS_OPENAI = "bench load needs the openai package: pip install 'ds4-mlx[test]' (or pip install openai)"
+BIG_BODY_BYTES = 64 * 2**20
+SLOW_CONNECTIONS = 1000
+SLOW_SECONDS = 25.0  # how long the slow connections drip (the server closes them after 15 s)
+ABORTED_REQUESTS = 100
+
+
+def require_openai():
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise RuntimeError(NEEDS_OPENAI) from None
 
 
 def conversations(count: int, *, words: int = 300, max_tokens: tuple = (8, 32)) -> list[dict]:
@@ -199,7 +220,7 @@ def _serve(sessions: int, ctx: int):
         try:
             if requests.get(url + "/health", timeout=1).status_code == 200:  # 503 while the model loads
                 return url, process
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.ReadTimeout):  # not up yet, or busy loading
             pass
         time.sleep(0.2)
     process.kill()
@@ -217,12 +238,19 @@ def _stop(process) -> int:
 
 def bench_load(a) -> dict:
     """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
+    require_openai()
     convs = conversations(a.conversations)
     url, process = _serve(a.sessions, a.ctx)
+    hostile = None
     try:
-        records = run_clients(url, convs, clients=a.clients, seconds=a.minutes * 60, abort_rate=a.abort_rate,
-                              seed=a.seed)
+        if a.hostile:
+            hostile = Hostile(url, process.pid)
+            hostile.start()
+        records = run_clients(url, convs, clients=a.clients, seconds=a.minutes * 60,
+                              abort_rate=0.0 if a.hostile else a.abort_rate, seed=a.seed)
     finally:
+        if hostile is not None:
+            hostile.finish()
         code = _stop(process)
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the server is the only child so far
     peak_rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 2**10
@@ -232,7 +260,8 @@ def bench_load(a) -> dict:
         return url, lambda: _stop(process)
 
     figures = {"clients": a.clients, "minutes": a.minutes, "sessions": a.sessions,
-               **summary(records, lone_answers(convs, fresh)), "peak_rss_mb": peak_rss_mb, "server_exit_code": code}
+               **summary(records, lone_answers(convs, fresh)), "peak_rss_mb": peak_rss_mb, "server_exit_code": code,
+               **({"hostile": hostile.figures()} if hostile is not None else {})}
     print(f"{figures['requests']} requests from {a.clients} clients in {a.minutes:g} min "
           f"({a.sessions} sessions): {figures['completed']} completed, {figures['aborted']} aborted "
           f"({figures['aborted_in_prefill']} in prefill, {figures['aborted_in_decode']} in decode)")
@@ -241,7 +270,150 @@ def bench_load(a) -> dict:
     print(f"time to first token p50 {_s(figures['ttft_p50_s'])}, p99 {_s(figures['ttft_p99_s'])}; "
           f"largest gap between tokens {_s(figures['max_gap_s'])} (median {_s(figures['median_gap_s'])})")
     print(f"server peak RSS {peak_rss_mb:.0f} MB, exit code {code}")
+    if hostile is not None:
+        h = figures["hostile"]
+        print(f"hostile: 64 MiB bodies got {h['big_body']}; {h['slow_connections']} slow-header connections: "
+              f"{h['slow_closed_by_server']} closed by the server, {h['slow_refused']} refused; "
+              f"{h['aborted_requests']} aborted requests")
+        print(f"/health during the attacks: {h['health_probes']} probes, p50 {_s(h['health_p50_s'])}, "
+              f"p99 {_s(h['health_p99_s'])}, max {_s(h['health_max_s'])}, {h['health_failures']} failed; server RSS "
+              f"{_mb(h['idle_rss_mb'])} idle, peak {_mb(h['peak_rss_above_idle_mb'])} above it")
     return figures
+
+
+def _mb(value) -> str:
+    return "-" if value is None else f"{value:.0f} MB"
+
+
+class Hostile:
+    """The attacks of `--hostile` and the /health prober, each in its own thread, all bounded."""
+
+    def __init__(self, url: str, server_pid: int):
+        self.host, self.port = url.removeprefix("http://").split(":")
+        self.port = int(self.port)
+        self.pid = server_pid
+        self.idle_rss_mb = _rss_mb(server_pid, "VmRSS")
+        self.done = threading.Event()
+        self.big_body, self.aborted = [], 0
+        self.slow_closed = self.slow_refused = self.slow_opened = 0
+        self.health_s, self.health_failures = [], 0
+        self.threads = [threading.Thread(target=f, daemon=True) for f in
+                        (self._probe_health, self._big_bodies, self._slow_headers, self._aborted_requests)]
+
+    def start(self):
+        _raise_open_files_limit(SLOW_CONNECTIONS + 256)
+        for thread in self.threads:
+            thread.start()
+
+    def finish(self):
+        self.done.set()
+        for thread in self.threads:
+            thread.join(timeout=SLOW_SECONDS + 60)
+        self.peak_rss_mb = _rss_mb(self.pid, "VmHWM")  # the server's high-water mark, before it stops
+
+    def figures(self) -> dict:
+        health = sorted(self.health_s)
+        above = (self.peak_rss_mb - self.idle_rss_mb) if self.peak_rss_mb and self.idle_rss_mb else None
+        return {"big_body": self.big_body, "slow_connections": self.slow_opened,
+                "slow_closed_by_server": self.slow_closed, "slow_refused": self.slow_refused,
+                "aborted_requests": self.aborted, "health_probes": len(health),
+                "health_p50_s": _quantile(health, 0.5), "health_p99_s": _quantile(health, 0.99),
+                "health_max_s": health[-1] if health else None, "health_failures": self.health_failures,
+                "idle_rss_mb": self.idle_rss_mb, "peak_rss_above_idle_mb": above}
+
+    def _connect(self) -> socket.socket:
+        return socket.create_connection((self.host, self.port), timeout=HANG_S)
+
+    def _probe_health(self):
+        while not self.done.wait(0.1):
+            start = time.monotonic()
+            try:
+                connection = http.client.HTTPConnection(self.host, self.port, timeout=HANG_S)
+                connection.request("GET", "/health")
+                ok = connection.getresponse().status == 200
+                connection.close()
+            except OSError:
+                ok = False
+            self.health_s.append(time.monotonic() - start)
+            self.health_failures += not ok
+
+    def _big_bodies(self):
+        """64 MiB of JSON, announced by its length and then sent chunked: answered without reading it all."""
+        chunk = b" " * 2**20
+        for chunked in (False, True):
+            connection = http.client.HTTPConnection(self.host, self.port, timeout=HANG_S)
+            headers = {"Content-Type": "application/json"}
+            if chunked:
+                body = (chunk for _ in range(BIG_BODY_BYTES // len(chunk)))
+            else:
+                body = b"{" + b" " * (BIG_BODY_BYTES - 2) + b"}"
+            try:
+                connection.request("POST", "/v1/chat/completions", body=body, headers=headers,
+                                   encode_chunked=chunked)
+                self.big_body.append(connection.getresponse().status)
+            except OSError as e:  # the server answered and closed while the body was still going out
+                self.big_body.append(f"closed ({type(e).__name__})")
+            finally:
+                connection.close()
+
+    def _slow_headers(self):
+        """Connections that send a request line and then one header line a second, never the end."""
+        sockets = []
+        for _ in range(SLOW_CONNECTIONS):
+            try:
+                sock = self._connect()
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                sockets.append(sock)
+            except OSError:
+                self.slow_refused += 1
+        self.slow_opened = len(sockets)
+        deadline = time.monotonic() + SLOW_SECONDS
+        while sockets and time.monotonic() < deadline and not self.done.wait(1.0):
+            for sock in list(sockets):
+                try:
+                    sock.sendall(b"X-Drip: 1\r\n")
+                except OSError:  # closed by the server
+                    self.slow_closed += 1
+                    sockets.remove(sock)
+                    sock.close()
+        for sock in sockets:
+            sock.close()
+
+    def _aborted_requests(self):
+        """Whole streamed requests whose client closes the connection after the first bytes of the answer."""
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 64,
+                           "stream": True}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        for _ in range(ABORTED_REQUESTS):
+            if self.done.is_set():
+                return
+            try:
+                with self._connect() as sock:
+                    sock.sendall(head + body)
+                    sock.recv(1)  # the answer has begun (or the request waits in the queue): leave
+                self.aborted += 1
+            except OSError:
+                pass
+
+
+def _rss_mb(pid: int, field: str) -> float | None:
+    """A process's resident memory from /proc (VmRSS now, VmHWM its peak); None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _raise_open_files_limit(wanted: int):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard),
+                                                    hard))
 
 
 def _s(value) -> str:
@@ -256,3 +428,6 @@ def bench_load_options(q):
     q.add_argument("--abort-rate", type=float, default=0.3)
     q.add_argument("--ctx", type=int, default=8192)
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--hostile", action="store_true",
+                   help="the clients never abort; meanwhile a 64 MiB body, 1,000 slow-header connections and 100 "
+                        "aborted requests hit the server (loopback only), and /health is timed")
