@@ -342,7 +342,8 @@ def test_a_tenant_reuses_and_learns_about_only_its_own_prefixes(by):
         victim = usage_of(bg, conversation("4081"), headers=headers("victim"), **salt("victim"))
         # the attacker shares the system prompt and guesses the PIN right: nothing is reused, nothing learned
         probe = usage_of(bg, conversation("4081"), headers=headers("attacker"), **salt("attacker"))
-        assert probe["prompt_tokens"] == victim["prompt_tokens"] and probe["prompt_tokens_details"]["cached_tokens"] == 0
+        assert probe["prompt_tokens"] == victim["prompt_tokens"]
+        assert probe["prompt_tokens_details"]["cached_tokens"] == 0
         # nor through Anthropic's usage
         body = {"model": "deepseek-chat", "max_tokens": 1, "system": SYSTEM,
                 "messages": [{"role": "user", "content": "My PIN is 4081. Check it."}], **salt("other")}

@@ -61,7 +61,8 @@ class Server:
         self.worker_died = asyncio.Event()  # set if the worker thread dies: `serve` then exits non-zero
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, *gates(self.access, self)], client_max_size=self.max_body_bytes)
+        app = web.Application(middlewares=[self._errors, *gates(self.access, self)],
+                              client_max_size=self.max_body_bytes)
         app.add_routes([
             web.get("/health", self.health),
             web.get("/v1/models", self.models),
@@ -147,7 +148,8 @@ class Server:
     # -- generation endpoints -------------------------------------------------------------------------
 
     async def chat_completions(self, request):
-        body, prepared = await self._parse(request, lambda body: openai_api.parse_chat(body, self.info, self.tool_memory))
+        body, prepared = await self._parse(request, lambda body: openai_api.parse_chat(body, self.info,
+                                                                                      self.tool_memory))
         responder = openai_api.ChatResponder(prepared, include_usage=openai_api.include_usage(body))
         return await self._generate(request, prepared, responder, "chat")
 

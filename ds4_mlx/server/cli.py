@@ -78,6 +78,8 @@ def fit_context(requested: int, model_max: int, log) -> int:
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket, before anything loads: a busy port is refused at once."""
+    from ds4_mlx.server.connections import LISTEN_BACKLOG
+
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be from 0 to 65535, not {port}")
     try:
@@ -85,7 +87,7 @@ def listen(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise OSError(f"cannot listen on {host}: {e.strerror}") from None
     try:
-        return socket.create_server((host, port), family=family, backlog=128)
+        return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
     except OSError as e:
         hint = " (another server is running there? pick another with --port)" if e.errno == errno.EADDRINUSE else ""
         raise OSError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}{hint}") from None

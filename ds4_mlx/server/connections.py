@@ -18,6 +18,9 @@ log = logging.getLogger("ds4_mlx.server")
 
 REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\nRetry-After: 1\r\n\r\n"
 SPARE_DESCRIPTORS = 64  # beyond the connections: the model's files, the disk store, the listening socket
+# Connections the kernel holds for accept: a burst beyond it has its SYNs dropped and retried after 1, 3,
+# 7 s, so even /health would wait seconds (Linux caps it at net.core.somaxconn)
+LISTEN_BACKLOG = 1024
 
 
 class _Refused(asyncio.Protocol):
@@ -47,7 +50,7 @@ class CappedSite(web.SockSite):
     """aiohttp's site on a listening socket, with the connection cap in front of its protocol factory."""
 
     def __init__(self, runner: web.AppRunner, sock, max_connections: int):
-        super().__init__(runner, sock)
+        super().__init__(runner, sock, backlog=LISTEN_BACKLOG)
         self.max_connections = max_connections
 
     async def start(self):

@@ -30,7 +30,7 @@ def openapi_spec(info) -> dict:
                  "description": f"DeepSeek V4 Flash on MLX serving '{info.model_id}' with a {info.ctx}-token context; "
                                 "requests reuse live sessions that share their token prefix."},
         "paths": {
-            "/health": _get("server status: slots, their token counts, queue length"),
+            "/health": _get("server status: slots (busy or not), queue length; 503 while loading or if the worker died"),
             "/v1/models": _get("the served model, with its context_length"),
             "/metrics": _get("Prometheus metrics: requests, prompt tokens reused and computed, prefill and decode "
                              "speed, queue, memory (text exposition format)"),
