@@ -10,7 +10,7 @@ SUBCOMMANDS = {
     "chat": "ds4_mlx.repl",
     "generate": "ds4_mlx.generate",
     "serve": "ds4_mlx.server.cli",
-    "bench": "ds4_mlx.bench",
+    "bench": "ds4_mlx.tools.bench",
 }
 
 

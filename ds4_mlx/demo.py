@@ -47,7 +47,7 @@ def build_demo_model(folder: Path, seed=0):
     """Write config.json, model.safetensors (MLX parameter names) and the tokenizer files into `folder`."""
     import mlx.core as mx
 
-    from ds4_mlx.testing import random_gguf_tensors
+    from ds4_mlx.tools.testing import random_gguf_tensors
 
     from ds4_mlx.tokenizer import Tokenizer
 

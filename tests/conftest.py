@@ -8,7 +8,7 @@ import pytest
 
 mx.set_default_device(mx.cpu)
 
-# seeds of `ds4_mlx.testing.tiny_args`: 0 is the fixed tiny shape, the others draw other shapes
+# seeds of `ds4_mlx.tools.testing.tiny_args`: 0 is the fixed tiny shape, the others draw other shapes
 TINY_SEEDS = [0, 2, 4]
 
 
@@ -16,7 +16,7 @@ TINY_SEEDS = [0, 2, 4]
 def tiny_models(tmp_path_factory):
     """{seed: (gguf path, transformers model, ModelArgs)}, built lazily (needs torch + transformers)."""
     pytest.importorskip("transformers")
-    from ds4_mlx.testing import tiny_args, write_tiny_gguf
+    from ds4_mlx.tools.testing import tiny_args, write_tiny_gguf
 
     folder = tmp_path_factory.mktemp("tiny_gguf")
     built = {}

@@ -13,7 +13,7 @@ import requests
 
 from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
-from ds4_mlx.testing import live_text
+from ds4_mlx.tools.testing import live_text
 
 MODEL = "deepseek-v4-flash"
 CAP = 24

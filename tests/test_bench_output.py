@@ -35,7 +35,7 @@ def test_rewind_bench_table_has_a_row_per_context(capsys):
 
 
 def test_convert_bench_prints_a_table(capsys, monkeypatch):
-    from ds4_mlx.convert import bench as convert_bench
+    from ds4_mlx.tools import bench_convert as convert_bench
 
     monkeypatch.setattr(convert_bench, "bench_convert", lambda size_gb: {"gguf_gb": size_gb, "mb_per_s": 812.5,
                                                                           "within_bound": True})
@@ -60,8 +60,8 @@ def test_help_shows_defaults(capsys):
 
 
 def test_real_widths_on_a_cpu_say_how_long_first(capsys, monkeypatch):
-    from ds4_mlx import bench as bench_module
-    from ds4_mlx.testing import tiny_args
+    from ds4_mlx.tools import bench as bench_module
+    from ds4_mlx.tools.testing import tiny_args
 
     # the tiny shape stands in for real widths, which take minutes to build here: what is checked is
     # that the work is counted and announced before it starts

@@ -164,7 +164,7 @@ def test_float_types_exact():
 
 
 def _tiny(quant):
-    from ds4_mlx.testing import tiny_args
+    from ds4_mlx.tools.testing import tiny_args
 
     # widths of 256 so K-quant rows (256 values a block) fit: experts, q_a, kv, shared experts, lm head
     return tiny_args(0, hidden_size=256, moe_intermediate_size=256, vocab_size=384) if quant else tiny_args(0)
@@ -172,7 +172,7 @@ def _tiny(quant):
 
 def _hf_state_names(model):
     """transformers parameter -> ds4 GGUF name (experts' gate_up -> both halves)."""
-    from ds4_mlx import testing
+    from ds4_mlx.tools import testing
 
     out = {}
     for name in model.state_dict():
@@ -195,7 +195,7 @@ def _write_model(tmp_path, dtype=None, quant=None, llama_cpp=False):
     `dtype`, and the transformers model holding exactly the values the file encodes. Exact types get
     random valid blocks, Q2_K / IQ2_XXS the codes the reference quantizer gives for the weights."""
     import torch
-    from ds4_mlx import testing
+    from ds4_mlx.tools import testing
 
     args = _tiny(quant)
     hf = testing.hf_tiny_model(args, seed=0)
@@ -363,7 +363,7 @@ def test_tiny_model_q2_mix(tmp_path, q2_model, bits, group):
 
 
 def _small_valid(tmp_path):
-    from ds4_mlx import testing
+    from ds4_mlx.tools import testing
 
     args = testing.tiny_args(0)
     return testing.write_gguf(tmp_path / "ok.gguf", testing.gguf_metadata(args),
@@ -372,7 +372,7 @@ def _small_valid(tmp_path):
 
 def _bad_files(tmp_path):
     from gguf import GGUFWriter
-    from ds4_mlx import testing
+    from ds4_mlx.tools import testing
 
     ok, args = _small_valid(tmp_path)
     data = ok.read_bytes()
@@ -436,7 +436,7 @@ def test_exit_code_subprocess_and_interrupt_cleanup(tmp_path, monkeypatch):
 def _split(tmp_path, args, tensors, parts=3):
     """The tiny model written as llama.cpp-style shards NAME-0000i-of-0000N.gguf (gguf's own splitter)."""
     from gguf import GGUFWriter
-    from ds4_mlx import testing
+    from ds4_mlx.tools import testing
 
     folder = tmp_path / "shards"
     folder.mkdir()
@@ -475,7 +475,7 @@ def test_load_requantizes_once_into_cache(tmp_path, monkeypatch, capsys):
     """A GGUF with Q2_K / IQ2_XXS tensors is converted on the first load only, into a folder under
     $DS4_MLX_HOME named by the file; a changed file gets a new folder. Exact types load directly."""
     import ds4_mlx
-    from ds4_mlx import testing
+    from ds4_mlx.tools import testing
     from ds4_mlx.convert import cli as ccli, reference_quant
 
     monkeypatch.setenv("DS4_MLX_HOME", str(tmp_path / "home"))
@@ -507,7 +507,7 @@ def test_load_requantizes_once_into_cache(tmp_path, monkeypatch, capsys):
 def test_widened_scales_convert_to_bfloat16(tmp_path):
     """A Q8_0 tensor whose biases (-128 d) overflow float16 gets bfloat16 scales and biases."""
     import ds4_mlx
-    from ds4_mlx import testing
+    from ds4_mlx.tools import testing
 
     args = testing.tiny_args(0)
     tensors = testing.random_gguf_tensors(args)
@@ -533,7 +533,7 @@ def test_widened_scales_convert_to_bfloat16(tmp_path):
 def test_published_files_projection():
     """The published files' sizes (80.76 and 153.32 GiB) come back from the tensor table, and their
     conversions, projected from bytes a weight measured on converted real-width rows, meet the targets."""
-    from ds4_mlx.convert import bench
+    from ds4_mlx.tools import bench_convert as bench
 
     figures = bench.bench_published(rows=32)
     assert figures["q2_gguf_gib"] == 80.76 and figures["q4_gguf_gib"] == 153.32

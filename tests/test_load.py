@@ -4,7 +4,7 @@ to a fresh server."""
 
 from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
-from ds4_mlx.server.load_bench import conversations, lone_answers, run_clients, summary
+from ds4_mlx.tools.bench_load import conversations, lone_answers, run_clients, summary
 
 
 def background_server(sessions):

@@ -1,4 +1,4 @@
-"""The scripted model served from a JSON script (`python -m ds4_mlx.scripted`), through the OpenAI SDK:
+"""The scripted model served from a JSON script (`python -m ds4_mlx.tools.scripted`), through the OpenAI SDK:
 a request with tools gets the turn numbered by its tool results, one without tools the side answer."""
 
 import json
@@ -21,7 +21,7 @@ def test_a_script_file_drives_a_tool_loop(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "ds4_mlx.scripted", str(tmp_path / "script.json"),
+    process = subprocess.Popen([sys.executable, "-m", "ds4_mlx.tools.scripted", str(tmp_path / "script.json"),
                                 "--port", str(port), "--ctx", "4096", "--sessions", "1"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

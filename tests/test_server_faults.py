@@ -10,11 +10,11 @@ import pytest
 import requests
 from openai import OpenAI
 
-from ds4_mlx.bench import random_model
+from ds4_mlx.tools.bench import random_model
 from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.session import Session
-from ds4_mlx.testing import tiny_args
+from ds4_mlx.tools.testing import tiny_args
 
 MODEL = "deepseek-v4-flash"
 

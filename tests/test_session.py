@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ds4_mlx.bench import random_model
+from ds4_mlx.tools.bench import random_model
 from ds4_mlx.cache.layers import make_caches
 from ds4_mlx.session import Session, SyncInterrupted
-from ds4_mlx.testing import tiny_args
+from ds4_mlx.tools.testing import tiny_args
 
 SEEDS = [0, 3, 5]
 _models = {}
@@ -255,7 +255,7 @@ def test_nbytes_counts_slack_and_checkpoints():
 
 def test_bench_memory_stand_in_holds_what_the_model_holds():
     """`bench memory` fills sessions with a row writer instead of the model: same bytes, same checkpoints."""
-    from ds4_mlx.cache.bench import RowWriter
+    from ds4_mlx.tools.bench_memory import RowWriter
 
     model = model_for(0, quant_sim=True)
     real = Session(model, rewind_slack=40, checkpoint_every=32, max_chunk=16)

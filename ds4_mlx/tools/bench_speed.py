@@ -178,7 +178,7 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
     the GPU: prefill tok/s (one forward) and decode tok/s (median step after warm-up)."""
     import torch
 
-    from ds4_mlx.testing import hf_config
+    from ds4_mlx.tools.testing import hf_config
     from transformers import DeepseekV4ForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,7 +232,7 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
 
 def bench_speed(a):
     """Prefill/decode tok/s at real widths against the roofline (and transformers with --peer)."""
-    from ds4_mlx.bench import build_model
+    from ds4_mlx.tools.bench import build_model
     from ds4_mlx.models.kernels import backend
 
     model = build_model(a)
@@ -330,7 +330,7 @@ def plot(figures, png_path, before=None):
     fig.savefig(png_path, dpi=120)
 
 
-if __name__ == "__main__":  # python -m ds4_mlx.bench_speed FIGURES.json OUT.png [BEFORE.json]
+if __name__ == "__main__":  # python -m ds4_mlx.tools.bench_speed FIGURES.json OUT.png [BEFORE.json]
     import json
     import sys
 

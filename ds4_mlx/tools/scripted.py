@@ -14,7 +14,7 @@ reasoning is written only when the prompt asks for thinking.
     model = ScriptedModel([Turn(calls=[("Bash", {"command": "ls"})]), Turn(text="Done.")])
     server = build_server(demo_loader, ..., generate=model.generate)
 
-`python -m ds4_mlx.scripted SCRIPT.json` serves the demo model with a script (a JSON object with
+`python -m ds4_mlx.tools.scripted SCRIPT.json` serves the demo model with a script (a JSON object with
 `turns`: [{reasoning, text, calls: [[name, arguments]]}] and optionally `side`).
 """
 
@@ -97,7 +97,7 @@ def main(argv=None):
     from ds4_mlx.generate import load_for_cli
     from ds4_mlx.server.build import build_server
 
-    p = argparse.ArgumentParser(prog="python -m ds4_mlx.scripted", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ds4_mlx.tools.scripted", description=__doc__.split("\n\n")[0])
     p.add_argument("script", help="a JSON file: {turns: [{reasoning, text, calls}], side}")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
