@@ -60,12 +60,12 @@ def test_help_shows_defaults(capsys):
 
 
 def test_real_widths_on_a_cpu_say_how_long_first(capsys, monkeypatch):
-    from ds4_mlx.tools import bench as bench_module
+    from ds4_mlx.tools import random_model
     from ds4_mlx.tools.testing import tiny_args
 
     # the tiny shape stands in for real widths, which take minutes to build here: what is checked is
     # that the work is counted and announced before it starts
-    monkeypatch.setattr(bench_module, "real_args", lambda layers, **overrides: tiny_args())
+    monkeypatch.setattr(random_model, "real_args", lambda layers, **overrides: tiny_args())
     captured = bench(capsys, "rewind", "--preset", "real", "--contexts", "64,128", "--repeats", "2",
                      "--generated", "3")
     first, second = captured.err.splitlines()[:2]

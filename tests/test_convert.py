@@ -15,6 +15,7 @@ import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ds4_mlx.convert import gguf as G
+from ds4_mlx.demo import random_gguf_tensors
 
 EXACT = {T.Q8_0: "affine", T.Q4_K: "affine", T.MXFP4: "mxfp4"}
 # mean KL(transformers holding the GGUF's values || MLX) over 64 tokens of the tiny model with every
@@ -367,7 +368,7 @@ def _small_valid(tmp_path):
 
     args = testing.tiny_args(0)
     return testing.write_gguf(tmp_path / "ok.gguf", testing.gguf_metadata(args),
-                              testing.random_gguf_tensors(args)), args
+                              random_gguf_tensors(args)), args
 
 
 def _bad_files(tmp_path):
@@ -381,10 +382,10 @@ def _bad_files(tmp_path):
     w = GGUFWriter(str(tmp_path / "llama.gguf"), "llama")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    tensors = testing.random_gguf_tensors(args)
+    tensors = random_gguf_tensors(args)
     del tensors["blk.1.attn_q_a.weight"]
     testing.write_gguf(tmp_path / "missing.gguf", testing.gguf_metadata(args), tensors)
-    tensors = testing.random_gguf_tensors(args)
+    tensors = random_gguf_tensors(args)
     tensors["blk.0.attn_mystery.weight"] = np.zeros(4, np.float32)
     testing.write_gguf(tmp_path / "unknown.gguf", testing.gguf_metadata(args), tensors)
     return {"truncated": "truncated", "corrupt": "corrupt", "llama": "architecture is 'llama'",
@@ -453,10 +454,11 @@ def _split(tmp_path, args, tensors, parts=3):
 
 def test_split_shards_load_and_convert(tmp_path, capsys):
     import ds4_mlx
-    from ds4_mlx import cli, testing
+    from ds4_mlx import cli
+    from ds4_mlx.tools import testing
 
     args = testing.tiny_args(0)
-    tensors = testing.random_gguf_tensors(args)
+    tensors = random_gguf_tensors(args)
     single = testing.write_gguf(tmp_path / "one.gguf", testing.gguf_metadata(args), tensors)
     folder, files = _split(tmp_path, args, tensors)
     ids = np.random.default_rng(8).integers(0, args.vocab_size, 16)
@@ -480,7 +482,7 @@ def test_load_requantizes_once_into_cache(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("DS4_MLX_HOME", str(tmp_path / "home"))
     args = _tiny(True)
-    tensors = testing.random_gguf_tensors(args)
+    tensors = random_gguf_tensors(args)
     for name in [n for n in tensors if n.endswith("ffn_down_exps.weight")]:
         a = tensors[name]
         tensors[name] = (reference_quant.quantize(a.reshape(-1, a.shape[-1]), T.Q2_K).reshape(*a.shape[:-1], -1), T.Q2_K)
@@ -499,7 +501,7 @@ def test_load_requantizes_once_into_cache(tmp_path, monkeypatch, capsys):
     os.utime(path, ns=(1, 1))  # a changed file: converted anew
     ds4_mlx.load(path, quant_sim=False)
     assert len(calls) == 2 and len(list((tmp_path / "home" / "converted").iterdir())) == 2
-    exact = testing.write_gguf(tmp_path / "f.gguf", testing.gguf_metadata(args), testing.random_gguf_tensors(args))
+    exact = testing.write_gguf(tmp_path / "f.gguf", testing.gguf_metadata(args), random_gguf_tensors(args))
     ds4_mlx.load(exact, quant_sim=False)
     assert len(calls) == 2
 
@@ -510,7 +512,7 @@ def test_widened_scales_convert_to_bfloat16(tmp_path):
     from ds4_mlx.tools import testing
 
     args = testing.tiny_args(0)
-    tensors = testing.random_gguf_tensors(args)
+    tensors = random_gguf_tensors(args)
     a = tensors["output.weight"].copy()
     a[0, :32] = 1e5  # d = 787: -128 d overflows float16
     tensors["output.weight"] = (gguf.quants.quantize(a, T.Q8_0), T.Q8_0)

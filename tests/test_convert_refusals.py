@@ -4,14 +4,16 @@ import os
 
 import pytest
 
-from ds4_mlx import cli, testing
+from ds4_mlx import cli
+from ds4_mlx.demo import random_gguf_tensors
+from ds4_mlx.tools import testing
 from ds4_mlx.tokenizer import BOS, EOS
 
 
 @pytest.fixture
 def gguf_without_tokenizer(tmp_path):
     args = testing.tiny_args(0)
-    return testing.write_gguf(tmp_path / "tiny.gguf", testing.gguf_metadata(args), testing.random_gguf_tensors(args))
+    return testing.write_gguf(tmp_path / "tiny.gguf", testing.gguf_metadata(args), random_gguf_tensors(args))
 
 
 def small_tokenizer(folder):

@@ -104,7 +104,7 @@ def test_attention_paths_agree(monkeypatch, T, K):
 def test_expert_paths_agree(monkeypatch, dtype):
     """The per-expert loop (rows rounded up to 16 in half precision) and sorted gather_qmm give the same
     routed outputs (4-bit experts)."""
-    from ds4_mlx.tools.bench import random_model
+    from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.tools.testing import tiny_args
 
     model = random_model(tiny_args(0, num_hash_layers=0), expert_bits=4, dtype=dtype)
@@ -150,7 +150,7 @@ def test_compiled_parts_see_new_parameters():
     """The compiled projections and MoE read the module's parameters at every call, not at tracing."""
     from mlx.utils import tree_flatten
 
-    from ds4_mlx.tools.bench import random_model
+    from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.tools.testing import tiny_args
 
     args = tiny_args(0)
@@ -167,7 +167,7 @@ def test_compiled_parts_see_new_parameters():
 def test_indexer_tiles_do_not_change_the_logits(monkeypatch):
     import numpy as np
 
-    from ds4_mlx.tools.bench import random_model
+    from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.models import deepseek_v4 as dv
     from ds4_mlx.tools.testing import tiny_args
 

@@ -130,7 +130,8 @@ def test_quant_sim_changes_logits_a_little(tmp_path):
     """FP8 KV + F16 rows (quant_sim=True) against plain float, on a config without discrete choices
     (all MoE layers hash-routed, indexer top-k above the row count), so the effect stays continuous.
     Measured on seeds 0-5: relative RMS 0.029-0.046 (the ~3 % rounding noise of E4M3), max |diff| <= 0.55."""
-    from ds4_mlx.tools.testing import gguf_metadata, random_gguf_tensors, tiny_args, write_gguf
+    from ds4_mlx.demo import random_gguf_tensors
+    from ds4_mlx.tools.testing import gguf_metadata, tiny_args, write_gguf
 
     args = tiny_args(0, num_hash_layers=6, index_topk=512)
     path = write_gguf(tmp_path / "continuous.gguf", gguf_metadata(args), random_gguf_tensors(args, seed=0))

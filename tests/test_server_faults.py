@@ -10,7 +10,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from ds4_mlx.tools.bench import random_model
+from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.session import Session

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ds4_mlx.tools.bench import random_model
+from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.cache.layers import make_caches
 from ds4_mlx.session import Session, SyncInterrupted
 from ds4_mlx.tools.testing import tiny_args

@@ -39,7 +39,7 @@ def _plan(size_gb):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
     from ds4_mlx.models.deepseek_v4 import ModelArgs
-    from ds4_mlx.tools.testing import gguf_shapes
+    from ds4_mlx.demo import gguf_shapes
 
     layers = 1
     while True:
@@ -158,7 +158,7 @@ def published_weights(variant):
     from gguf import GGMLQuantizationType as T
 
     from ds4_mlx.models.deepseek_v4 import ModelArgs
-    from ds4_mlx.tools.testing import gguf_shapes
+    from ds4_mlx.demo import gguf_shapes
 
     experts = tuple(T[n] for n in PUBLISHED[variant])
     counts = {}

@@ -232,10 +232,10 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
 
 def bench_speed(a):
     """Prefill/decode tok/s at real widths against the roofline (and transformers with --peer)."""
-    from ds4_mlx.tools.bench import build_model
+    from ds4_mlx.tools.random_model import model_from_flags
     from ds4_mlx.models.kernels import backend
 
-    model = build_model(a)
+    model = model_from_flags(a)
     rng = np.random.default_rng(0)
     contexts = [int(c) for c in a.contexts.split(",")]
     if a.preset == "tiny":

@@ -1,7 +1,7 @@
 """Tiny DeepSeek V4 models for tests, benchmarks and the demo.
 
 - `write_gguf` writes a `deepseek4` GGUF (ds4 tensor names, numpy-order arrays).
-- `tiny_args` / `random_gguf_tensors`: a small config keeping every layer type, and pure-numpy random weights.
+- `tiny_args`: a small config keeping every layer type (random weights: `ds4_mlx.demo.random_gguf_tensors`).
 - `hf_tiny_model` / `hf_to_gguf_tensors`: the transformers DeepseekV4 oracle (fp32) and its weights in ds4
   names, so a GGUF written from it must give the same logits in MLX (architecture notes, section 9).
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4_mlx.models.deepseek_v4 import CSA, HCA, SLIDING, ModelArgs, _GGUF_KEYS
+from ds4_mlx.demo import distinct_experts, random_like
+from ds4_mlx.models.deepseek_v4 import CSA, HCA, ModelArgs, _GGUF_KEYS
 
 ARCH = "deepseek4"
 
@@ -171,108 +172,6 @@ def _hca_ratio(args: ModelArgs):
     return ratios.pop() if ratios else 128
 
 
-def _random_like(kind, shape, rng, dtype=np.float32):
-    """Random values that keep activations O(1): matrices 1/sqrt(fan_in) (SwiGLU inputs x1.5 so the clamp
-    acts), norms near 1, HC mixes O(1), non-zero sinks, position biases and router biases."""
-    n = lambda: rng.standard_normal(shape)  # noqa: E731
-    if kind == "matrix":
-        v = n() / np.sqrt(shape[-1])
-    elif kind == "swiglu_in":
-        v = 1.5 * n() / np.sqrt(shape[-1])
-    elif kind == "embed":
-        v = n()
-    elif kind == "norm":
-        v = 1.0 + 0.1 * n()
-    elif kind in ("sink", "hc_base"):
-        v = n()
-    elif kind == "ape":
-        v = 0.5 * n()
-    elif kind == "hc_scale":
-        v = rng.uniform(0.5, 1.5, shape)
-    elif kind == "router_bias":
-        v = 0.3 * n()
-    else:
-        raise ValueError(kind)
-    return v.astype(dtype)
-
-
-def _distinct_experts(rng, vocab, n_experts, top_k):
-    """tid2eid rows: top_k different experts per token id (all zeros would route every token to expert 0)."""
-    return np.argsort(rng.random((vocab, n_experts)), axis=1)[:, :top_k].astype(np.int32)
-
-
-def _gguf_kind(base):
-    if base.endswith("norm"):
-        return "norm"
-    if base.endswith("_ape"):
-        return "ape"
-    if base.endswith("_base"):
-        return "hc_base"
-    if base.endswith("_scale"):
-        return "hc_scale"
-    last = base.rsplit(".", 1)[-1]
-    return {"attn_sinks": "sink", "exp_probs_b": "router_bias", "token_embd": "embed",
-            "ffn_gate_exps": "swiglu_in", "ffn_up_exps": "swiglu_in", "ffn_gate_shexp": "swiglu_in",
-            "ffn_up_shexp": "swiglu_in"}.get(last, "matrix")
-
-
-def gguf_shapes(args: ModelArgs) -> dict:
-    """ds4 tensor name -> numpy shape (the reverse of the GGUF ne order) for a complete model."""
-    H, V, hc = args.hidden_size, args.vocab_size, args.hc_mult
-    hd, nh, ql = args.head_dim, args.num_attention_heads, args.q_lora_rank
-    E, I, k = args.n_routed_experts, args.moe_intermediate_size, args.num_experts_per_tok
-    mix = (2 + hc) * hc
-    s = {"token_embd.weight": (V, H), "output_norm.weight": (H,), "output.weight": (V, H),
-         "output_hc_fn.weight": (hc, hc * H), "output_hc_base.weight": (hc,), "output_hc_scale.weight": (1,)}
-    for i in range(args.num_hidden_layers):
-        b = f"blk.{i}."
-        s.update({
-            b + "attn_norm.weight": (H,), b + "ffn_norm.weight": (H,),
-            b + "hc_attn_fn.weight": (mix, hc * H), b + "hc_attn_base.weight": (mix,), b + "hc_attn_scale.weight": (3,),
-            b + "hc_ffn_fn.weight": (mix, hc * H), b + "hc_ffn_base.weight": (mix,), b + "hc_ffn_scale.weight": (3,),
-            b + "attn_q_a.weight": (ql, H), b + "attn_q_a_norm.weight": (ql,), b + "attn_q_b.weight": (nh * hd, ql),
-            b + "attn_kv.weight": (hd, H), b + "attn_kv_a_norm.weight": (hd,), b + "attn_sinks.weight": (nh,),
-            b + "attn_output_a.weight": (args.o_groups * args.o_lora_rank, nh * hd // args.o_groups),
-            b + "attn_output_b.weight": (H, args.o_groups * args.o_lora_rank),
-            b + "ffn_gate_inp.weight": (E, H),
-            b + "ffn_gate_exps.weight": (E, I, H), b + "ffn_up_exps.weight": (E, I, H),
-            b + "ffn_down_exps.weight": (E, H, I),
-            b + "ffn_gate_shexp.weight": (I * args.n_shared_experts, H),
-            b + "ffn_up_shexp.weight": (I * args.n_shared_experts, H),
-            b + "ffn_down_shexp.weight": (H, I * args.n_shared_experts),
-        })
-        if i < args.num_hash_layers:
-            s[b + "ffn_gate_tid2eid.weight"] = (V, k)
-        else:
-            s[b + "exp_probs_b.bias"] = (E,)
-        kind, ratio = args.layer_type(i), args.compress_ratios[i]
-        if kind != SLIDING:
-            w = (2 if kind == CSA else 1) * hd  # CSA pools two overlapping series (Ca | Cb)
-            s.update({b + "attn_compressor_kv.weight": (w, H), b + "attn_compressor_gate.weight": (w, H),
-                      b + "attn_compressor_ape.weight": (ratio, w), b + "attn_compressor_norm.weight": (hd,)})
-        if kind == CSA:
-            ih, idim = args.index_n_heads, args.index_head_dim
-            s.update({b + "indexer.attn_q_b.weight": (ih * idim, ql), b + "indexer.proj.weight": (ih, H),
-                      b + "indexer_compressor_kv.weight": (2 * idim, H),
-                      b + "indexer_compressor_gate.weight": (2 * idim, H),
-                      b + "indexer_compressor_ape.weight": (ratio, 2 * idim),
-                      b + "indexer_compressor_norm.weight": (idim,)})
-    return s
-
-
-def random_gguf_tensors(args: ModelArgs, seed=0, dtype=np.float32) -> dict:
-    """Random weights for `args` in ds4 names and numpy order (pure numpy; demo and benchmarks)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in gguf_shapes(args).items():
-        base = name.rsplit(".", 1)[0]
-        if base.endswith("ffn_gate_tid2eid"):
-            out[name] = _distinct_experts(rng, args.vocab_size, args.n_routed_experts, args.num_experts_per_tok)
-        else:
-            out[name] = _random_like(_gguf_kind(base), shape, rng, dtype)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------
 # transformers oracle
 
@@ -354,10 +253,10 @@ def hf_tiny_model(args: ModelArgs, seed=0):
     with torch.no_grad():
         for name, t in model.state_dict().items():
             if name.endswith("tid2eid"):
-                v = _distinct_experts(rng, args.vocab_size, args.n_routed_experts, args.num_experts_per_tok)
+                v = distinct_experts(rng, args.vocab_size, args.n_routed_experts, args.num_experts_per_tok)
                 t.copy_(torch.from_numpy(v.astype(np.int64)))
             elif t.is_floating_point():
-                t.copy_(torch.from_numpy(_random_like(_hf_kind(name), tuple(t.shape), rng)))
+                t.copy_(torch.from_numpy(random_like(_hf_kind(name), tuple(t.shape), rng)))
     return model
 
 
