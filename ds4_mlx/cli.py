@@ -8,7 +8,7 @@ import sys
 SUBCOMMANDS = {
     "convert": "ds4_mlx.convert.cli",
     "chat": "ds4_mlx.repl",
-    "generate": "ds4_mlx.generate",
+    "generate": "ds4_mlx.generate_cli",
     "serve": "ds4_mlx.server.cli",
     "bench": "ds4_mlx.tools.bench",
 }

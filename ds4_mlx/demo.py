@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4_mlx.chat import EOS, THINK_END
-from ds4_mlx.loader import cache_root
+from ds4_mlx.loader import cache_root, load
 from ds4_mlx.models.deepseek_v4 import CSA, SLIDING, ModelArgs, mlx_name
 
 DEMO_VERSION = "demo-v2"  # bump when the demo's config or weights change, so old caches are not reused
@@ -201,3 +201,19 @@ def demo_model_path() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def load_for_cli(model_path):
+    """(model, tokenizer, is_demo) for a CLI command; no path means the built-in demo model."""
+    is_demo = model_path is None
+    if is_demo:
+        model_path = demo_model_path()
+    model, tokenizer = load(model_path)
+    if tokenizer is None:
+        raise ValueError(f"{model_path}: the model has no tokenizer; convert its GGUF file again with "
+                         "`ds4-mlx convert --tokenizer DIR`")
+    return model, tokenizer, is_demo
+
+
+DEMO_NOTE = "(demo model: tiny random weights with the real tokenizer, so its text is gibberish; " \
+            "pass -m MODEL for a real one)"

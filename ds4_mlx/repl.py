@@ -15,8 +15,9 @@ from pathlib import Path
 from ds4_mlx.cache import add_disk_arguments, disk_store_from_args
 from ds4_mlx.chat import (DEFAULT_SYSTEM, ContentDelta, OutputParser, ReasoningDelta, render,
                           render_next_user_turn)
-from ds4_mlx.generate import (DEMO_NOTE, FINISH_ABORT, SamplingParams, add_sampling_arguments,
-                              load_for_cli, sampling_from_args, stream_generate)
+from ds4_mlx.demo import DEMO_NOTE, load_for_cli
+from ds4_mlx.generate import FINISH_ABORT, SamplingParams, stream_generate
+from ds4_mlx.generate_cli import add_sampling_arguments, sampling_from_args
 from ds4_mlx.loader import cache_root
 from ds4_mlx.session import Session
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 from ds4_mlx.tools.scripted import ScriptedModel, Turn
 from ds4_mlx.server.build import BackgroundServer, build_server
 

@@ -9,7 +9,7 @@ import pytest
 
 from ds4_mlx.chat import THINK_END
 from ds4_mlx.constrain import OutputConstraint, json_grammar
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["x", "y"]}},
           "required": ["ok", "tag"], "additionalProperties": False}

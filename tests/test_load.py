@@ -2,7 +2,7 @@
 one server on the demo model. No errors, and every completed answer equals the same request sent alone
 to a fresh server."""
 
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.tools.bench_load import conversations, lone_answers, run_clients, summary
 

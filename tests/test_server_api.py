@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from ds4_mlx.chat import render
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.tools.testing import live_text
 

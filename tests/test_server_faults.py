@@ -11,7 +11,7 @@ import requests
 from openai import OpenAI
 
 from ds4_mlx.tools.random_model import random_model
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.session import Session
 from ds4_mlx.tools.testing import tiny_args

@@ -16,7 +16,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.server.middleware import Access
 

@@ -10,7 +10,7 @@ import requests
 from openai import OpenAI
 
 from ds4_mlx.chat import render
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.server.slots import MIN_SHARE, Slot, place
 

@@ -7,7 +7,8 @@ import anthropic
 import openai
 import pytest
 
-from ds4_mlx.generate import GenerationChunk, GenerationStats, load_for_cli
+from ds4_mlx.demo import load_for_cli
+from ds4_mlx.generate import GenerationChunk, GenerationStats
 from ds4_mlx.server.build import BackgroundServer, build_server
 
 MODEL = "deepseek-v4-flash"

@@ -14,7 +14,8 @@ import pytest
 import requests
 from openai import OpenAI
 
-from ds4_mlx.generate import GenerationChunk, load_for_cli, stream_generate
+from ds4_mlx.demo import load_for_cli
+from ds4_mlx.generate import GenerationChunk, stream_generate
 from ds4_mlx.server.build import BackgroundServer, build_server
 
 MODEL = "deepseek-v4-flash"

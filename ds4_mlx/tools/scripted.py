@@ -94,7 +94,7 @@ def load_script(path) -> ScriptedModel:
 def main(argv=None):
     from aiohttp import web
 
-    from ds4_mlx.generate import load_for_cli
+    from ds4_mlx.demo import load_for_cli
     from ds4_mlx.server.build import build_server
 
     p = argparse.ArgumentParser(prog="python -m ds4_mlx.tools.scripted", description=__doc__.split("\n\n")[0])
