@@ -409,7 +409,7 @@ def test_bad_input_one_line_nothing_written(tmp_path, capsys, monkeypatch):
 
 def test_exit_code_subprocess_and_interrupt_cleanup(tmp_path, monkeypatch):
     _bad_files(tmp_path)
-    p = subprocess.run([sys.executable, "-m", "ds4_mlx.convert.cli", str(tmp_path / "missing.gguf"),
+    p = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "convert", str(tmp_path / "missing.gguf"),
                         str(tmp_path / "out"), "--quiet"], capture_output=True, text=True)
     assert p.returncode != 0 and p.stderr.strip().count("\n") == 0 and "missing tensor" in p.stderr
     assert not (tmp_path / "out").exists()

@@ -137,15 +137,3 @@ def _write(model, folder, shard_bytes, progress, log, tokenizer):
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save(folder)
-
-
-def main(argv=None):
-    """`python -m ds4_mlx.convert.cli ...`: the convert sub-command alone, through ds4_mlx.cli's error handling."""
-    from ds4_mlx import cli
-
-    cli.SUBCOMMANDS = {"convert": __name__ if __name__ != "__main__" else "ds4_mlx.convert.cli"}
-    return cli.main(["convert", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
