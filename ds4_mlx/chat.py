@@ -1,6 +1,6 @@
 """DeepSeek V4 chat format: render conversations to prompt text, parse model output back.
 
-Rendering follows ds4's server template (architecture notes, section 3.3): BOS, the optional Think Max
+Rendering follows ds4's server template: BOS, the optional Think Max
 prefix, the system block (tools prompt first, then the system and developer messages joined by a
 blank line), `<｜User｜>` turns, tool results as `<tool_result>` blocks after one `<｜User｜>`, and
 assistant turns `<｜Assistant｜>` + reasoning marker + content + DSML tool calls + EOS. The prompt ends

@@ -227,7 +227,7 @@ def _write_model(tmp_path, dtype=None, quant=None, llama_cpp=False):
         else:
             values[name] = a
     meta = testing.gguf_metadata(args)
-    if llama_cpp:  # llama.cpp's deepseek4 keys (architecture notes, section 8)
+    if llama_cpp:  # llama.cpp's deepseek4 keys
         del meta["deepseek4.vocab_size"]
         meta.update({"deepseek4.expert_gating_func": 4, "deepseek4.embedding_length_out": 4 * args.hidden_size,
                      "deepseek4.swiglu_clamp_shexp": [float(args.swiglu_limit)] * args.num_hidden_layers,

@@ -140,7 +140,7 @@ def test_truncated_file_is_deleted_and_never_used(tmp_path, caplog):
     path = tmp_path / entry.name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     session = Session(model)
-    assert store.restore(session, tokens + [1], 0) == 0
+    assert store.load_longer_prefix(session, tokens + [1], 0) == 0
     assert session.tokens == [] and not path.exists() and entry.name not in store.entries
     assert any(r.levelno == logging.WARNING and entry.name in r.getMessage() for r in caplog.records)
     assert_exact(session, session.sync(tokens + [1]))  # the request goes on, cold
@@ -153,7 +153,7 @@ def test_a_file_of_another_model_config_is_never_loaded(tmp_path):
         entry = store.save(filled(model_for(0), tokens), "evict")
         session = Session(other)
         assert store.find(other, tokens) is None
-        assert store.restore(session, tokens, 0) == 0 and session.tokens == []
+        assert store.load_longer_prefix(session, tokens, 0) == 0 and session.tokens == []
         assert not (tmp_path / entry.name).exists()  # deleted as foreign
     # and a foreign file put in the folder by hand is refused at load time too
     entry = DiskStore(tmp_path / "a", 16, min_tokens=64).save(filled(model_for(3), tokens[:200]), "evict")
@@ -174,7 +174,7 @@ def test_hit_extends_and_rewinds_exactly_and_survives_a_reopen(tmp_path):
         found = store.find(model, prompt)
         assert found is not None and found[1] == (400 if len(prompt) > 400 else 256)
         session = Session(model, checkpoint_every=64, max_chunk=32)
-        assert store.restore(session, prompt, 0) == found[1]
+        assert store.load_longer_prefix(session, prompt, 0) == found[1]
         logits = session.sync(prompt)
         assert session.last_sync["replayed"] + session.last_sync["computed"] <= 128 + 3
         assert_exact(session, logits)
@@ -200,7 +200,7 @@ def test_budget_holds_at_every_moment_and_the_shared_prefix_survives(tmp_path, m
     for i in range(12):  # requests that start with the shared prefix
         clock[0] += 60
         prompt = system + random_tokens(model, 50, 50 + i)
-        assert store.restore(Session(model, checkpoint_every=64, max_chunk=32), prompt, 0) == len(system)
+        assert store.load_longer_prefix(Session(model, checkpoint_every=64, max_chunk=32), prompt, 0) == len(system)
     written = 0
     for i in range(12):  # then long one-off conversations, all more recent than the prefix's last use
         clock[0] += 60

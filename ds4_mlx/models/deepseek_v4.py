@@ -1,8 +1,8 @@
 """DeepSeek V4 Flash in MLX.
 
-One file for the whole family, in the order of one decoder layer (reference: the architecture notes,
-sections 1.3 to 1.11): hyper-connections, attention with sinks over a sliding window plus compressed
-rows (ratio 4 with overlap and an indexer, or a heavy ratio without), the MoE, and the HC head.
+One file for the whole family, in the order of one decoder layer (docs/ARCHITECTURE.md walks through
+it): hyper-connections, attention with sinks over a sliding window plus compressed rows (ratio 4 with
+overlap and an indexer, or a heavy ratio without), the MoE, and the HC head.
 The model only does math: all per-layer state lives in `ds4_mlx.cache` objects passed in.
 """
 

@@ -252,7 +252,7 @@ class Worker:
         if placement.source is not None:  # start from the snapshot of a slot sharing a long prefix
             session.restore(placement.source.session.snapshot())
         if self.disk is not None:
-            self.disk.restore(session, request.prompt_ids, placement.common)
+            self.disk.load_longer_prefix(session, request.prompt_ids, placement.common)
 
         def on_prefill(done, total):
             if self.disk is not None:

@@ -3,7 +3,7 @@
 - `write_gguf` writes a `deepseek4` GGUF (ds4 tensor names, numpy-order arrays).
 - `tiny_args`: a small config keeping every layer type (random weights: `ds4_mlx.demo.random_gguf_tensors`).
 - `hf_tiny_model` / `hf_to_gguf_tensors`: the transformers DeepseekV4 oracle (fp32) and its weights in ds4
-  names, so a GGUF written from it must give the same logits in MLX (architecture notes, section 9).
+  names, so a GGUF written from it must give the same logits in MLX.
 
 Importing this module needs neither torch nor transformers; the oracle functions import them lazily.
 """
