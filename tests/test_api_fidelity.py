@@ -6,30 +6,15 @@ import base64
 import json
 import logging
 
-import anthropic
 import openai
 import pytest
 import requests
 
-from ds4_mlx.demo import load_for_cli
-from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.tools.testing import live_text
 
 MODEL = "deepseek-v4-flash"
 CAP = 24
-
-
-@pytest.fixture(scope="module")
-def bg():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=2, budget_bytes=2**32,
-                          max_tokens=CAP)
-    with BackgroundServer(server) as bg:
-        yield bg
-
-
-@pytest.fixture(scope="module")
-def claude(bg):
-    return anthropic.Anthropic(base_url=bg.url, api_key="-", max_retries=0)
+SERVER_OPTIONS = {"sessions": 2, "max_tokens": CAP}  # the `bg` fixture's
 
 
 def post_messages(bg, body: dict, **kwargs):
@@ -149,11 +134,6 @@ def test_a_contentless_block_of_an_unknown_type_is_skipped_and_a_tool_reference_
 
 
 # ---------------------------------------------------------------- OpenAI completions and chat
-
-
-@pytest.fixture(scope="module")
-def oai(bg):
-    return openai.OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
 
 
 def test_completions_complete_raw_text(bg, oai):

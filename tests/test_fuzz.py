@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from schemathesis import GenerationMode
 
 from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, ToolCall
-from ds4_mlx.demo import load_for_cli
 from ds4_mlx.generate import stream_generate
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.openapi import openapi_spec
 from ds4_mlx.server.protocol import ServerInfo
+from ds4_mlx.tools.testing import demo_server
 
 MODEL = "deepseek-v4-flash"
 CTX = 512
@@ -34,8 +34,7 @@ def short_generate(session, tokenizer, prompt_ids, *, max_tokens, **kwargs):
 
 @pytest.fixture(scope="module")
 def url():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1,
-                          budget_bytes=2**32, generate=short_generate)
+    server = demo_server(ctx=CTX, generate=short_generate)
     with BackgroundServer(server) as bg:
         yield bg.url
         assert bg.server.worker._thread.is_alive()  # the worker survived all of it

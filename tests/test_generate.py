@@ -3,7 +3,6 @@
 import re
 
 import mlx.core as mx
-import pytest
 
 from ds4_mlx import SyncInterrupted
 from ds4_mlx.generate import (Sampler, SamplingParams, filter_logits,
@@ -176,14 +175,6 @@ def test_abort_between_tokens_and_during_prefill():
 
 
 # ---------------------------------------------------------------- with the real Session
-
-
-@pytest.fixture(scope="module")
-def demo():
-    import ds4_mlx
-    from ds4_mlx.demo import demo_model_path
-
-    return ds4_mlx.load(demo_model_path())
 
 
 def test_follow_up_reuses_the_whole_cache(demo):

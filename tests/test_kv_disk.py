@@ -15,8 +15,9 @@ from ds4_mlx.chat import render
 from ds4_mlx.demo import load_for_cli
 from ds4_mlx.generate import SamplingParams
 from ds4_mlx.repl import Conversation
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.session import Session
+from ds4_mlx.tools.testing import demo_server
 from test_server_sessions import MODEL, long_conversation, request_lines
 from test_session import assert_exact, model_for
 
@@ -40,8 +41,7 @@ def random_tokens(model, n, seed):
 
 def serve(disk_dir=None):
     disk = DiskStore(disk_dir, 64) if disk_dir else None
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=1,
-                          budget_bytes=2**32, disk=disk)
+    server = demo_server(ctx=8192, disk=disk)
     return BackgroundServer(server)
 
 
@@ -71,8 +71,7 @@ def test_a_slot_a_fork_takes_over_is_saved_first(tmp_path):
     """A side request forked from a long conversation into the slot of another one: that other
     conversation is what gets saved, not the snapshot that replaces it."""
     disk = DiskStore(tmp_path, 64, min_tokens=64)
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=2,
-                          budget_bytes=2**32, disk=disk)
+    server = demo_server(ctx=8192, sessions=2, disk=disk)
     system = {"role": "system", "content": "Rules: " + " ".join(f"rule{i}" for i in range(130))}
     long_turn = [system, {"role": "user", "content": " ".join(f"fact{i}" for i in range(220))}]
     other = [{"role": "user", "content": " ".join(f"other{i}" for i in range(40))}]

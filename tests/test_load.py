@@ -2,14 +2,13 @@
 one server on the demo model. No errors, and every completed answer equals the same request sent alone
 to a fresh server."""
 
-from ds4_mlx.demo import load_for_cli
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.tools.bench_load import conversations, lone_answers, run_clients, summary
+from ds4_mlx.tools.testing import demo_server
 
 
 def background_server(sessions):
-    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=4096,
-                          sessions=sessions, budget_bytes=2**32)
+    server = demo_server(sessions=sessions)
     return BackgroundServer(server)
 
 

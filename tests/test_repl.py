@@ -11,14 +11,6 @@ from ds4_mlx.generate import SamplingParams
 from ds4_mlx.repl import Conversation
 
 
-@pytest.fixture(scope="module")
-def demo():
-    import ds4_mlx
-    from ds4_mlx.demo import demo_model_path
-
-    return ds4_mlx.load(demo_model_path())
-
-
 def test_five_turns_compute_only_the_new_turn(demo):
     from ds4_mlx import Session
 

@@ -14,7 +14,7 @@ from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.demo import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.session import Session
-from ds4_mlx.tools.testing import tiny_args
+from ds4_mlx.tools.testing import demo_server, tiny_args
 
 MODEL = "deepseek-v4-flash"
 
@@ -121,7 +121,7 @@ def served_with_failing_layer(mode="after"):
 
 
 def cold_answer(messages, max_tokens):
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=1, budget_bytes=2**32)
+    server = demo_server()
     with BackgroundServer(server) as bg:
         client = OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
         done = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens)

@@ -9,10 +9,10 @@ import threading
 from openai import OpenAI
 
 from ds4_mlx.chat import render
-from ds4_mlx.demo import load_for_cli
 from ds4_mlx.generate import stream_generate
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.slots import MIN_SHARE
+from ds4_mlx.tools.testing import demo_server
 
 MODEL = "deepseek-v4-flash"
 
@@ -20,8 +20,7 @@ MODEL = "deepseek-v4-flash"
 @contextlib.contextmanager
 def served(*, sessions=2, generate=None):
     kwargs = {"generate": generate} if generate else {}
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=sessions,
-                          budget_bytes=2**32, **kwargs)
+    server = demo_server(ctx=8192, sessions=sessions, **kwargs)
     with BackgroundServer(server) as bg:
         yield bg, OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
 
@@ -128,8 +127,7 @@ def test_a_prompt_alone_is_computed_in_long_chunks():
             yield chunk
 
     long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(600))}]
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=1, budget_bytes=2**32,
-                          generate=recording, prefill_chunk=512, shared_prefill_chunk=64)
+    server = demo_server(ctx=8192, generate=recording, prefill_chunk=512, shared_prefill_chunk=64)
     with BackgroundServer(server) as bg:
         client = OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
         client.chat.completions.create(model=MODEL, messages=long_prompt, temperature=0, max_tokens=1)

@@ -10,18 +10,17 @@ import requests
 from openai import OpenAI
 
 from ds4_mlx.chat import render
-from ds4_mlx.demo import load_for_cli
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.slots import MIN_SHARE, Slot, place
+from ds4_mlx.tools.testing import demo_server
 
 MODEL = "deepseek-v4-flash"
 
 
 @contextlib.contextmanager
-def served(*, sessions=2, keepalive_s=5.0, ctx=8192, budget_bytes=2**32):
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=ctx, sessions=sessions,
-                          budget_bytes=budget_bytes, keepalive_s=keepalive_s)
-    with BackgroundServer(server) as bg:
+def served(**options):
+    """The demo model served (8,192-token context, two sessions unless `options` say otherwise)."""
+    with BackgroundServer(demo_server(**{"ctx": 8192, "sessions": 2, **options})) as bg:
         yield bg, OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
 
 
@@ -124,11 +123,16 @@ def test_abort_during_prefill_keeps_a_prefix_and_the_resend_computes_the_rest(ca
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
     messages = long_conversation()
     body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 2, "stream": True}
-    with served(keepalive_s=0.05) as (bg, client):
+    # chunks of 256 tokens: the client leaves while the prefill has many chunks to go
+    with served(keepalive_s=0.05, prefill_chunk=256) as (bg, client):
         prompt_ids = bg.server.worker.tokenizer.encode(render(messages))
         with requests.post(bg.url + "/v1/chat/completions", json=body, stream=True, timeout=60) as response:
-            first = next(response.iter_content(chunk_size=None))
-            assert first.startswith(b": keepalive")  # the prefill has started; the client leaves now
+            assert next(response.iter_content(chunk_size=None)).startswith(b": keepalive")
+            # a keepalive comes while the job is queued too: leave once it runs (its prefill has started)
+            deadline = time.time() + 60
+            while not any(s["busy"] for s in requests.get(bg.url + "/v1/sessions", timeout=30).json()["slots"]):
+                assert time.time() < deadline
+                time.sleep(0.01)
         deadline = time.time() + 30
         while not request_lines(caplog) and time.time() < deadline:
             time.sleep(0.05)

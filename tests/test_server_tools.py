@@ -7,9 +7,9 @@ import anthropic
 import openai
 import pytest
 
-from ds4_mlx.demo import load_for_cli
 from ds4_mlx.generate import GenerationChunk, GenerationStats
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.build import BackgroundServer
+from ds4_mlx.tools.testing import demo_server
 
 MODEL = "deepseek-v4-flash"
 DSML_BLOCK = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
@@ -40,8 +40,7 @@ class ScriptedGenerate:
 @pytest.fixture(scope="module")
 def scripted():
     generate = ScriptedGenerate()
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=1,
-                          budget_bytes=2**32, generate=generate)
+    server = demo_server(generate=generate)
     with BackgroundServer(server) as bg:
         yield bg, generate
 

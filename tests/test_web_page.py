@@ -14,9 +14,9 @@ import pytest
 import requests
 from openai import OpenAI
 
-from ds4_mlx.demo import load_for_cli
 from ds4_mlx.generate import GenerationChunk, stream_generate
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.build import BackgroundServer
+from ds4_mlx.tools.testing import demo_server
 
 MODEL = "deepseek-v4-flash"
 CHROMIUM = os.environ.get("DS4_MLX_CHROMIUM", "/usr/bin/chromium")
@@ -44,8 +44,7 @@ def generate_with_markup(session, tokenizer, prompt_ids, **kwargs):
 
 @pytest.fixture(scope="module")
 def server():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=2,
-                          budget_bytes=2**32, generate=generate_with_markup)
+    server = demo_server(sessions=2, generate=generate_with_markup)
     with BackgroundServer(server) as bg:
         yield bg
 

@@ -324,6 +324,72 @@ def write_tiny_gguf(path, args: ModelArgs, seed=0):
     return Path(path), model
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Servers and sessions of the tests
+
+
+DEMO_MODEL_ID = "deepseek-v4-flash"
+
+
+def demo_server(**options):
+    """`build_server` on the demo model (loaded afresh by the server); `options` override the model id,
+    a 4,096-token context, one session and a 4 GiB cache budget."""
+    from ds4_mlx.demo import load_for_cli
+    from ds4_mlx.server.build import build_server
+
+    settings = {"model_id": DEMO_MODEL_ID, "ctx": 4096, "sessions": 1, "budget_bytes": 2**32, **options}
+    return build_server(lambda: load_for_cli(None)[:2], **settings)
+
+
+def serve_process(*args, command=("-m", "ds4_mlx.cli", "serve"), **popen):
+    """Start `ds4-mlx serve ARGS` (or another `command`) on a free port; return (process, url) once /health
+    says ok. `popen` goes to subprocess.Popen (by default the output is collected on stdout)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
+    process = subprocess.Popen([sys.executable, *command, *args, "--port", str(port)], **popen)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process)
+    return process, url
+
+
+def wait_healthy(url, process=None, timeout_s=180):
+    """Wait until the server at `url` answers /health with "ok". A busy machine may refuse the connection
+    (not listening yet), answer "loading", or not answer in time: all of that is waiting. Raises, with the
+    process's output, when `process` exits or the time is up."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            break
+        try:
+            if requests.get(url + "/health", timeout=5).json().get("status") == "ok":
+                return
+        except (requests.ConnectionError, requests.Timeout, ValueError):
+            pass
+        time.sleep(0.2)
+    output = ""
+    if process is not None:
+        process.kill()
+        output = process.communicate()[0] or ""
+    raise AssertionError(f"the server at {url} did not become healthy: {output}")
+
+
+def cold_logits(model, tokens, max_chunk=61):
+    """The logits of `tokens` prefilled into an empty session: what every rewind must give again."""
+    from ds4_mlx.session import Session
+
+    return Session(model, rewind_slack=0, checkpoint_every=10**9, max_chunk=max_chunk).sync(tokens)
+
+
 def live_text(background_server) -> str:
     """The text of a running test server's most recently used session."""
     worker = background_server.server.worker
