@@ -230,12 +230,13 @@ class Session:
         every = self.lane_every
         lanes = [q for q in range(start - start % every + every, end + 1, every)
                  if q % self.checkpoint_every] if every else []
-        for q in lanes:
-            self.checkpoints[q] = [c.checkpoint(q, raw=False) for c in self.cache]
-        full = end % self.checkpoint_every == 0
-        if full:
-            self.checkpoints[end] = [c.checkpoint(end) for c in self.cache]
-        if lanes or full:
+        taken = [(q, [c.checkpoint(q, raw=False) for c in self.cache]) for q in lanes]
+        if end % self.checkpoint_every == 0:
+            taken.append((end, [c.checkpoint(end) for c in self.cache]))
+        for q, layers in taken:
+            if None not in layers:  # else a ring lost a row the position needs: no checkpoint there
+                self.checkpoints[q] = layers
+        if taken:
             self._thin(end)
 
     def checkpoint_spacing(self, distance):

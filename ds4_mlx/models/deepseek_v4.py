@@ -529,11 +529,9 @@ def log_and_read(ring, p0, back, fresh):
     positions before p0 that the ring holds: the rows the chunk reads. A chunk reads its own rows from
     here, not from the ring, and the ring keeps only its last `capacity` of them, so the ring need not
     grow with the chunk. Rows are rounded to the ring's dtype either way, so chunking cannot matter."""
-    T = fresh.shape[0]
     fresh = fresh.astype(ring.dtype)
     rows = mx.concatenate([ring.gather(mx.arange(p0 - back, p0)), fresh]) if back else fresh  # read first
-    n = min(T, ring.capacity)
-    ring.write(p0 + T - n, fresh[T - n :])
+    ring.log(p0, fresh)
     return rows
 
 
