@@ -253,19 +253,6 @@ def test_nbytes_counts_slack_and_checkpoints():
     assert large.nbytes > small.nbytes > 0
 
 
-def test_bench_memory_stand_in_holds_what_the_model_holds():
-    """`bench memory` fills sessions with a row writer instead of the model: same bytes, same checkpoints."""
-    from ds4_mlx.cache.bench import RowWriter
-
-    model = model_for(0, quant_sim=True)
-    real = Session(model, rewind_slack=40, checkpoint_every=32, max_chunk=16)
-    stand_in = Session(RowWriter(model.args, quant_sim=True), rewind_slack=40, checkpoint_every=32, max_chunk=16)
-    for s in (real, stand_in):
-        s.sync(list(range(1, 300)))
-    assert real.nbytes == stand_in.nbytes > 0
-    assert sorted(real.checkpoints) == sorted(stand_in.checkpoints)
-
-
 @pytest.mark.parametrize("quant_sim", [False, True])
 @pytest.mark.parametrize("compile_decode", ["1", "0"])
 def test_decode_steps_equal_cold_prefill(monkeypatch, quant_sim, compile_decode):

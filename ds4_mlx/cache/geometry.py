@@ -27,6 +27,11 @@ def block_of(p, m):
     return p // m
 
 
+def in_block(p, m):
+    """Position p's offset in its block (the row of the compressor's score offsets it adds)."""
+    return p % m
+
+
 def rows_done(n, m):
     """Compressed rows complete once n tokens (positions 0 .. n - 1) are fed."""
     return n // m
@@ -39,7 +44,7 @@ def rows_visible(p, m):
 
 def closes_block(p, m):
     """Feeding position p completes its block (the compressor pools it)."""
-    return p % m == m - 1
+    return in_block(p, m) == m - 1
 
 
 def window_reach(window):

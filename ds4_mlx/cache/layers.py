@@ -21,8 +21,8 @@ order; `meta_state` a dict of counters; `load_state(state, meta_state)` rebuilds
 
 import mlx.core as mx
 
-from ds4_mlx.cache.geometry import (block_of, compressor_reach, frontier_needs, lane_every as lcm_lane, ring_slot,
-                                    rows_done, rows_visible, window_reach)
+from ds4_mlx.cache.geometry import (block_of, compressor_reach, frontier_needs, in_block, lane_every as lcm_lane,
+                                    ring_slot, rows_done, rows_visible, window_reach)
 
 RING_NAMES = ("raw", "frontier", "index_frontier")
 BUFFER_NAMES = ("rows", "index_rows")
@@ -197,7 +197,7 @@ class LayerCache:
         p, m = self.pos, self.ratio
         slots = {"pos": p, "raw": ring_slot(p, self.raw.capacity)}
         if m:
-            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=p % m, row=block_of(p, m),
+            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=in_block(p, m), row=block_of(p, m),
                          visible=rows_visible(p, m))
         return slots
 
