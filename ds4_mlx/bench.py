@@ -87,7 +87,8 @@ def _run(fn, args):
     on_cpu = mx.default_device() == mx.cpu
     if getattr(args, "preset", "") is None:  # the model benches: real widths take hours on a CPU
         args.preset = "tiny" if on_cpu else "real"
-    if hasattr(args, "preset") and args.contexts is None:  # a 32k prefill takes minutes on a CPU even for the tiny model
+    # the model benches' contexts: a 32k prefill takes minutes on a CPU even for the tiny model
+    if hasattr(args, "preset") and getattr(args, "contexts", "") is None:
         args.contexts = "2048,8192" if on_cpu else "2048,8192,32768"
     figures = fn(args)
     figures["device"] = str(mx.default_device())

@@ -118,7 +118,8 @@ def bench_parity(a):
 
 def parity_options(q):
     q.add_argument("--widths", choices=["real", "tiny"], default="tiny",
-                   help="real: V4 Flash widths (hours on a CPU: use a GPU); tiny: the real cache geometry at tiny widths")
+                   help="real: V4 Flash widths (hours on a CPU: use a GPU); tiny: the real cache geometry at "
+                        "tiny widths")
     q.add_argument("--ratios", default="0,4,128", help="compress ratio of each layer (the first is hash-routed)")
     q.add_argument("--experts", type=int, default=16, help="routed experts at real widths")
     q.add_argument("--tokens", type=int, default=2600, help="tokens compared (prefill, then --decode decoded)")

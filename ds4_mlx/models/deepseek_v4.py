@@ -571,7 +571,8 @@ class Compressor(nn.Module):
         T, m = xn.shape[0], self.ratio
         lo = frontier_start(p0, m)  # where the open block starts (the one before it, with overlap)
         back = p0 - lo if n_rows else 0  # nothing to pool: only log
-        source = log_and_read(ring, p0, back, self.project(xn, in_block(mx.arange(p0, p0 + T), m)))  # positions p0 - back, ...
+        fresh = self.project(xn, in_block(mx.arange(p0, p0 + T), m))
+        source = log_and_read(ring, p0, back, fresh)  # positions p0 - back, ...
         if n_rows == 0:
             return None
         tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
@@ -585,7 +586,8 @@ class Compressor(nn.Module):
         [1, head_dim] or None)."""
         m = self.ratio
         fresh = self.project(xn, slots["in_block"][None]).astype(ring.dtype)
-        source = mx.concatenate([ring_rows(ring, slots["pos"], compressor_reach(m)), fresh]) if pooling else None  # read first
+        # the block's earlier rows, read before the write below
+        source = mx.concatenate([ring_rows(ring, slots["pos"], compressor_reach(m)), fresh]) if pooling else None
         ring = write_row(ring, fresh, slots["frontier"])
         if not pooling:
             return ring, None
