@@ -70,9 +70,9 @@ class Session:
         return self.logits
 
     def sync_steps(self, prompt_ids):
-        """`sync` one model chunk at a time: yields (done, total) prompt tokens computed after each
-        chunk. Between chunks the session holds a prefix of the prompt and `last_sync` counts the work
-        so far; a rewind deeper than the rings replays before the first chunk."""
+        """`sync` one model chunk at a time: yields (done, total) tokens run through the model after
+        each chunk, the tokens a rewind replays first, then the new ones. Between chunks the session
+        holds a prefix of the prompt and `last_sync` counts the work so far."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
@@ -81,12 +81,12 @@ class Session:
             self.last_sync = {"reused": common, "replayed": 0, "computed": 0}
             return
         target = min(common, len(prompt) - 1)
-        reused, replayed = self._rewind(target)
-        self.last_sync = {"reused": reused, "replayed": replayed, "computed": 0}
-        rest = prompt[target:]
-        for done in self._feed_steps(rest):
-            self.last_sync["computed"] = done
-            yield done, len(rest)
+        replay = len(self._rewind(target))
+        work = prompt[len(self.tokens) :]  # the replayed tokens are the prompt's up to the target
+        self.last_sync = {"reused": len(self.tokens), "replayed": 0, "computed": 0}
+        for done in self._feed_steps(work):
+            self.last_sync.update(replayed=min(done, replay), computed=max(0, done - replay))
+            yield done, len(work)
 
     def step(self, token_id):
         """Append one token; return the next-token logits."""
@@ -119,7 +119,7 @@ class Session:
         if not 0 <= n <= len(self.tokens):
             raise ValueError(f"cannot trim {len(self.tokens)} tokens to {n}")
         if n < len(self.tokens):
-            self._rewind(n)
+            self._feed(self._rewind(n))
 
     def snapshot(self):
         """A handle on the current state: O(1), arrays are shared until either side writes."""
@@ -154,16 +154,17 @@ class Session:
 
     # Internals ----------------------------------------------------------------------------------
     def _rewind(self, target):
-        """Go back to `target` tokens; return (reused, replayed) token counts."""
+        """Go back to `target` tokens: trim in place, or restore the newest checkpoint at or before it (or
+        start over). Returns the tokens to replay from there to reach the target (the caller feeds them)."""
         if target == len(self.tokens):
-            return target, 0
+            return []
         self.logits = None
         self.checkpoints = {p: cp for p, cp in self.checkpoints.items() if p <= target}
         if all(c.can_trim(target) for c in self.cache):
             for c in self.cache:
                 c.trim(target)
             del self.tokens[target:]
-            return target, 0
+            return []
         start = max((q for q, cp in self.checkpoints.items()
                      if all(c.can_restore(layer) for c, layer in zip(self.cache, cp))), default=0)
         replay = self.tokens[start:target]
@@ -172,11 +173,8 @@ class Session:
                 c.restore_checkpoint(cp)
             del self.tokens[start:]
         else:
-            tokens = self.tokens[:target]
             self.reset()
-            replay = tokens
-        self._feed(replay)
-        return start, len(replay)
+        return replay
 
     def _undo_chunk(self, n):
         """A chunk of n tokens failed (an exception or out of memory mid-graph): some layers may have
@@ -230,12 +228,13 @@ class Session:
         every = self.lane_every
         lanes = [q for q in range(start - start % every + every, end + 1, every)
                  if q % self.checkpoint_every] if every else []
-        for q in lanes:
-            self.checkpoints[q] = [c.checkpoint(q, raw=False) for c in self.cache]
-        full = end % self.checkpoint_every == 0
-        if full:
-            self.checkpoints[end] = [c.checkpoint(end) for c in self.cache]
-        if lanes or full:
+        taken = [(q, [c.checkpoint(q, raw=False) for c in self.cache]) for q in lanes]
+        if end % self.checkpoint_every == 0:
+            taken.append((end, [c.checkpoint(end) for c in self.cache]))
+        for q, layers in taken:
+            if None not in layers:  # else a ring lost a row the position needs: no checkpoint there
+                self.checkpoints[q] = layers
+        if taken:
             self._thin(end)
 
     def checkpoint_spacing(self, distance):

@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ds4_mlx"
 
 # lowest first; a name is a module or a package with everything under it
 FLOORS = [
+    ["ds4_mlx.precision"],  # which modes are exact: float32 parameters, TF32 off
     ["ds4_mlx.cache"],  # per-layer state, saving sessions, the disk store
     ["ds4_mlx.models"],  # the forward pass: ids and caches to logits
     ["ds4_mlx.session"],  # one conversation's tokens and caches: when to go back

@@ -17,8 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ds4_mlx.cache.geometry import (closes_block, compressor_reach, frontier_start, in_block, overlaps, rows_done,
+                                    rows_visible, window_reach)
 from ds4_mlx.models.kernels import (backend, clamped_swiglu, decode_attention, hc_mix, hc_project, ring_rows,
                                     routed_experts)
+from ds4_mlx.precision import exact_float32, keeps_float32
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
 # expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
@@ -58,7 +61,7 @@ class ModelArgs:
     o_groups: int = 8
     o_lora_rank: int = 1024
     sliding_window: int = 128
-    # one entry a layer: 0 = sliding window only, 4 = CSA (overlap + indexer), any other = HCA
+    # one entry a layer: 0 = sliding window only, 4 = CSA (overlap + indexer), 128 = HCA (`__post_init__`)
     compress_ratios: list = field(default_factory=lambda: [0, 0] + [4, 128] * 20 + [4])
     num_hash_layers: int = 3
     n_routed_experts: int = 256
@@ -82,6 +85,16 @@ class ModelArgs:
                                  "beta_fast": 32.0, "beta_slow": 1.0})
     max_position_embeddings: int = 1048576
     model_type: str = "deepseek_v4"
+
+    def __post_init__(self):
+        ratios = list(self.compress_ratios)
+        if len(ratios) != self.num_hidden_layers:
+            raise ValueError(f"compress_ratios has {len(ratios)} entries for {self.num_hidden_layers} layers")
+        heavy = sorted({r for r in ratios if r not in (0, 4)})
+        if any(not isinstance(r, int) or r <= 4 or r % 4 for r in heavy) or len(heavy) > 1:
+            raise ValueError(f"compress ratios {heavy} are not DeepSeek V4's: each layer's is 0 (window only), 4 "
+                             "(compressed sparse attention) or 128 (heavily compressed; tiny test models shrink it "
+                             "to another multiple of 4, one for all layers)")
 
     def layer_type(self, i):
         r = self.compress_ratios[i]
@@ -214,14 +227,6 @@ def expected_gguf_names(args: ModelArgs) -> list:
 
 # ---------------------------------------------------------------------------------------------
 # Numerics shared by the layers
-
-
-def keeps_float32(path: str) -> bool:
-    """The precision policy in one place: parameters whose math stays float32 under a half-precision
-    compute dtype (hyper-connection mixing and Sinkhorn, attention sinks, router scores and bias, the
-    compressor's score offsets). RMS norms accumulate in float32 in `mx.fast.rms_norm`, and attention
-    scores and softmax, compressor pooling and the residual streams are float32 in the forward itself."""
-    return bool(re.search(r"(^|\.)hc_(attn|ffn|head)\.|\.sinks$|\.ffn\.(gate\.weight|bias)$|\.ape$", path))
 
 
 def rms_norm(x, weight, eps):
@@ -529,11 +534,9 @@ def log_and_read(ring, p0, back, fresh):
     positions before p0 that the ring holds: the rows the chunk reads. A chunk reads its own rows from
     here, not from the ring, and the ring keeps only its last `capacity` of them, so the ring need not
     grow with the chunk. Rows are rounded to the ring's dtype either way, so chunking cannot matter."""
-    T = fresh.shape[0]
     fresh = fresh.astype(ring.dtype)
     rows = mx.concatenate([ring.gather(mx.arange(p0 - back, p0)), fresh]) if back else fresh  # read first
-    n = min(T, ring.capacity)
-    ring.write(p0 + T - n, fresh[T - n :])
+    ring.log(p0, fresh)
     return rows
 
 
@@ -553,7 +556,7 @@ class Compressor(nn.Module):
 
     def __init__(self, args: ModelArgs, ratio, head_dim):
         super().__init__()
-        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlaps(ratio)
         width = head_dim * (2 if self.overlap else 1)
         # the file's kv and gate matrices stacked, and its score offsets (ape) beside zeros for the kv half
         # (`Model.sanitize`): a logged row is one product plus one row
@@ -566,9 +569,10 @@ class Compressor(nn.Module):
         """Log this chunk's kv and score rows in `ring`, then return the `n_rows` new pooled rows
         (before norm and RoPE), starting at row `first_row`."""
         T, m = xn.shape[0], self.ratio
-        lo = max(0, (p0 // m - self.overlap) * m)  # where the open block starts (the one before it, with overlap)
+        lo = frontier_start(p0, m)  # where the open block starts (the one before it, with overlap)
         back = p0 - lo if n_rows else 0  # nothing to pool: only log
-        source = log_and_read(ring, p0, back, self.project(xn, mx.arange(p0, p0 + T) % m))  # positions p0 - back, ...
+        fresh = self.project(xn, in_block(mx.arange(p0, p0 + T), m))
+        source = log_and_read(ring, p0, back, fresh)  # positions p0 - back, ...
         if n_rows == 0:
             return None
         tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
@@ -582,8 +586,8 @@ class Compressor(nn.Module):
         [1, head_dim] or None)."""
         m = self.ratio
         fresh = self.project(xn, slots["in_block"][None]).astype(ring.dtype)
-        reach = 2 * m - 1 if self.overlap else m - 1
-        source = mx.concatenate([ring_rows(ring, slots["pos"], reach), fresh]) if pooling else None  # read first
+        # the block's earlier rows, read before the write below
+        source = mx.concatenate([ring_rows(ring, slots["pos"], compressor_reach(m)), fresh]) if pooling else None
         ring = write_row(ring, fresh, slots["frontier"])
         if not pooling:
             return ring, None
@@ -653,7 +657,7 @@ class Attention(nn.Module):
     def _compress(self, compressor, xn, cache, ring, buffer, quant):
         """Run a compressor over the chunk and append its finished rows to `buffer`."""
         p0, T, m = cache.pos, xn.shape[0], compressor.ratio
-        first, last = p0 // m, (p0 + T) // m
+        first, last = rows_done(p0, m), rows_done(p0 + T, m)
         pooled = compressor(xn, p0, ring, first, last - first)
         if pooled is not None:
             buffer.append(self._finish_rows(compressor, pooled, first * m, quant))
@@ -706,9 +710,9 @@ class Attention(nn.Module):
 
         # raw window: the last `window` positions up to and including each query
         W = args.sliding_window
-        back = min(W - 1, p0)
+        back = min(window_reach(W), p0)
         rows = log_and_read(cache.raw, p0, back, self._store_kv(kv, quant_sim))  # positions p0 - back, ...
-        window_pos = positions[:, None] - (W - 1) + mx.arange(W)[None, :]
+        window_pos = positions[:, None] - window_reach(W) + mx.arange(W)[None, :]
         keys = [rows[mx.maximum(window_pos - (p0 - back), 0)]]
         masks = [window_pos >= 0]
 
@@ -717,7 +721,7 @@ class Attention(nn.Module):
             self._compress(self.compressor, x, cache, cache.frontier, cache.rows,
                            lambda r: self._store_kv(r, quant_sim))
             rows = cache.rows.view()
-            visible = ((positions + 1) // m)[:, None]  # rows visible to each query
+            visible = rows_visible(positions, m)[:, None]  # rows visible to each query
             C = rows.shape[0]
             selected = None
             if self.kind == CSA:
@@ -875,10 +879,10 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(args, layer_id)
 
     def __call__(self, streams, ids, cache, quant_sim):
-        # one token with a full window (and a block before the one it closes) decodes as one graph
-        if streams.shape[0] == 1 and cache.pos >= max(cache.window - 1, 2 * 4 - 1):
+        # one token whose window and compressor reach are all in the rings decodes as one graph
+        if streams.shape[0] == 1 and cache.pos >= cache.reach:
             ints = cache.decode_slots()
-            pooling = bool(cache.ratio) and ints["in_block"] == cache.ratio - 1  # the token closes a block
+            pooling = bool(cache.ratio) and closes_block(ints["pos"], cache.ratio)
             selecting = self.attn.kind == CSA and ints["visible"] > self.attn.args.index_topk
             slots = {name: int_array(value, ints["pos"]) for name, value in ints.items()}
             streams, arrays = compiled(self, "decode")(streams, ids, slots, cache.decode_arrays(), pooling,
@@ -910,6 +914,8 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs, quant_sim: bool = True):
         super().__init__()
         self.args, self.quant_sim = args, quant_sim
+        if not quant_sim:  # the exact mode's float32 products must not run on TF32 (`ds4_mlx.precision`)
+            exact_float32()
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hc_head = HyperHead(args)

@@ -10,6 +10,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from ds4_mlx.cache.geometry import ring_slot, rows_visible
+
 _enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
 
 
@@ -135,7 +137,7 @@ def hc_mix(mix, scale, base, streams, iters, eps):
 
 def ring_rows(rows, pos, n):
     """From a ring's rows array, the rows of the `n` positions before `pos` (an int array)."""
-    return rows[(pos - n + mx.arange(n)) % rows.shape[0]]
+    return rows[ring_slot(pos - n + mx.arange(n), rows.shape[0])]
 
 
 def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
@@ -150,7 +152,7 @@ def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, windo
         keys.append(rows[selected])
     elif ratio:
         keys.append(rows)
-        mask = mx.concatenate([mx.ones((window,), mx.bool_), mx.arange(rows.shape[0]) < (pos + 1) // ratio])
+        mask = mx.concatenate([mx.ones((window,), mx.bool_), mx.arange(rows.shape[0]) < rows_visible(pos, ratio)])
     keys = mx.concatenate(keys).astype(f32)[None, None]  # [1, 1, K, hd]: one key head, keys are values
     out = mx.fast.scaled_dot_product_attention(q.astype(f32)[None, :, None, :], keys, keys,
                                                scale=q.shape[-1] ** -0.5, sinks=sinks.astype(f32),

@@ -46,7 +46,8 @@ def _run(fn, args):
     on_cpu = mx.default_device() == mx.cpu
     if getattr(args, "preset", "") is None:  # the model benches: real widths take hours on a CPU
         args.preset = "tiny" if on_cpu else "real"
-    if getattr(args, "contexts", "") is None:  # a 32k prefill takes minutes on a CPU even for the tiny model
+    # the model benches' contexts: a 32k prefill takes minutes on a CPU even for the tiny model
+    if hasattr(args, "preset") and getattr(args, "contexts", "") is None:
         args.contexts = "2048,8192" if on_cpu else "2048,8192,32768"
     figures = fn(args)
     figures["device"] = str(mx.default_device())
@@ -231,6 +232,19 @@ def _bench_memory_options(q):
     memory_options(q)
 
 
+def bench_parity(a):
+    """Logits against transformers (float32) on the same random weights: exact mode, fast defaults, bfloat16."""
+    from ds4_mlx.tools.bench_parity import bench_parity as run
+
+    return run(a)
+
+
+def _bench_parity_options(q):
+    from ds4_mlx.tools.bench_parity import parity_options
+
+    parity_options(q)
+
+
 def bench_load(a):
     """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
     from ds4_mlx.tools.bench_load import bench_load as run
@@ -251,4 +265,5 @@ BENCHES = [
     ("speed", bench_speed, _bench_speed_options),
     ("memory", bench_memory, _bench_memory_options),
     ("load", bench_load, _bench_load_options),
+    ("parity", bench_parity, _bench_parity_options),
 ]

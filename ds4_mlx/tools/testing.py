@@ -165,6 +165,17 @@ def tiny_args(seed=0, **overrides) -> ModelArgs:
     return ModelArgs(**d)
 
 
+def real_geometry_args(**overrides) -> ModelArgs:
+    """V4 Flash's cache geometry (window 128, one layer of each kind: ratios 0, 4 and 128, the first
+    hash-routed) at tiny widths: rewinds and rings at the real sizes in seconds on a CPU."""
+    d = dict(vocab_size=256, hidden_size=32, num_hidden_layers=3, compress_ratios=[0, 4, 128],
+             num_attention_heads=2, head_dim=32, qk_rope_head_dim=16, q_lora_rank=16, o_groups=1, o_lora_rank=8,
+             sliding_window=128, num_hash_layers=1, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=16, index_n_heads=4, index_head_dim=16, index_topk=64)
+    d.update(overrides)
+    return ModelArgs(**d)
+
+
 def _hca_ratio(args: ModelArgs):
     ratios = {r for r in args.compress_ratios if r not in (0, 4)}
     if len(ratios) > 1:
