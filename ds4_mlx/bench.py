@@ -302,6 +302,19 @@ def _bench_load_options(q):
     bench_load_options(q)
 
 
+def bench_batch(a):
+    """Aggregate and per-stream decode tok/s of 1, 2, 4, 8 sessions decoded in one forward."""
+    from ds4_mlx.bench_batch import bench_batch as run
+
+    return run(a)
+
+
+def _bench_batch_options(q):
+    from ds4_mlx.bench_batch import batch_options
+
+    batch_options(q)
+
+
 BENCHES = [
     ("model", bench_model, _bench_model_options),
     ("rewind", bench_rewind, _bench_rewind_options),
@@ -309,4 +322,5 @@ BENCHES = [
     ("speed", bench_speed, _bench_speed_options),
     ("memory", bench_memory, _bench_memory_options),
     ("load", bench_load, _bench_load_options),
+    ("batch", bench_batch, _bench_batch_options),
 ]
