@@ -96,17 +96,13 @@ class Session:
         """`step` for a token id the device is still computing (an int32 array holding one id, e.g. a
         sampler's lazy draw): the logits come back with their evaluation started, so the caller builds
         this step while the device finishes the last one. Call `settle()` before using the session again."""
+        return step_together([self], token.reshape(1))[0]
+
+    def _stepped(self, token, logits):
         pos = len(self.tokens)
-        try:
-            logits = self.model(token.reshape(1, 1).astype(mx.int32), self.cache, last_only=True)[0, -1]
-        except BaseException:  # as in `_feed`: every layer back at the last token
-            self._undo_chunk(1)
-            raise
         self.tokens.append(token)
         self.logits = logits
-        mx.async_eval(logits, [c.arrays() for c in self.cache])
         self._take_checkpoints(pos, pos + 1)  # the same lanes and full checkpoints as `step`
-        return logits
 
     def settle(self):
         """Wait for the id of the last `step_async` token and record it; return it."""
@@ -250,3 +246,21 @@ class Session:
                     del self.checkpoints[q]
             elif q % self.checkpoint_spacing(end - q):
                 del self.checkpoints[q]
+
+
+def step_together(sessions, tokens):
+    """`Session.step_async` for several sessions of one model in one forward (`Model.decode_batch`):
+    `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their evaluation
+    started; call each session's `settle()` before using it again."""
+    if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
+        raise ValueError("step_together takes distinct sessions of one model")
+    try:
+        logits = sessions[0].model.decode_batch(tokens.astype(mx.int32), [s.cache for s in sessions])
+    except BaseException:  # as in `_feed`: every layer of every session back at its last token
+        for s in sessions:
+            s._undo_chunk(1)
+        raise
+    for b, s in enumerate(sessions):
+        s._stepped(tokens[b], logits[b])
+    mx.async_eval(logits, [c.arrays() for s in sessions for c in s.cache])
+    return logits

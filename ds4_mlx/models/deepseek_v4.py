@@ -272,8 +272,14 @@ class Rope:
         return self._full[width]
 
     def __call__(self, x, start, step=1, inverse=False):
-        """x [T, ..., D] holds positions start, start + step, ... along its first axis."""
+        """x [T, ..., D] holds positions start, start + step, ... along its first axis; or, with `start`
+        an int array [T], row t is at position start[t] (tokens of several sessions decoded together)."""
         D = x.shape[-1]
+        if isinstance(start, mx.array) and start.ndim == 1:
+            t = x.reshape(x.shape[0], -1, 1, D)  # one position per row: mx.fast.rope's per-batch offsets
+            t = mx.fast.rope(t, D, traditional=True, base=None, scale=-1.0 if inverse else 1.0, offset=start,
+                             freqs=self.full_periods(D))
+            return t.reshape(x.shape)
         t = x.reshape(x.shape[0], -1, D).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
         t = mx.fast.rope(t, D, traditional=True, base=None, scale=-step if inverse else step,
                          offset=start if step == 1 else start // step, freqs=self.full_periods(D))
@@ -682,9 +688,15 @@ class Attention(nn.Module):
         on the cache's `arrays` (`LayerCache.decode_arrays`): a pure function, so that a layer's decode
         step compiles whole. `pooling`: the token closes a compressed block; `selecting`: the indexer
         picks the rows (more than index_topk of them). -> (output [1, H], the arrays written)."""
+        out, arrays = self.decode_attend(x, *self._project(x, slots["pos"]), slots, arrays, pooling, selecting,
+                                         quant_sim)
+        return self._project_out(out[None], slots["pos"]), arrays
+
+    def decode_attend(self, x, qr, q, kv, slots, arrays, pooling, selecting, quant_sim):
+        """The part of `decode` that reads and writes the cache, from the token's projections (`_project`):
+        -> (attention output [nh, hd] with RoPE still on, the arrays written)."""
         W, pos = self.args.sliding_window, slots["pos"]
         arrays = dict(arrays)
-        qr, q, kv = self._project(x, pos)
         fresh = self._store_kv(kv, quant_sim).astype(arrays["raw"].dtype)
         ring = arrays["raw"]  # read before the write: it may hold just the window's other rows
         arrays["raw"] = write_row(ring, fresh, slots["raw"])
@@ -698,8 +710,7 @@ class Attention(nn.Module):
             if selecting:
                 visible = slots["visible"].reshape(1, 1)
                 selected = self._select(qr, x, pos, index_rows, visible, quant_sim)[0]
-        out = decode_attention(q[0], ring, fresh, rows, selected, pos, self.sinks, W, self.ratio)
-        return self._project_out(out[None], pos), arrays
+        return decode_attention(q[0], ring, fresh, rows, selected, pos, self.sinks, W, self.ratio), arrays
 
     def __call__(self, x, cache, quant_sim):
         args, hd = self.args, self.head_dim
@@ -868,6 +879,12 @@ class MoE(nn.Module):
         return mx.concatenate(outs)
 
 
+def steady(cache):
+    """Whether a token at the cache's position decodes through the one-token graph: its window and its
+    compressors' reach are all in the rings."""
+    return cache.pos >= cache.reach
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -879,12 +896,8 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(args, layer_id)
 
     def __call__(self, streams, ids, cache, quant_sim):
-        # one token whose window and compressor reach are all in the rings decodes as one graph
-        if streams.shape[0] == 1 and cache.pos >= cache.reach:
-            ints = cache.decode_slots()
-            pooling = bool(cache.ratio) and closes_block(ints["pos"], cache.ratio)
-            selecting = self.attn.kind == CSA and ints["visible"] > self.attn.args.index_topk
-            slots = {name: int_array(value, ints["pos"]) for name, value in ints.items()}
+        if streams.shape[0] == 1 and steady(cache):  # one token decodes as one graph
+            slots, pooling, selecting = self._decode_inputs(cache)
             streams, arrays = compiled(self, "decode")(streams, ids, slots, cache.decode_arrays(), pooling,
                                                        selecting, quant_sim)
             cache.decoded(arrays)
@@ -896,6 +909,41 @@ class DecoderLayer(nn.Module):
         streams = HyperConnection.post(out, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
+        return HyperConnection.post(out, streams, post, comb)
+
+    def _decode_inputs(self, cache):
+        """A decoded token's slots (`LayerCache.decode_slots` as arrays) and the static choices of its graph:
+        whether it closes a compressed block (`pooling`), whether the indexer picks the rows (`selecting`)."""
+        ints = cache.decode_slots()
+        pooling = bool(cache.ratio) and closes_block(ints["pos"], cache.ratio)
+        selecting = self.attn.kind == CSA and ints["visible"] > self.attn.args.index_topk
+        return {name: int_array(value, ints["pos"]) for name, value in ints.items()}, pooling, selecting
+
+    def decode_batch(self, streams, ids, caches, quant_sim):
+        """One token for each of B sessions (streams [B, hc, H], ids [B], one `steady` cache each): the
+        projections, hyper-connections and experts run on the B rows together; each session's cache is
+        read and written on its own (`Attention.decode_attend`), as when it decodes alone."""
+        inputs = [self._decode_inputs(c) for c in caches]
+        positions = mx.array([c.pos for c in caches])
+        x, post, comb, qr, q, kv = compiled(self, "_batch_in")(streams, positions)
+        outs = []
+        for b, (cache, (slots, pooling, selecting)) in enumerate(zip(caches, inputs)):
+            row = slice(b, b + 1)
+            out, arrays = compiled(self.attn, "decode_attend")(x[row], qr[row], q[row], kv[row], slots,
+                                                              cache.decode_arrays(), pooling, selecting, quant_sim)
+            cache.decoded(arrays)
+            outs.append(out)
+        return compiled(self, "_batch_out")(mx.stack(outs), positions, streams, post, comb, ids)
+
+    def _batch_in(self, streams, positions):
+        x, post, comb = self.hc_attn.pre(streams)
+        x = self.attn_norm(x.astype(self.attn_norm.weight.dtype))
+        return (x, post, comb, *self.attn._project(x, positions))
+
+    def _batch_out(self, out, positions, streams, post, comb, ids):
+        streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
+        x, post, comb = self.hc_ffn.pre(streams)
+        out = self.ffn(self.ffn_norm(x.astype(self.ffn_norm.weight.dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
 
     def decode(self, streams, ids, slots, arrays, pooling, selecting, quant_sim):
@@ -945,6 +993,19 @@ class Model(nn.Module):
             streams = streams[-1:]
         x = self.norm(self.hc_head(streams).astype(self.norm.weight.dtype))
         return self.lm_head(x).astype(mx.float32)[None]
+
+    def decode_batch(self, ids, caches):
+        """One token for each of B sessions: ids int32 [B], `caches` B per-layer cache lists (one each,
+        never the same twice). -> logits [B, vocab], each row as the session's own step gives it (float
+        rounding of the batched products aside). Sessions in their first window step one by one."""
+        if len(caches) == 1 or not all(steady(layer) for c in caches for layer in c):
+            return mx.concatenate([self(ids[b : b + 1][None], c, last_only=True)[0] for b, c in enumerate(caches)])
+        B, a = len(caches), self.args
+        streams = mx.broadcast_to(self.embed(ids).astype(mx.float32)[:, None, :], (B, a.hc_mult, a.hidden_size))
+        for i, layer in enumerate(self.layers):
+            streams = layer.decode_batch(streams, ids, [c[i] for c in caches], self.quant_sim)
+        x = self.norm(self.hc_head(streams).astype(self.norm.weight.dtype))
+        return self.lm_head(x).astype(mx.float32)
 
     def cast(self, dtype):
         """Compute in `dtype` (bfloat16 or float16), but for the parameters `keeps_float32` names."""
