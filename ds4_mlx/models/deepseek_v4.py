@@ -586,12 +586,12 @@ class Compressor(nn.Module):
             return self.pool(source[tokens - lo])
         return self.pool(source[tokens - lo], source[mx.maximum(tokens - m - lo, 0)], (tokens - m >= 0)[..., None])
 
-    def decode(self, xn, slots, ring, pooling):
-        """One token (`slots`: `LayerCache.decode_slots` as arrays), on the ring's rows array: log its row
-        and, if it closes a block (`pooling`), pool that block. -> (the ring's rows, the pooled row
-        [1, head_dim] or None)."""
+    def decode(self, fresh, slots, ring, pooling):
+        """One token (`slots`: `LayerCache.decode_slots` as arrays; `fresh`: its `project` row), on the ring's
+        rows array: log its row and, if it closes a block (`pooling`), pool that block. -> (the ring's rows,
+        the pooled row [1, head_dim] or None)."""
         m = self.ratio
-        fresh = self.project(xn, slots["in_block"][None]).astype(ring.dtype)
+        fresh = fresh.astype(ring.dtype)
         # the block's earlier rows, read before the write below
         source = mx.concatenate([ring_rows(ring, slots["pos"], compressor_reach(m)), fresh]) if pooling else None
         ring = write_row(ring, fresh, slots["frontier"])
@@ -673,10 +673,10 @@ class Attention(nn.Module):
         rows = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
         return quant(self.rope(rows, start, compressor.ratio))
 
-    def _decode_compress(self, compressor, x, slots, arrays, ring, buffer, pooling, quant):
-        """`_compress` for one token, on the named `arrays`. -> the buffer's rows array (its whole
-        capacity: rows from slots["visible"] on are not valid)."""
-        arrays[ring], pooled = compressor.decode(x, slots, arrays[ring], pooling)
+    def _decode_compress(self, compressor, fresh, slots, arrays, ring, buffer, pooling, quant):
+        """`_compress` for one token (its projected row `fresh`), on the named `arrays`. -> the buffer's rows
+        array (its whole capacity: rows from slots["visible"] on are not valid)."""
+        arrays[ring], pooled = compressor.decode(fresh, slots, arrays[ring], pooling)
         if pooled is not None:
             start = slots["pos"] + 1 - compressor.ratio
             row = self._finish_rows(compressor, pooled, start, quant).astype(arrays[buffer].dtype)
@@ -688,29 +688,44 @@ class Attention(nn.Module):
         on the cache's `arrays` (`LayerCache.decode_arrays`): a pure function, so that a layer's decode
         step compiles whole. `pooling`: the token closes a compressed block; `selecting`: the indexer
         picks the rows (more than index_topk of them). -> (output [1, H], the arrays written)."""
-        out, arrays = self.decode_attend(x, *self._project(x, slots["pos"]), slots, arrays, pooling, selecting,
-                                         quant_sim)
-        return self._project_out(out[None], slots["pos"]), arrays
+        pos = slots["pos"].reshape(1)
+        rows = self.decode_project(x, pos, slots["in_block"].reshape(1) if self.ratio else None, selecting, quant_sim)
+        out, arrays = self.decode_attend(rows, slots, arrays, pooling, selecting, quant_sim)
+        return self._project_out(out[None], pos), arrays
 
-    def decode_attend(self, x, qr, q, kv, slots, arrays, pooling, selecting, quant_sim):
-        """The part of `decode` that reads and writes the cache, from the token's projections (`_project`):
-        -> (attention output [nh, hd] with RoPE still on, the arrays written)."""
+    def decode_project(self, x, positions, in_blocks, selecting, quant_sim):
+        """What `decode` computes from decoded tokens alone, reading no cache, so that several sessions'
+        tokens run it together: x [T, H] at `positions` [T], `in_blocks` [T] their offsets in their
+        compressed blocks. -> rows by name, [T, ...] each (`decode_attend` takes one session's)."""
+        qr, q, kv = self._project(x, positions)
+        rows = {"q": q, "kv": self._store_kv(kv, quant_sim)}
+        if self.kind != SLIDING:
+            rows["frontier"] = self.compressor.project(x, in_blocks)
+            if self.kind == CSA:
+                rows["index_frontier"] = self.indexer.compressor.project(x, in_blocks)
+                if selecting:
+                    rows["index_q"], rows["index_w"] = self._index_query(qr, x, positions, quant_sim)
+        return rows
+
+    def decode_attend(self, rows, slots, arrays, pooling, selecting, quant_sim):
+        """The part of `decode` that reads and writes one session's cache, from its token's
+        `decode_project` rows. -> (attention output [nh, hd] with RoPE still on, the arrays written)."""
         W, pos = self.args.sliding_window, slots["pos"]
         arrays = dict(arrays)
-        fresh = self._store_kv(kv, quant_sim).astype(arrays["raw"].dtype)
+        fresh = rows["kv"].astype(arrays["raw"].dtype)
         ring = arrays["raw"]  # read before the write: it may hold just the window's other rows
         arrays["raw"] = write_row(ring, fresh, slots["raw"])
-        rows = selected = None
+        compressed = selected = None
         if self.kind != SLIDING:
-            rows = self._decode_compress(self.compressor, x, slots, arrays, "frontier", "rows", pooling,
-                                         lambda r: self._store_kv(r, quant_sim))
+            compressed = self._decode_compress(self.compressor, rows["frontier"], slots, arrays, "frontier", "rows",
+                                               pooling, lambda r: self._store_kv(r, quant_sim))
             if self.kind == CSA:
-                index_rows = self._decode_compress(self.indexer.compressor, x, slots, arrays, "index_frontier",
-                                                   "index_rows", pooling, index_rounding(quant_sim))
+                index_rows = self._decode_compress(self.indexer.compressor, rows["index_frontier"], slots, arrays,
+                                                   "index_frontier", "index_rows", pooling, index_rounding(quant_sim))
             if selecting:
                 visible = slots["visible"].reshape(1, 1)
-                selected = self._select(qr, x, pos, index_rows, visible, quant_sim)[0]
-        return decode_attention(q[0], ring, fresh, rows, selected, pos, self.sinks, W, self.ratio), arrays
+                selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, visible)[0]
+        return decode_attention(rows["q"][0], ring, fresh, compressed, selected, pos, self.sinks, W, self.ratio), arrays
 
     def __call__(self, x, cache, quant_sim):
         args, hd = self.args, self.head_dim
@@ -772,12 +787,21 @@ class Attention(nn.Module):
     def _select(self, qr, x, p0, index_rows, visible, quant_sim):
         """Top-k compressed rows for each query, by the indexer's scores (rows at or past `visible`
         [T, 1] excluded)."""
-        idx, args = self.indexer, self.args
+        return self._top_rows(*self._index_query(qr, x, p0, quant_sim), index_rows, visible)
+
+    def _index_query(self, qr, x, start, quant_sim):
+        """The indexer's queries [T, heads, dim] and head weights [T, heads] of tokens at `start` (as `Rope`)."""
+        idx = self.indexer
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0).astype(mx.float32)
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), start).astype(mx.float32)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
-        w = idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
+        return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
+
+    def _top_rows(self, qi, w, index_rows, visible):
+        """The index_topk rows of `index_rows` with the highest scores for each query (`_index_query`)."""
+        idx, args = self.indexer, self.args
+        T = qi.shape[0]
         C = index_rows.shape[0]
         # ReLU per head, weighted over heads; in tiles of rows so [T, heads, rows] stays ~256 MB
         tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
@@ -925,20 +949,23 @@ class DecoderLayer(nn.Module):
         read and written on its own (`Attention.decode_attend`), as when it decodes alone."""
         inputs = [self._decode_inputs(c) for c in caches]
         positions = mx.array([c.pos for c in caches])
-        x, post, comb, qr, q, kv = compiled(self, "_batch_in")(streams, positions)
+        ratio = self.attn.ratio
+        in_blocks = mx.array([in_block(c.pos, ratio) for c in caches]) if ratio else None
+        post, comb, rows = compiled(self, "_batch_in")(streams, positions, in_blocks,
+                                                       any(i[2] for i in inputs), quant_sim)
         outs = []
         for b, (cache, (slots, pooling, selecting)) in enumerate(zip(caches, inputs)):
-            row = slice(b, b + 1)
-            out, arrays = compiled(self.attn, "decode_attend")(x[row], qr[row], q[row], kv[row], slots,
-                                                              cache.decode_arrays(), pooling, selecting, quant_sim)
+            mine = {name: r[b : b + 1] for name, r in rows.items()}
+            out, arrays = compiled(self.attn, "decode_attend")(mine, slots, cache.decode_arrays(), pooling,
+                                                              selecting, quant_sim)
             cache.decoded(arrays)
             outs.append(out)
         return compiled(self, "_batch_out")(mx.stack(outs), positions, streams, post, comb, ids)
 
-    def _batch_in(self, streams, positions):
+    def _batch_in(self, streams, positions, in_blocks, selecting, quant_sim):
         x, post, comb = self.hc_attn.pre(streams)
         x = self.attn_norm(x.astype(self.attn_norm.weight.dtype))
-        return (x, post, comb, *self.attn._project(x, positions))
+        return post, comb, self.attn.decode_project(x, positions, in_blocks, selecting, quant_sim)
 
     def _batch_out(self, out, positions, streams, post, comb, ids):
         streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
