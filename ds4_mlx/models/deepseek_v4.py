@@ -383,8 +383,8 @@ _step_ints = (None, {})
 
 
 def int_array(value, step):
-    """mx.array(value), made once for all the layers computing position `step` (the cache is one tuple,
-    swapped whole: safe across threads)."""
+    """mx.array(value), made once for all the layers computing position `step` (a tuple of positions for
+    sessions stepped together; the cache is one tuple, swapped whole: safe across threads)."""
     global _step_ints
     s, made = _step_ints
     if s != step:
@@ -935,20 +935,22 @@ class DecoderLayer(nn.Module):
         out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
 
-    def _decode_inputs(self, cache):
+    def _decode_inputs(self, cache, step=None):
         """A decoded token's slots (`LayerCache.decode_slots` as arrays) and the static choices of its graph:
         whether it closes a compressed block (`pooling`), whether the indexer picks the rows (`selecting`)."""
         ints = cache.decode_slots()
         pooling = bool(cache.ratio) and closes_block(ints["pos"], cache.ratio)
         selecting = self.attn.kind == CSA and ints["visible"] > self.attn.args.index_topk
-        return {name: int_array(value, ints["pos"]) for name, value in ints.items()}, pooling, selecting
+        step = ints["pos"] if step is None else step  # what the int arrays are made once for (`int_array`)
+        return {name: int_array(value, step) for name, value in ints.items()}, pooling, selecting
 
     def decode_batch(self, streams, ids, caches, quant_sim):
         """One token for each of B sessions (streams [B, hc, H], ids [B], one `steady` cache each): the
         projections, hyper-connections and experts run on the B rows together; each session's cache is
         read and written on its own (`Attention.decode_attend`), as when it decodes alone."""
-        inputs = [self._decode_inputs(c) for c in caches]
-        positions = mx.array([c.pos for c in caches])
+        step = tuple(c.pos for c in caches)
+        inputs = [self._decode_inputs(c, step) for c in caches]
+        positions = int_array(step, step)
         ratio = self.attn.ratio
         in_blocks = mx.array([in_block(c.pos, ratio) for c in caches]) if ratio else None
         post, comb, rows = compiled(self, "_batch_in")(streams, positions, in_blocks,
