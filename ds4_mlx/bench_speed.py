@@ -232,7 +232,7 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
 
 def bench_speed(a):
     """Prefill/decode tok/s at real widths against the roofline (and transformers with --peer)."""
-    from ds4_mlx.bench import build_model
+    from ds4_mlx.bench import build_model, expert_bits
     from ds4_mlx.models.kernels import backend
 
     model = build_model(a)
@@ -253,7 +253,7 @@ def bench_speed(a):
               f"{row['decode_tok_s']:6.1f} tok/s ({row['decode_ms']:.2f} ms), peak {row['peak_gib']:.1f} GiB"
               + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
-               "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits if a.preset == "real" else 0,
+               "experts": model.args.n_routed_experts, "expert_bits": expert_bits(a), "like": a.like,
                "dtype": a.dtype,
                "chunk": a.chunk, "backend": backend() or "cpu", "bandwidth_bytes_s": bandwidth,
                "weight_bytes_per_token": weights, "results": rows}
@@ -281,11 +281,15 @@ def bench_speed(a):
 
 
 def options(q):
+    from ds4_mlx.bench import like_option
+
     q.add_argument("--preset", choices=["real", "tiny"], default="real",
                    help="real: V4 Flash widths, [CSA, HCA] layers with random quantized experts")
     q.add_argument("--layers", type=int, default=4)
     q.add_argument("--full", action="store_true", help="all 43 layers of the real model")
-    q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
+    q.add_argument("--expert-bits", type=int, default=None,
+                   help="random affine-quantized experts; 0: float (default: 4)")
+    like_option(q)
     q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="compute dtype (float32 keeps the exact mode)")
     q.add_argument("--contexts", default="2048,8192,32768")
@@ -309,7 +313,8 @@ def plot(figures, png_path, before=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [(f"ds4-mlx ({figures['dtype']}, {figures['expert_bits']}-bit experts)", figures["results"], "o-")]
+    layout = f"{figures['like']} layout" if figures.get("like") else f"{figures['expert_bits']}-bit experts"
+    series = [(f"ds4-mlx ({figures['dtype']}, {layout})", figures["results"], "o-")]
     if "peer" in figures:
         series.append(("transformers eager (bf16, dense experts)", [r for r in figures["peer"]["results"]
                                                                      if "error" not in r], "s--"))
