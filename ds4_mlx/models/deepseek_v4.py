@@ -496,7 +496,7 @@ class QuantizedGroupedLinear(nn.Module):
 
 
 class SwitchLinear(nn.Module):
-    """A stack of linear maps [n, out, in]; each token row picks its own (experts, output groups)."""
+    """A stack of linear maps [n, out, in]; each token row picks its own (the routed experts)."""
 
     def __init__(self, n, input_dims, output_dims):
         super().__init__()
@@ -513,10 +513,6 @@ class SwitchLinear(nn.Module):
         """x [n, in] through map i alone."""
         return x @ _row(self.weight, i).T
 
-    def each(self, x):
-        """x [T, n, in]: row j of every token through map j (a batched product)."""
-        return (x.swapaxes(0, 1) @ self.weight.swapaxes(-1, -2)).swapaxes(0, 1)
-
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
         n, out, inp = self.weight.shape
         return QuantizedSwitchLinear(n, inp, out, group_size, bits, mode)
@@ -530,10 +526,6 @@ class QuantizedSwitchLinear(nn.Module):
         self.weight, self.scales = w, scales
         if biases:
             self.biases = biases[0]
-        # `each`'s map indices, made once: a compiled graph reads them rather than running a kernel a call
-        # (evaluated now, so they do not belong to the stream of the thread that first uses them)
-        self._each = mx.arange(n)
-        mx.eval(self._each)
         self.freeze()
 
     # x is not cast to the scales' dtype: the compute dtype is x's. Converted scales are float16 (or
@@ -542,9 +534,6 @@ class QuantizedSwitchLinear(nn.Module):
         return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
                              mode=self.mode, sorted_indices=sorted_indices)
-
-    def each(self, x):
-        return self(x[:, :, None, :], self._each)[:, :, 0, :]
 
     def one(self, x, i):
         w, scales, biases = self._maps()[i]
