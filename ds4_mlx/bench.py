@@ -383,6 +383,19 @@ def _bench_speed_options(q):
     options(q)
 
 
+def bench_dense(a):
+    """Quantized dense products at prefill sizes: quantized_matmul against dequantize + dense product."""
+    from ds4_mlx.bench_speed import dense_products
+
+    return dense_products(a)
+
+
+def _bench_dense_options(q):
+    from ds4_mlx.bench_speed import dense_options
+
+    dense_options(q)
+
+
 def bench_memory(a):
     """Session memory at real widths (43 layers) at several context lengths, no forward pass."""
     from ds4_mlx.cache.bench import bench_memory as run
@@ -414,6 +427,7 @@ BENCHES = [
     ("rewind", bench_rewind, _bench_rewind_options),
     ("convert", bench_convert, _bench_convert_options),
     ("speed", bench_speed, _bench_speed_options),
+    ("dense", bench_dense, _bench_dense_options),
     ("memory", bench_memory, _bench_memory_options),
     ("load", bench_load, _bench_load_options),
 ]

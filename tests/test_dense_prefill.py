@@ -134,3 +134,15 @@ def test_on_cuda_the_chosen_chunk_path_equals_the_quantized_product(on_cuda, mon
         assert got.dtype == want.dtype == dtype
         want = want.astype(mx.float32)
         assert float(mx.abs(got.astype(mx.float32) - want).max()) < tolerance * float(mx.abs(want).max())
+
+
+def test_the_products_bench_times_both_paths_at_each_row_count(capsys):
+    import json
+
+    from ds4_mlx import cli
+
+    assert cli.main(["bench", "dense", "--rows", "1,40", "--repeats", "1", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out.splitlines()[-1])
+    rows = figures["results"]
+    assert [(r["product"], r["rows"]) for r in rows[:2]] == [("q_a", 1), ("q_a", 40)] and len(rows) == 16
+    assert all(r[k] > 0 for r in rows for k in ("quantized_ms", "dequantize_ms", "dequantize_weight_ms"))

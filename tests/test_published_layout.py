@@ -46,10 +46,13 @@ def test_every_weight_has_the_published_files_type(variant, expert_bits):
 
 def test_speed_and_rewind_benches_run_like_q2(capsys):
     assert cli.main(["bench", "speed", "--preset", "tiny", "--like", "q2", "--contexts", "96", "--decode", "3",
-                     "--chunk", "32", "--json"]) == 0
+                     "--chunk", "32", "--profile", "--profile-context", "96", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert figures["like"] == "q2" and figures["expert_bits"] is None
     assert figures["results"][0]["prefill_tok_s"] > 0 and figures["results"][0]["decode_tok_s"] > 0
+    # the profile times the quantized dense products of a chunk and of a decoded token
+    assert figures["profile"]["prefill_chunk"]["dense.quantized"] > 0
+    assert figures["profile"]["decode_step"]["dense.quantized"] > 0
     assert cli.main(["bench", "rewind", "--like", "q4", "--contexts", "48", "--repeats", "1", "--generated", "2",
                      "--json"]) == 0
     rewind = json.loads(capsys.readouterr().out.splitlines()[-1])
