@@ -128,8 +128,9 @@ def test_on_cuda_the_chosen_chunk_path_equals_the_quantized_product(on_cuda, mon
     cases = [(layer(x), mx.quantized_matmul(x, layer.weight, layer.scales, layer.biases, **qmm)),
              (grouped(xg), mx.stack([mx.quantized_matmul(xg[:, j], grouped.weight[j], grouped.scales[j],
                                                          grouped.biases[j], **qmm) for j in range(8)], axis=1))]
-    # float32: rounding of the sums alone; bfloat16: one rounding of each weight and of the output
-    tolerance = 1e-5 if dtype == mx.float32 else 2e-2
+    # float32: CUDA's float32 matrix products run on TF32 tensor cores (inputs rounded to 10-bit
+    # mantissas), as every float32 GEMM there; bfloat16: one rounding of each weight and of the output
+    tolerance = 2e-3 if dtype == mx.float32 else 2e-2
     for got, want in cases:
         assert got.dtype == want.dtype == dtype
         want = want.astype(mx.float32)
