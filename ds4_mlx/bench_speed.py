@@ -179,7 +179,8 @@ def profile(model, context, chunk, rng):
 def dense_products(a):
     """Milliseconds of each quantized dense product of a layer (and the head) at several row counts,
     through mx.quantized_matmul and through the weight dequantized once plus a dense product (the two
-    paths of `QuantizedLinear`), and the dequantization alone: where `DEQUANTIZE_FROM_ROWS` should sit."""
+    paths of `QuantizedLinear`), the dequantization alone, and the dense product of a kept dequantized
+    copy (what keeping one would save): where `DEQUANTIZE_FROM_ROWS` should sit."""
     from ds4_mlx.models import deepseek_v4 as dv
 
     args = _bench_args(a)
@@ -199,7 +200,8 @@ def dense_products(a):
             dense.weight = (mx.random.normal(dense.weight.shape) / np.sqrt(dense.weight.shape[-1])).astype(dtype)
             layer = dense.to_quantized(**fmt)
             layer.weight, layer.scales, layer.biases = mx.quantize(dense.weight, **fmt)
-            mx.eval(layer.parameters())
+            kept = dv.dequantized(layer, dtype)
+            mx.eval(layer.parameters(), kept)
             del dense
             width = shape[-2] if len(shape) == 3 else shape[0]
             for rows in rows_list:
@@ -209,6 +211,8 @@ def dense_products(a):
                     os.environ["DS4_MLX_DENSE_PATH"] = path
                     row[f"{path}_ms"] = _median_ms(lambda: layer(x), a.repeats)
                 row["dequantize_weight_ms"] = _median_ms(lambda: dv.dequantized(layer, dtype), a.repeats)
+                row["kept_copy_ms"] = _median_ms(lambda: dv.grouped_product(x, kept) if len(shape) == 3
+                                                 else x @ kept.T, a.repeats)
                 results.append(row)
                 if row["dequantize_ms"] < row["quantized_ms"] and name not in crossover:
                     crossover[name] = rows

@@ -454,7 +454,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         return super().__call__(x)
 
 
-def _grouped_product(x, w):
+def grouped_product(x, w):
     """x [T, groups, in] with w [groups, out, in] -> [T, groups, out], row j of every token through map j."""
     return (x.swapaxes(0, 1) @ w.swapaxes(-1, -2)).swapaxes(0, 1)
 
@@ -467,7 +467,7 @@ class GroupedLinear(nn.Module):
         self.weight = mx.zeros((groups, output_dims, input_dims))
 
     def __call__(self, x):
-        return _grouped_product(x, self.weight)
+        return grouped_product(x, self.weight)
 
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
         return QuantizedGroupedLinear(*self.weight.shape, group_size, bits, mode)
@@ -489,7 +489,7 @@ class QuantizedGroupedLinear(nn.Module):
 
     def __call__(self, x):
         if dequantizes(x.shape[0]):
-            return _grouped_product(x, dequantized(self, x.dtype))
+            return grouped_product(x, dequantized(self, x.dtype))
         y = mx.gather_qmm(x[:, :, None, :], self.weight, self.scales, self.get("biases"), rhs_indices=self._maps,
                           transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
         return y[:, :, 0, :]
