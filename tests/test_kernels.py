@@ -129,23 +129,6 @@ def test_expert_paths_agree(monkeypatch, dtype):
     assert float(mx.abs(regathered - moe._experts(x, chosen)).max()) < tolerance * float(mx.abs(regathered).max())
 
 
-def test_grouped_output_projection_float_and_quantized():
-    """`each` (row j through map j) as a batched product, and through gather_qmm when quantized."""
-    from ds4_mlx.models.deepseek_v4 import SwitchLinear
-
-    k1, k2 = mx.random.split(mx.random.key(3))
-    linear = SwitchLinear(4, 64, 32)
-    linear.weight = mx.random.normal(linear.weight.shape, key=k1)
-    x = mx.random.normal((5, 4, 64), key=k2)
-    want = mx.stack([x[:, j] @ linear.weight[j].T for j in range(4)], axis=1)
-    assert float(mx.abs(linear.each(x) - want).max()) < 1e-4
-    quantized = linear.to_quantized(group_size=32, bits=8)
-    quantized.weight, quantized.scales, quantized.biases = mx.quantize(linear.weight, 32, 8)
-    dequantized = mx.dequantize(quantized.weight, quantized.scales, quantized.biases, 32, 8)
-    want = mx.stack([x[:, j] @ dequantized[j].T for j in range(4)], axis=1)
-    assert float(mx.abs(quantized.each(x) - want).max()) < 1e-3
-
-
 def test_compiled_parts_see_new_parameters():
     """The compiled projections and MoE read the module's parameters at every call, not at tracing."""
     from mlx.utils import tree_flatten

@@ -35,6 +35,25 @@ EXPERT_PATHS = {"cuda": "loop"}
 ATTENTION_PATHS = {"cuda": "matmul"}
 
 
+# quantized dense products (attention projections, grouped output projection, shared experts, LM head)
+# of at least this many rows dequantize the weight into the compute dtype once a call and run a dense
+# product; fewer rows (a decoded token), and backends not listed, keep mx.quantized_matmul. Chosen per
+# backend from measurements (docs/PERFORMANCE.md); DS4_MLX_DENSE_PATH=quantized or =dequantize forces
+# one path for every product.
+DEQUANTIZE_FROM_ROWS = {"cuda": 32}
+DENSE_PATHS = ("quantized", "dequantize")
+
+
+def dequantizes(rows):
+    forced = os.environ.get("DS4_MLX_DENSE_PATH")
+    if forced:
+        if forced not in DENSE_PATHS:
+            raise ValueError(f"DS4_MLX_DENSE_PATH must be one of {', '.join(DENSE_PATHS)}, got {forced!r}")
+        return forced == "dequantize"
+    threshold = DEQUANTIZE_FROM_ROWS.get(backend())
+    return threshold is not None and rows >= threshold
+
+
 def expert_path():
     return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
 
@@ -417,8 +436,78 @@ def compiled(module, method):
     return cache[method]
 
 
+def dequantized(m, dtype):
+    """The weight of quantized layer `m` as `dtype` values, each rounded once: mx.dequantize computes in
+    the scales' dtype, so scales in another (float16 ones under float32 compute) are widened first."""
+    scales, biases = m.scales, m.get("biases")
+    if mx.issubdtype(scales.dtype, mx.floating) and scales.dtype != dtype:
+        scales, biases = scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32)
+    return mx.dequantize(m.weight, scales, biases, group_size=m.group_size, bits=m.bits, mode=m.mode, dtype=dtype)
+
+
+class Linear(nn.Linear):
+    """A dense layer without bias; quantized, a `QuantizedLinear`."""
+
+    def __init__(self, input_dims, output_dims):
+        super().__init__(input_dims, output_dims, bias=False)
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        return QuantizedLinear(self.weight.shape[1], self.weight.shape[0], False, group_size, bits, mode)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear`; many rows at once (a prefill chunk) go through the weight dequantized into
+    their dtype and a dense product where the backend's quantized product is slower (`dequantizes`)."""
+
+    def __call__(self, x):
+        if dequantizes(x.size // x.shape[-1]):
+            return x @ dequantized(self, x.dtype).T
+        return super().__call__(x)
+
+
+def grouped_product(x, w):
+    """x [T, groups, in] with w [groups, out, in] -> [T, groups, out], row j of every token through map j."""
+    return (x.swapaxes(0, 1) @ w.swapaxes(-1, -2)).swapaxes(0, 1)
+
+
+class GroupedLinear(nn.Module):
+    """Linear maps [groups, out, in], each token's row j through map j (the grouped output projection)."""
+
+    def __init__(self, groups, input_dims, output_dims):
+        super().__init__()
+        self.weight = mx.zeros((groups, output_dims, input_dims))
+
+    def __call__(self, x):
+        return grouped_product(x, self.weight)
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        return QuantizedGroupedLinear(*self.weight.shape, group_size, bits, mode)
+
+
+class QuantizedGroupedLinear(nn.Module):
+    def __init__(self, groups, output_dims, input_dims, group_size, bits, mode="affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        w, scales, *biases = mx.quantize(mx.zeros((groups, output_dims, input_dims)), group_size, bits, mode=mode)
+        self.weight, self.scales = w, scales
+        if biases:
+            self.biases = biases[0]
+        # the map of each row, made once: a compiled graph reads them rather than running a kernel a call
+        # (evaluated now, so they do not belong to the stream of the thread that first uses them)
+        self._maps = mx.arange(groups)
+        mx.eval(self._maps)
+        self.freeze()
+
+    def __call__(self, x):
+        if dequantizes(x.shape[0]):
+            return grouped_product(x, dequantized(self, x.dtype))
+        y = mx.gather_qmm(x[:, :, None, :], self.weight, self.scales, self.get("biases"), rhs_indices=self._maps,
+                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return y[:, :, 0, :]
+
+
 class SwitchLinear(nn.Module):
-    """A stack of linear maps [n, out, in]; each token row picks its own (experts, output groups)."""
+    """A stack of linear maps [n, out, in]; each token row picks its own (the routed experts)."""
 
     def __init__(self, n, input_dims, output_dims):
         super().__init__()
@@ -435,10 +524,6 @@ class SwitchLinear(nn.Module):
         """x [n, in] through map i alone."""
         return x @ _row(self.weight, i).T
 
-    def each(self, x):
-        """x [T, n, in]: row j of every token through map j (a batched product)."""
-        return (x.swapaxes(0, 1) @ self.weight.swapaxes(-1, -2)).swapaxes(0, 1)
-
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
         n, out, inp = self.weight.shape
         return QuantizedSwitchLinear(n, inp, out, group_size, bits, mode)
@@ -452,10 +537,6 @@ class QuantizedSwitchLinear(nn.Module):
         self.weight, self.scales = w, scales
         if biases:
             self.biases = biases[0]
-        # `each`'s map indices, made once: a compiled graph reads them rather than running a kernel a call
-        # (evaluated now, so they do not belong to the stream of the thread that first uses them)
-        self._each = mx.arange(n)
-        mx.eval(self._each)
         self.freeze()
 
     # x is not cast to the scales' dtype: the compute dtype is x's. Converted scales are float16 (or
@@ -464,9 +545,6 @@ class QuantizedSwitchLinear(nn.Module):
         return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
                              mode=self.mode, sorted_indices=sorted_indices)
-
-    def each(self, x):
-        return self(x[:, :, None, :], self._each)[:, :, 0, :]
 
     def one(self, x, i):
         w, scales, biases = self._maps()[i]
@@ -625,7 +703,7 @@ class Indexer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
-        self.q_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.q_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
         self.proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(args, 4, self.head_dim)
 
@@ -638,14 +716,14 @@ class Attention(nn.Module):
         self.ratio = args.compress_ratios[layer_id]
         H, nh, hd = args.hidden_size, args.num_attention_heads, args.head_dim
         self.n_heads, self.head_dim = nh, hd
-        self.q_a = nn.Linear(H, args.q_lora_rank, bias=False)
+        self.q_a = Linear(H, args.q_lora_rank)
         self.q_a_norm = nn.RMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
-        self.q_b = nn.Linear(args.q_lora_rank, nh * hd, bias=False)
-        self.kv = nn.Linear(H, hd, bias=False)
+        self.q_b = Linear(args.q_lora_rank, nh * hd)
+        self.kv = Linear(H, hd)
         self.kv_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.sinks = mx.zeros((nh,))
-        self.o_a = SwitchLinear(args.o_groups, nh * hd // args.o_groups, args.o_lora_rank)
-        self.o_b = nn.Linear(args.o_groups * args.o_lora_rank, H, bias=False)
+        self.o_a = GroupedLinear(args.o_groups, nh * hd // args.o_groups, args.o_lora_rank)
+        self.o_b = Linear(args.o_groups * args.o_lora_rank, H)
         if self.kind == SLIDING:
             self.rope = Rope(args.qk_rope_head_dim, args.rope_theta)
         else:
@@ -781,7 +859,7 @@ class Attention(nn.Module):
         """Attention output [T, nh, hd] (RoPE still on) -> [T, H], in the compute dtype."""
         T, G = out.shape[0], self.args.o_groups
         out = self.rope(out, start, inverse=True).astype(self.q_a_norm.weight.dtype)
-        low = self.o_a.each(out.reshape(T, G, -1))  # each head group has its own projection
+        low = self.o_a(out.reshape(T, G, -1))  # each head group has its own projection
         return self.o_b(low.reshape(T, -1))
 
     def _select(self, qr, x, p0, index_rows, visible, quant_sim):
@@ -830,8 +908,7 @@ class MoE(nn.Module):
             self.bias = mx.zeros((E,))
         self.experts = {"gate": SwitchLinear(E, H, I), "up": SwitchLinear(E, H, I), "down": SwitchLinear(E, I, H)}
         shared = I * args.n_shared_experts
-        self.shared = {"gate": nn.Linear(H, shared, bias=False), "up": nn.Linear(H, shared, bias=False),
-                       "down": nn.Linear(shared, H, bias=False)}
+        self.shared = {"gate": Linear(H, shared), "up": Linear(H, shared), "down": Linear(shared, H)}
 
     def __call__(self, x, ids):
         if x.shape[0] * self.args.num_experts_per_tok < FEW_PAIRS:  # one compiled graph, no sync inside
@@ -997,7 +1074,7 @@ class Model(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hc_head = HyperHead(args)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size)
 
     def make_cache(self, *, history=0, frontier_history=None):
         """Per-layer caches; `history` extra positions kept so rewinds of that many tokens are free

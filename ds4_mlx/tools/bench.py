@@ -13,7 +13,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.tools.random_model import model_from_flags
+from ds4_mlx.tools.random_model import expert_bits, like_option, model_from_flags
 
 
 class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -106,7 +106,9 @@ def _model_options(q):
     q.add_argument("--full", action="store_true", help="all 43 layers of the real model (--expert-bits 2 "
                    "--dtype bfloat16 fits one 141 GB GPU)")
     q.add_argument("--experts", type=int, default=None, help="routed experts at real widths (default: 256)")
-    q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
+    q.add_argument("--expert-bits", type=int, default=None,
+                   help="random affine-quantized experts; 0: float (default: 4)")
+    like_option(q)
     q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="compute dtype (float32 keeps the exact mode)")
 
@@ -133,7 +135,7 @@ def bench_model(a):
         decode.append(1 / statistics.median(steps))
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts,
-               "expert_bits": a.expert_bits if a.preset == "real" else 0, "prompt": a.prompt,
+               "expert_bits": expert_bits(a), "like": a.like, "prompt": a.prompt,
                "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
     return figures
 
@@ -179,7 +181,7 @@ def bench_rewind(a):
               f"max |logit diff| {row['max_logit_diff']:.2e}, session {row['session_mb']:.0f} MB, "
               f"peak {row['peak_gib']:.1f} GiB",
               file=sys.stderr, flush=True)  # progress: the table (or JSON) on stdout comes at the end
-    return {"layers": model.args.num_hidden_layers, "expert_bits": a.expert_bits if a.preset == "real" else 0,
+    return {"layers": model.args.num_hidden_layers, "expert_bits": expert_bits(a), "like": a.like,
             "dtype": a.dtype, "generated": a.generated, "results": rows}
 
 
@@ -217,6 +219,19 @@ def _bench_speed_options(q):
     from ds4_mlx.tools.bench_speed import options
 
     options(q)
+
+
+def bench_dense(a):
+    """Quantized dense products at prefill sizes: quantized_matmul against dequantize + dense product."""
+    from ds4_mlx.tools.bench_speed import dense_products
+
+    return dense_products(a)
+
+
+def _bench_dense_options(q):
+    from ds4_mlx.tools.bench_speed import dense_options
+
+    dense_options(q)
 
 
 def bench_memory(a):
@@ -296,7 +311,7 @@ def bench_batch(a):
     for row in rows:
         row["speedup"] = row["aggregate_tok_s"] / one if one else None
     return {"preset": a.preset, "layers": model.args.num_hidden_layers, "dtype": a.dtype,
-            "expert_bits": a.expert_bits if a.preset == "real" else 0, "context": context, "results": rows}
+            "expert_bits": expert_bits(a), "like": a.like, "context": context, "results": rows}
 
 
 def _bench_batch_options(q):
@@ -312,6 +327,7 @@ BENCHES = [
     ("rewind", bench_rewind, _bench_rewind_options),
     ("convert", bench_convert, _bench_convert_options),
     ("speed", bench_speed, _bench_speed_options),
+    ("dense", bench_dense, _bench_dense_options),
     ("memory", bench_memory, _bench_memory_options),
     ("load", bench_load, _bench_load_options),
     ("parity", bench_parity, _bench_parity_options),
