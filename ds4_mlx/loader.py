@@ -10,12 +10,26 @@ import mlx.core as mx
 from ds4_mlx.models import deepseek_v4 as dsv4
 
 
-def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool):
+def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool, packed_floats=None):
+    """The model holding `weights`; `quantization` names its quantized modules' formats, `packed_floats`
+    the float parameters stored as exact codes (dequantized here, to float32)."""
+    weights = unpack_floats(weights, packed_floats or {})
     model = dsv4.Model(args, quant_sim=quant_sim)
     model.apply_quantization(quantization)
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
     return model
+
+
+def unpack_floats(weights: dict, packed: dict) -> dict:
+    """`weights` with each packed float parameter ({path: affine format}) as float32 values. The
+    scales go up to float32 first, so codes * scale + bias is computed, exactly, in float32."""
+    out = dict(weights)
+    for path, fmt in packed.items():
+        scales, biases = (out.pop(f"{path}.{part}").astype(mx.float32) for part in ("scales", "biases"))
+        out[path] = mx.dequantize(out[path], scales, biases, group_size=fmt["group_size"], bits=fmt["bits"],
+                                  mode=fmt["mode"], dtype=mx.float32)
+    return out
 
 
 def cache_root() -> Path:
@@ -46,9 +60,9 @@ def load(path, *, quant_sim=None, progress=True):
     g = GGUFModel(path)
     if g.needs_requant:
         return _load_folder(_converted_once(g, progress), quant_sim)
-    quantization = {}
-    weights = dict(g.iter_weights(quantization))
-    model = build_model(g.args, weights, quantization, quant_sim=quant_sim)
+    quantization, packed = {}, {}
+    weights = dict(g.iter_weights(quantization, packed))
+    model = build_model(g.args, weights, quantization, quant_sim=quant_sim, packed_floats=packed)
     model.weight_files = [(path.name, path.stat().st_size)]  # names and sizes identify saved sessions' model
     return model, Tokenizer.from_gguf(g.metadata)
 
@@ -58,12 +72,13 @@ def _load_folder(path, quant_sim):
 
     config = json.loads((path / "config.json").read_text())
     quantization = config.pop("quantization", {})
+    packed = config.pop("packed_floats", {})
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
         weights.update(mx.load(str(f)))
     args = dsv4.ModelArgs.from_dict(config)
     tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-    model = build_model(args, weights, quantization, quant_sim=quant_sim)
+    model = build_model(args, weights, quantization, quant_sim=quant_sim, packed_floats=packed)
     model.weight_files = [(f.name, f.stat().st_size) for f in sorted(path.glob("*.safetensors"))]
     return model, tok
 

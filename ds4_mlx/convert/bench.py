@@ -207,7 +207,7 @@ def measure_types(rows=2048, cols=4096, seed=0, expert_bits=None, group_size=Non
             q = requant.convert_rows(raw, qtype, cols, bits, group)[0]
         else:
             q = G.repack(raw, qtype, cols)
-        q = G.half_scales(q, "F16")
+        q = {k: v if k == "weight" else G.to_scales(v, "F16", False) for k, v in q.items()}
         seconds = time.perf_counter() - t0
         got = np.array(mx.dequantize(mx.array(q["weight"]), mx.array(q["scales"]).astype(mx.float32),
                                      mx.array(q["biases"]).astype(mx.float32), group_size=group, bits=bits))

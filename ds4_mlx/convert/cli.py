@@ -104,7 +104,7 @@ def _write(model, folder, shard_bytes, progress, log, tokenizer):
 
     names = [n for p in model.tensors for n, _, _ in p.outputs()]
     writer = ShardWriter(str(folder), shard_bytes, header_capacity(names))
-    quantization = {}
+    quantization, packed = {}, {}
     bar = tqdm(total=model.total_bytes, unit="B", unit_scale=True, desc="converting", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     say = log or (lambda msg: bar.write(msg, file=sys.stdout))
@@ -115,25 +115,24 @@ def _write(model, folder, shard_bytes, progress, log, tokenizer):
                 writer.add(plan.outputs())
                 done = 0
                 for part in tensor_chunks(files[plan.file], plan, say):
-                    if part is None:  # rare: the tensor is redone in bfloat16
+                    if part is None:  # rare: the tensor is redone with float32 scales
                         bar.update(-done)
                         done = 0
-                        for name, dtype, _ in plan.outputs():
-                            writer.retype(name, dtype)
+                        writer.replace_last(plan.outputs())
                         continue
                     r0, r1, chunk, nbytes = part
                     for name, arr in chunk.items():
                         writer.write(name, r0 * arr[0].nbytes, arr)
                     bar.update(nbytes)
                     done += nbytes
-                if plan.quantized:
-                    quantization[plan.module] = dict(plan.fmt)
+                plan.record(quantization, packed)
         writer.finish()
     finally:
         writer.abort()
         bar.close()
     config = model.args.to_dict()
     config["quantization"] = quantization
+    config["packed_floats"] = packed
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save(folder)

@@ -406,6 +406,22 @@ def compiled(module, method):
     return cache[method]
 
 
+class Embedding(nn.Embedding):
+    """The token embedding. Its quantized form gives rows in float32: a Q8_0 row (int8 codes times a
+    float16 scale, up to 19 significant bits) keeps its exact values, which float16 would round."""
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        return QuantizedEmbedding(*self.weight.shape, group_size, bits, mode)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, x):
+        biases = self.get("biases")
+        return mx.dequantize(self["weight"][x], self["scales"][x].astype(mx.float32),
+                             None if biases is None else biases[x].astype(mx.float32),
+                             group_size=self.group_size, bits=self.bits, mode=self.mode, dtype=mx.float32)
+
+
 class SwitchLinear(nn.Module):
     """A stack of linear maps [n, out, in]; each token row picks its own (experts, output groups)."""
 
@@ -910,7 +926,7 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs, quant_sim: bool = True):
         super().__init__()
         self.args, self.quant_sim = args, quant_sim
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed = Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hc_head = HyperHead(args)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
