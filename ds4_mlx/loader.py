@@ -42,9 +42,11 @@ def load(path, *, quant_sim=None, progress=True):
     (ds4 and the official inference do), False computes plain float math as transformers does.
     The tokenizer is None when the file carries none (tiny test models).
 
-    GGUF files whose types MLX holds exactly (F32/F16/BF16, Q8_0, Q4_K, MXFP4) load directly. Files with
-    Q2_K or IQ2_XXS tensors need requantizing, which is done once into a folder under
-    `$DS4_MLX_HOME/converted` (named by the files' size, modification time and header hash) and reused."""
+    GGUF files load directly: F32/F16/BF16, Q8_0, Q4_K and MXFP4 tensors in an MLX form that holds their
+    values, Q2_K / IQ2_XXS / Q4_K routed experts in their own blocks where the machine has a native path
+    for them (`gguf_blocks.native_available`). Elsewhere Q2_K / IQ2_XXS experts need requantizing, which
+    is done once into a folder under `$DS4_MLX_HOME/converted` (named by the files' size, modification
+    time and header hash) and reused."""
     path = Path(path)
     quant_sim = True if quant_sim is None else quant_sim
     if path.is_dir() and (path / "config.json").is_file():
@@ -96,9 +98,9 @@ def _converted_once(g, progress):
     if (folder / "config.json").exists():
         return folder
     if progress:
-        print(f"ds4-mlx: {Path(g.path).name} has Q2_K / IQ2_XXS tensors, which MLX cannot hold as they are: "
-              f"converting once into {folder} (later loads reuse it; `ds4-mlx convert` picks the folder)",
-              file=sys.stderr)
+        print(f"ds4-mlx: {g.notice}", file=sys.stderr)
+        print(f"ds4-mlx: {Path(g.path).name}: converting once into {folder} (later loads reuse it; "
+              "`ds4-mlx convert` picks the folder)", file=sys.stderr)
     try:
         convert(g.path, folder, progress=progress, log=lambda msg: None, model=g)
     except ValueError:

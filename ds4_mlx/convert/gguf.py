@@ -23,11 +23,15 @@ import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGMLQuantizationType as T
 
 from ds4_mlx.convert import EXPERT_BITS, GROUP_SIZES
-from ds4_mlx.models import deepseek_v4 as dsv4
+from ds4_mlx.models import deepseek_v4 as dsv4, gguf_blocks
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-EXACT_TYPES = {T.Q8_0, T.Q4_K, T.MXFP4}  # repacked into an MLX format (scales rounded to float16 for Q4_K)
+EXACT_TYPES = {T.Q8_0, T.Q4_K, T.MXFP4}  # repacked into an MLX format that holds their values exactly
 REQUANT_TYPES = {T.Q2_K, T.IQ2_XXS}  # 16-element sub-blocks / codebooks: MLX cannot hold them as is
+# routed experts of these types keep their GGUF blocks as they are (`GGUFSwitchLinear`), unless the user
+# asks for affine experts (--expert-bits) or the machine has no native path
+NATIVE_TYPES = set(gguf_blocks.CODECS)
+_ROUTED_EXPERTS = re.compile(r"\.ffn\.experts\.(gate|up|down)\.weight$")
 SUPPORTED = FLOAT_TYPES | EXACT_TYPES | REQUANT_TYPES | {T.I32}
 
 # Matrices the model keeps in float even when the file quantizes them (router, indexer weights,
@@ -61,7 +65,7 @@ class WidenScales(Exception):
 class TensorPlan:
     """One GGUF tensor: where it goes in the model and how it is converted."""
 
-    def __init__(self, t, path, file, requant_format):
+    def __init__(self, t, path, file, requant_format, native_experts):
         self.name, self.path, self.type, self.file = t.name, path, t.tensor_type, file
         self.shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order: [.., out, in]
         self.cols = self.shape[-1]
@@ -72,9 +76,14 @@ class TensorPlan:
         self.quantized = self.type not in FLOAT_TYPES | {T.I32} and keeps_quantized(path, len(self.shape), self.type)
         # stored as codes: quantized in the model, or a float parameter held exactly until load
         self.packed = self.quantized or (self.type in EXACT_AFFINE and self.cols % 32 == 0)
-        self.scale_dtype = "F16"  # of scales and biases: "F32" when float16 does not hold them
-        self.fmt = None  # {"group_size", "bits", "mode"}
-        if self.packed and not self.quantized:
+        # of scales and biases: "F32" when float16 does not hold them (Q4_K's d * sc needs up to 17 bits)
+        self.scale_dtype = "F32" if self.type == T.Q4_K else "F16"
+        self.fmt = None  # {"group_size", "bits", "mode"}, or {"gguf_type"} for native blocks
+        self.native = (native_experts and self.type in NATIVE_TYPES and len(self.shape) == 3
+                       and bool(_ROUTED_EXPERTS.search(path)))
+        if self.native:
+            self.fmt = {"gguf_type": gguf_blocks.CODECS[self.type]}
+        elif self.packed and not self.quantized:
             self.fmt = dict(_EXACT_FORMATS[self.type])
         elif self.quantized:
             if self.type in REQUANT_TYPES:
@@ -108,6 +117,8 @@ class TensorPlan:
         lead = self.shape[:-1]
         if not self.packed:
             return [(self.path, _KEPT[self.type][0] if self.type in _KEPT else "F32", self.shape)]
+        if self.native:
+            return [(self.path, "U8", lead + (self.row_bytes,))]
         g, b, mode = self.fmt["group_size"], self.fmt["bits"], self.fmt["mode"]
         out = [(self.path, "U32", lead + (self.cols * b // 32,)),
                (self.array_name("scales"), "U8" if mode == "mxfp4" else self.scale_dtype, lead + (self.cols // g,))]
@@ -164,10 +175,13 @@ class GGUFModel:
     raises a one-line ValueError naming the file and the problem (unreadable, wrong architecture,
     missing key, tensor or shard, unknown tensor, unsupported type).
 
-    `expert_bits` / `group_size` choose the affine format of the types that need requantizing
-    (Q2_K, IQ2_XXS); by default `requant.DEFAULT_REQUANT`."""
+    `experts`: "native" keeps routed experts of `NATIVE_TYPES` in their GGUF blocks, "affine" requantizes
+    Q2_K / IQ2_XXS ones (and repacks Q4_K ones) to MLX affine; by default native where the machine has a
+    native path (`gguf_blocks.native_available`), else affine, with `notice` saying what that costs.
+    `expert_bits` / `group_size` choose the affine format (and imply "affine"); by default
+    `requant.DEFAULT_REQUANT`."""
 
-    def __init__(self, path, *, expert_bits=None, group_size=None):
+    def __init__(self, path, *, expert_bits=None, group_size=None, experts=None):
         from ds4_mlx.convert.requant import affine_format
 
         self.files = [str(f) for f in split_files(path)]
@@ -185,6 +199,14 @@ class GGUFModel:
             raise ValueError(f"--expert-bits must be one of {', '.join(map(str, EXPERT_BITS))}, got {expert_bits}")
         if group_size is not None and group_size not in GROUP_SIZES:
             raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+
+        if experts not in (None, "native", "affine"):
+            raise ValueError(f"--experts must be native or affine, got {experts}")
+        if experts == "native" and (expert_bits or group_size):
+            raise ValueError("--expert-bits and --group-size choose affine experts: not with --experts native")
+        if experts is None:
+            experts = "affine" if expert_bits or group_size or not gguf_blocks.native_available() else "native"
+        auto_affine = experts == "affine" and not (expert_bits or group_size)
 
         def requant_format(qtype):
             return affine_format(qtype, expert_bits, group_size)
@@ -210,11 +232,20 @@ class GGUFModel:
             if t.tensor_type not in SUPPORTED:
                 raise ValueError(f"{file}: tensor {t.name} has unsupported type {t.tensor_type.name}")
             try:
-                self.tensors.append(TensorPlan(t, path_, file, requant_format))
+                self.tensors.append(TensorPlan(t, path_, file, requant_format, experts == "native"))
             except ValueError as e:
                 raise ValueError(f"{file}: {e}") from None
         self.total_bytes = sum(p.nbytes for p in self.tensors)
-        self.needs_requant = any(p.quantized and p.type in REQUANT_TYPES for p in self.tensors)
+        requantized = sorted({p.type.name for p in self.tensors
+                              if p.quantized and not p.native and p.type in REQUANT_TYPES})
+        self.needs_requant = bool(requantized)
+        self.notice = None
+        if requantized and auto_affine:
+            self.notice = (f"{' / '.join(requantized)} experts have no fast native path on this machine (it needs "
+                           "mlx-kquant: pip install 'ds4-mlx[kquant]', macOS 26.2+ on Apple Silicon; or a CUDA GPU): "
+                           "requantizing them to MLX affine 2-bit, which adds an error of about 0.3 of each expert's RMS "
+                           "(a second rounding); `--experts native` keeps the file's blocks (exact, on a slow "
+                           "reference path here)")
 
     def fingerprint(self):
         """Names this model's files by size, modification time and a hash of each header (the bytes
@@ -314,11 +345,14 @@ def convert_chunks(f, plan, log=None):
 
     err2 = ref2 = 0.0
     step = plan.chunk_rows()
-    if plan.type in REQUANT_TYPES and plan.quantized and requant.on_gpu():  # fewer, bigger GPU launches
+    if plan.type in REQUANT_TYPES and plan.quantized and not plan.native and requant.on_gpu():  # fewer, bigger GPU launches
         step *= 4
     for r0 in range(0, plan.rows, step):
         r1 = min(plan.rows, r0 + step)
         raw = read_rows(f, plan, r0, r1)
+        if plan.native:
+            yield r0, r1, {plan.path: raw}, raw.nbytes
+            continue
         if not plan.packed:
             kept = raw.view(_KEPT[plan.type][1]).reshape(-1, plan.cols) if plan.type in _KEPT \
                 else to_float(raw, plan.type, plan.cols)
@@ -329,11 +363,11 @@ def convert_chunks(f, plan, log=None):
             err2, ref2 = err2 + e2, ref2 + w2
         else:
             q = repack(raw, plan.type, plan.cols)
-        if plan.fmt["mode"] == "affine":  # exact types keep their scales exactly (Q4_K: float16 rounding, for now)
-            exact = plan.type == T.Q8_0
+        if plan.fmt["mode"] == "affine":  # repacked types keep their values exactly
+            exact = plan.type in EXACT_TYPES
             q = {k: v if k == "weight" else to_scales(v, plan.scale_dtype, exact) for k, v in q.items()}
         yield r0, r1, {plan.array_name(k): v for k, v in q.items()}, raw.nbytes
-    if plan.type in REQUANT_TYPES and plan.quantized and log is not None:
+    if plan.type in REQUANT_TYPES and plan.quantized and not plan.native and log is not None:
         log(f"{plan.module}: {plan.type.name} -> affine {plan.fmt['bits']}-bit g{plan.fmt['group_size']}, "
             f"relative RMS error {math.sqrt(err2 / max(ref2, 1e-30)):.4f}")
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ds4_mlx.models import gguf_blocks
 from ds4_mlx.models.kernels import (backend, clamped_swiglu, decode_attention, hc_mix, hc_project, ring_rows,
                                     routed_experts)
 
@@ -444,8 +445,10 @@ class SwitchLinear(nn.Module):
         """x [T, n, in]: row j of every token through map j (a batched product)."""
         return (x.swapaxes(0, 1) @ self.weight.swapaxes(-1, -2)).swapaxes(0, 1)
 
-    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+    def to_quantized(self, group_size=None, bits=None, mode="affine", gguf_type=None, **_):
         n, out, inp = self.weight.shape
+        if gguf_type is not None:
+            return GGUFSwitchLinear(n, inp, out, gguf_type)
         return QuantizedSwitchLinear(n, inp, out, group_size, bits, mode)
 
 
@@ -494,6 +497,28 @@ class QuantizedSwitchLinear(nn.Module):
             mx.eval([v for triple in views for v in triple if v is not None])
             self.__dict__["_views"] = cached = (arrays, views)
         return cached[1]
+
+
+class GGUFSwitchLinear(nn.Module):
+    """Routed experts kept in the GGUF's own blocks (uint8 [n, out, row bytes] of a `gguf_blocks.CODECS`
+    type), computed as `gguf_blocks.path()` says: no requantization, the file's exact values."""
+
+    def __init__(self, n, input_dims, output_dims, gguf_type):
+        super().__init__()
+        self.gguf_type = gguf_type
+        self.weight = mx.zeros((n, output_dims, gguf_blocks.row_bytes(gguf_type, input_dims)), mx.uint8)
+        self.freeze()
+
+    def __call__(self, x, indices, sorted_indices=False):
+        return gguf_blocks.gather_product(x, self.weight, indices, self.gguf_type, sorted_indices)
+
+    def one(self, x, i):
+        return x @ gguf_blocks.dequantized(self.weight[i], self.gguf_type, x.dtype).T
+
+    def gathers(self, dtype):
+        """Whether a big sorted batch should go through `__call__` (mlx-kquant's gather) rather than one
+        dequantize-then-product per expert (`MoE._expert_loop`)."""
+        return gguf_blocks.path() == "kquant" and dtype != mx.float32
 
 
 class HyperConnection(nn.Module):
@@ -849,7 +874,8 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         order = mx.argsort(flat)
         xs, idx = x[order // k], flat[order]
-        if expert_path() == "loop":
+        gathers = getattr(self.experts["gate"], "gathers", lambda dtype: True)(xs.dtype)
+        if expert_path() == "loop" or not gathers:
             y = self._expert_loop(xs, idx)
         else:
             y = self._glu(xs[:, None, :], idx, True)[:, 0, :]
