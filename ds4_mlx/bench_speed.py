@@ -233,7 +233,7 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
 def bench_speed(a):
     """Prefill/decode tok/s at real widths against the roofline (and transformers with --peer)."""
     from ds4_mlx.bench import build_model
-    from ds4_mlx.models.kernels import backend
+    from ds4_mlx.models.kernels import device_backend as backend
 
     model = build_model(a)
     rng = np.random.default_rng(0)

@@ -3,6 +3,8 @@ the GPU backend that runs it (Metal or CUDA; skipped where MLX has no GPU, as on
 run is in docs/PERFORMANCE.md), and the per-backend choices of `deepseek_v4` (attention, expert
 products) against each other, on any device."""
 
+import os
+
 import mlx.core as mx
 import pytest
 
@@ -22,7 +24,7 @@ def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0):
         previous = mx.default_device()
         mx.set_default_device(mx.gpu)
         try:
-            assert kernels.backend() in ("metal", "cuda")
+            assert kernels.device_backend() in ("metal", "cuda")
             got = kernels.hc_mix(mix, scale, base, streams, iters, eps)
             want = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
             mx.eval(got, want)
@@ -47,7 +49,7 @@ def on_cuda(kernel, *args):
     previous = mx.default_device()
     mx.set_default_device(mx.gpu)
     try:
-        if kernels.backend() != "cuda":
+        if kernels.device_backend() != "cuda":
             pytest.skip("CUDA only")
         out = kernel(*args)
         mx.eval(out)
@@ -226,3 +228,111 @@ def test_routed_experts_kernel_reads_whole_word_formats_only():
     assert not kernels._fits(quantized_experts(4, 64, 128, 3, 64, mx.float16, keys[0]), rows=2)
     for bits, key in zip((2, 4, 8), keys[1:]):
         assert kernels._fits(quantized_experts(4, 64, 128, bits, 64, mx.float16, key), rows=2)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+def test_kernels_pass_their_self_checks():
+    """On a GPU every kernel with a launch there passes its self-check (else the tests above would
+    compare the definition with itself)."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        kind = kernels.device_backend()
+        for kernel in (kernels.HC_MIX, kernels.DECODE_ATTENTION, kernels.HC_PROJECT, kernels.ROUTED_EXPERTS):
+            if kind in kernel.launches:
+                assert kernel.backend() == kind, kernel.name
+    finally:
+        mx.set_default_device(previous)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the self-check and the switch, on any device: a fake backend whose hc_mix launch is injected
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """A backend named "fake" for the default device; kernels start unchecked and switched on."""
+    monkeypatch.setattr(kernels, "device_backend", lambda: "fake")
+    monkeypatch.setattr(kernels.HC_MIX, "verdicts", {})
+    monkeypatch.setattr(kernels, "_enabled", True)
+    return lambda launch: monkeypatch.setitem(kernels.HC_MIX.launches, "fake", launch)
+
+
+def _tiny_logits(model, n=12):
+    ids = mx.array([[(7 * i) % model.args.vocab_size for i in range(n)]], dtype=mx.int32)
+    cache = model.make_cache()
+    outs = [model(ids[:, :n - 4], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(n - 4, n)]
+    return mx.concatenate(outs, axis=1)  # a prefill, then decoded tokens (compiled graphs)
+
+
+def _plain_logits(model):
+    kernels.use_kernels(False)
+    try:
+        return _tiny_logits(model)
+    finally:
+        kernels.use_kernels(True)
+
+
+def test_a_wrong_kernel_turns_itself_off(fake_backend, capsys):
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.testing import tiny_args
+
+    def wrong(mix, scale, base, streams, iters, eps):
+        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+        return x + 1.0, post, comb
+
+    fake_backend(wrong)
+    model = random_model(tiny_args(0))
+    got = _tiny_logits(model)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "custom kernel hc_mix disagrees" in err and "fake" in err
+    assert kernels.HC_MIX.verdicts == {"fake": False}
+    assert mx.array_equal(got, _plain_logits(model)).item()
+    _tiny_logits(model)
+    assert capsys.readouterr().err == ""  # checked once a process and backend
+
+
+def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):
+    """A kernel right on its self-check's sizes but wrong at the model's: on, it changes the answer,
+    compiled decode graphs included; switched off, every graph runs the definition again."""
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.testing import tiny_args
+
+    def wrong_when_wide(mix, scale, base, streams, iters, eps):
+        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+        return (x + 1.0 if streams.shape[-1] > 64 else x), post, comb
+
+    fake_backend(wrong_when_wide)
+    args = tiny_args(0, hidden_size=128)
+    plain = _plain_logits(random_model(args))  # a model of its own: its own compiled graphs
+    model = random_model(args)
+    with_kernel = _tiny_logits(model)  # compiles the decode graphs with the kernel in them
+    assert kernels.HC_MIX.verdicts == {"fake": True} and capsys.readouterr().err == ""
+    assert not mx.allclose(with_kernel[:, -1], plain[:, -1]).item()
+    assert mx.array_equal(_plain_logits(model), plain).item()
+
+
+def test_the_switch_keeps_the_algorithm(monkeypatch):
+    """Switching kernels off swaps kernels for their definitions only: the per-backend choices stay."""
+    from ds4_mlx.models import deepseek_v4 as dv
+
+    monkeypatch.delenv("DS4_MLX_EXPERT_PATH", raising=False)
+    monkeypatch.delenv("DS4_MLX_ATTENTION", raising=False)
+    monkeypatch.setattr(kernels, "device_backend", lambda: "cuda")
+    monkeypatch.setattr(dv, "device_backend", lambda: "cuda")
+    on = (dv.expert_path(), dv.attention_path(16))
+    kernels.use_kernels(False)
+    try:
+        assert (dv.expert_path(), dv.attention_path(16)) == on == ("loop", "matmul")
+    finally:
+        kernels.use_kernels(True)
+
+
+def test_no_kernels_flag(monkeypatch, tmp_path, capsys):
+    from ds4_mlx import cli
+
+    monkeypatch.setattr(kernels, "_enabled", True)
+    monkeypatch.setenv("DS4_MLX_KERNELS", "1")
+    assert cli.main(["--no-kernels", "convert", str(tmp_path / "none.gguf"), str(tmp_path / "out"), "--quiet"]) == 1
+    assert "no such file" in capsys.readouterr().err
+    assert not kernels._enabled and os.environ["DS4_MLX_KERNELS"] == "0"

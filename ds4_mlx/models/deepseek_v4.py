@@ -17,9 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4_mlx.models import gguf_blocks
-from ds4_mlx.models.kernels import (backend, clamped_swiglu, decode_attention, hc_mix, hc_project, ring_rows,
-                                    routed_experts)
+from ds4_mlx.models import gguf_blocks, kernels
+from ds4_mlx.models.kernels import (clamped_swiglu, decode_attention, device_backend, hc_mix, hc_project,
+                                    ring_rows, routed_experts)
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
 # expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
@@ -34,11 +34,11 @@ ATTENTION_PATHS = {"cuda": "matmul"}
 
 
 def expert_path():
-    return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
+    return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(device_backend(), "gather")
 
 
 def attention_path(tokens):
-    default = ATTENTION_PATHS.get(backend(), "sdpa") if tokens > 1 else "sdpa"
+    default = ATTENTION_PATHS.get(device_backend(), "sdpa") if tokens > 1 else "sdpa"
     return os.environ.get("DS4_MLX_ATTENTION") or default
 
 
@@ -397,11 +397,14 @@ def _row(a, i):
 
 def compiled(module, method):
     """`module.method` through `mx.compile`, reading the module's current parameters at every call (so
-    loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. The plain
-    method when DS4_MLX_COMPILE=0."""
+    loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. Traced anew
+    when custom kernels are switched on or off. The plain method when DS4_MLX_COMPILE=0."""
     if os.environ.get("DS4_MLX_COMPILE", "1") == "0":
         return getattr(module, method)
     cache = module.__dict__.setdefault("_compiled", {})
+    if cache.get("kernels") != kernels.generation():
+        cache.clear()
+        cache["kernels"] = kernels.generation()
     if method not in cache:
         cache[method] = mx.compile(getattr(module, method), inputs=module.state)
     return cache[method]

@@ -1,32 +1,90 @@
 """Fused GPU kernels for the hot paths of `deepseek_v4`, each with the plain-MLX function it replaces.
 
 The plain function is the definition: the CPU runs it, and tests/test_kernels.py checks each kernel
-against it on the backend that runs the kernel (Metal or CUDA). `use_kernels(False)` or the environment
-variable DS4_MLX_KERNELS=0 forces the plain functions everywhere (for profiling, or to rule a kernel out).
+against it on the backend that runs the kernel (Metal or CUDA). Every kernel also checks itself the
+first time a process uses it on a backend (`Kernel.backend`): small random inputs through the kernel
+and the definition, and one warning line and the definition from then on if they disagree.
+`use_kernels(False)`, `ds4-mlx --no-kernels` or DS4_MLX_KERNELS=0 run the definitions everywhere (for
+profiling, or to rule a kernel out), graphs compiled before included (`generation`). The switch only
+swaps kernels for their definitions: which algorithm runs (`device_backend`'s choices) stays the same.
 """
 
 import os
-from functools import lru_cache
+import sys
+from functools import lru_cache, partial
 
 import mlx.core as mx
 
 _enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
+_generation = 0
 
 
 def use_kernels(on: bool):
-    global _enabled
+    global _enabled, _generation
     _enabled = on
+    _generation += 1
 
 
-def backend():
-    """'metal', 'cuda' or None (CPU, or kernels switched off) for the default device."""
-    if not _enabled or mx.default_device() != mx.gpu:
+def generation() -> int:
+    """Changes whenever kernels are switched on or off: compiled graphs keyed by it are traced anew."""
+    return _generation
+
+
+def device_backend():
+    """'metal', 'cuda' or None (CPU) for the default device, whatever the kernel switch says."""
+    if mx.default_device() != mx.gpu:
         return None
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():
         return "cuda"
     return None
+
+
+class Kernel:
+    """A custom kernel beside its plain definition. `launches`: backend -> a function with the
+    definition's signature; `sample()`: small random inputs for the self-check; `tolerance`: the largest
+    difference from the definition allowed there, relative to the definition's largest value."""
+
+    def __init__(self, name, definition, sample, tolerance):
+        self.name, self.definition, self.sample, self.tolerance = name, definition, sample, tolerance
+        self.launches = {}
+        self.verdicts = {}  # backend -> whether the kernel passed its self-check there
+
+    def backend(self):
+        """The backend whose launch to use now, or None for the definition: kernels switched off, no
+        launch for this backend, or a failed self-check."""
+        kind = device_backend()
+        if not _enabled or kind not in self.launches:
+            return None
+        if kind not in self.verdicts:
+            self.verdicts[kind] = self._self_check(kind)
+        return kind if self.verdicts[kind] else None
+
+    def _self_check(self, kind):
+        try:
+            inputs = self.sample()
+            got = self.launches[kind](*inputs)
+            with mx.stream(mx.cpu):  # the definition in exact float32 (a GPU may use TF32 tensor cores)
+                want = self.definition(*inputs)
+            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+            error = bound = 0.0
+            for g, w in zip(got, want):
+                w = w.astype(mx.float32)
+                error = max(error, mx.abs(g.astype(mx.float32) - w).max().item())
+                bound = max(bound, self.tolerance * mx.abs(w).max().item())
+            if error <= bound:  # False for NaN too
+                return True
+            detail = f"max difference {error:.3g}, allowed {bound:.3g}"
+        except Exception as e:  # a kernel that does not compile or launch is off as well
+            detail = " ".join(str(e).split()) or type(e).__name__
+        print(f"ds4-mlx: warning: custom kernel {self.name} disagrees with its definition on {kind} ({detail}); "
+              "using the definition", file=sys.stderr)
+        return False
+
+
+def _random(*shape, seed=0):
+    return mx.random.normal(shape, key=mx.random.key(seed + sum(shape)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,6 +157,15 @@ _HEADS = {
 }
 
 
+def _hc_mix_sample():
+    T, hc, H = 3, 4, 64
+    return (_random(T, (2 + hc) * hc), 1 + 0.1 * _random(3), 0.1 * _random((2 + hc) * hc), _random(T, hc, H),
+            20, 1e-6)
+
+
+HC_MIX = Kernel("hc_mix", hc_mix_reference, _hc_mix_sample, 1e-4)
+
+
 @lru_cache(maxsize=None)
 def _hc_kernel(kind, eps):
     source = _HEADS[kind] + f"#define EPS {float(eps)!r}f\n#define GROUP {_GROUP}\n" + _HC_BODY
@@ -109,9 +176,13 @@ def _hc_kernel(kind, eps):
 
 def hc_mix(mix, scale, base, streams, iters, eps):
     """`hc_mix_reference`, fused into one kernel on Metal and CUDA (float32 throughout)."""
-    kind = backend()
+    kind = HC_MIX.backend()
     if kind is None:
         return hc_mix_reference(mix, scale, base, streams, iters, eps)
+    return HC_MIX.launches[kind](mix, scale, base, streams, iters, eps)
+
+
+def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps):
     T, hc, H = streams.shape
     f32 = mx.float32
     return _hc_kernel(kind, eps)(
@@ -119,6 +190,9 @@ def hc_mix(mix, scale, base, streams, iters, eps):
         template=[("HC", hc), ("ITERS", iters), ("H", H)],
         grid=(T * _GROUP, 1, 1), threadgroup=(_GROUP, 1, 1),
         output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[f32, f32, f32])
+
+
+HC_MIX.launches.update({kind: partial(_hc_mix_kernel, kind) for kind in ("metal", "cuda")})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,8 +279,20 @@ def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
     """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
     warps' partial sums fill 32 KB of shared memory at 512)."""
     nh, hd = q.shape
-    if backend() != "cuda" or hd % 32 or hd > 512:
+    kind = DECODE_ATTENTION.backend()
+    if kind is None or hd % 32 or hd > 512:
         return decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio)
+    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio)
+
+
+def _decode_attention_sample():
+    nh, hd, capacity, n_rows = 4, 64, 16, 8
+    return (_random(nh, hd), _random(capacity, hd), _random(1, hd), _random(n_rows, hd), None,
+            mx.array(21, mx.int32), _random(nh), 8, 4)
+
+
+def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
+    nh, hd = q.shape
     f32 = mx.float32
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
@@ -219,6 +305,10 @@ def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
                   ("GROUP", _ATTEND_GROUP)],
         grid=(nh * _ATTEND_GROUP, 1, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
         output_shapes=[(nh, hd)], output_dtypes=[f32])[0]
+
+
+DECODE_ATTENTION = Kernel("decode_attention", decode_attention_reference, _decode_attention_sample, 1e-4)
+DECODE_ATTENTION.launches["cuda"] = _decode_attention_cuda
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,15 +356,24 @@ def _hc_project_kernel(eps):
 
 def hc_project(flat, fn, eps):
     """`hc_project_reference`, one kernel on CUDA for up to HC_PROJECT_MAX_TOKENS tokens."""
+    kind = HC_PROJECT.backend()
+    if kind is None or flat.shape[0] > HC_PROJECT_MAX_TOKENS:
+        return hc_project_reference(flat, fn, eps)
+    return HC_PROJECT.launches[kind](flat, fn, eps)
+
+
+def _hc_project_cuda(flat, fn, eps):
     T, n = flat.shape
     m = fn.shape[0]
-    if backend() != "cuda" or T > HC_PROJECT_MAX_TOKENS:
-        return hc_project_reference(flat, fn, eps)
     f32 = mx.float32
     return _hc_project_kernel(eps)(
         inputs=[flat.astype(f32), fn.astype(f32)], template=[("N", n), ("M", m), ("GROUP", _PROJECT_GROUP)],
         grid=(T * m * _PROJECT_GROUP, 1, 1), threadgroup=(_PROJECT_GROUP, 1, 1),
         output_shapes=[(T, m)], output_dtypes=[f32])[0]
+
+
+HC_PROJECT = Kernel("hc_project", hc_project_reference, lambda: (_random(2, 1024), _random(24, 1024), 1e-6), 1e-4)
+HC_PROJECT.launches["cuda"] = _hc_project_cuda
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,10 +512,27 @@ def _fits(matrix, rows):
 def routed_experts(x, chosen, weights, gate, up, down, limit):
     """`routed_experts_reference` in two kernels on CUDA; None where they do not apply (the caller then
     runs its own path)."""
-    rows = _EXPERT_ROWS
-    if backend() != "cuda" or not all(_fits(m, rows) for m in (gate, up, down)) or gate[3:] != up[3:] \
+    kind = ROUTED_EXPERTS.backend()
+    if kind is None or not all(_fits(m, _EXPERT_ROWS) for m in (gate, up, down)) or gate[3:] != up[3:] \
             or gate[1].dtype != up[1].dtype:
         return None
+    return ROUTED_EXPERTS.launches[kind](x, chosen, weights, gate, up, down, limit)
+
+
+def _routed_experts_sample():
+    E, H, I, T, k = 4, 256, 128, 2, 2
+
+    def stack(out, inp, seed):
+        w, scales, biases = mx.quantize(0.05 * _random(E, out, inp, seed=seed), group_size=64, bits=2)
+        return w, scales, biases, 64, 2
+
+    chosen = mx.array([[0, 3], [2, 0]], mx.uint32)
+    return (_random(T, H), chosen, mx.softmax(_random(T, k), axis=-1), stack(I, H, 1), stack(I, H, 2),
+            stack(H, I, 3), 10.0)
+
+
+def _routed_experts_cuda(x, chosen, weights, gate, up, down, limit):
+    rows = _EXPERT_ROWS
     (T, k), f32 = chosen.shape, mx.float32
     inner, hidden = gate[1].shape[1], down[1].shape[1]
     gate_up_kernel, down_kernel = _expert_kernels(limit)
@@ -434,3 +550,7 @@ def routed_experts(x, chosen, weights, gate, up, down, limit):
                (T, k, inner))
     return launch(down_kernel, [h, chosen, weights.astype(f32), *down[:3]], down, T * hidden // rows,
                   (T, hidden))
+
+
+ROUTED_EXPERTS = Kernel("routed_experts", routed_experts_reference, _routed_experts_sample, 1e-4)
+ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
