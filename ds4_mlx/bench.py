@@ -17,12 +17,23 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
 
 
-def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, dtype=mx.float32):
+# `--expert-format q2`: the published q2 file's routed experts, kept in their GGUF blocks
+NATIVE_EXPERT_FORMATS = {"q2": {"gate": "iq2_xxs", "up": "iq2_xxs", "down": "q2_k"}}
+def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, dtype=mx.float32,
+                 expert_format="affine"):
     """A model with random weights drawn in MLX (fast at real widths). With `expert_bits`, the routed
     experts are random affine-quantized weights, never materialised in float (group 64 at 2 bits, as the
-    converter writes the q2 file's experts; group 32 otherwise)."""
+    converter writes the q2 file's experts; group 32 otherwise). `expert_format` "q2": random valid
+    IQ2_XXS gate/up and Q2_K down blocks, kept native (`NATIVE_EXPERT_FORMATS`), instead."""
+    from ds4_mlx.models import gguf_blocks
+
     model = Model(args, quant_sim=quant_sim)
-    if expert_bits:
+    codecs = {}
+    if expert_format != "affine":
+        codecs = {f"layers.{i}.ffn.experts.{p}.weight": codec for i in range(args.num_hidden_layers)
+                  for p, codec in NATIVE_EXPERT_FORMATS[expert_format].items()}
+        model.apply_quantization({name.removesuffix(".weight"): {"gguf_type": codec} for name, codec in codecs.items()})
+    elif expert_bits:
         group = 64 if expert_bits == 2 else 32
         model.apply_quantization({f"layers.{i}.ffn.experts.{p}": {"group_size": group, "bits": expert_bits,
                                                                    "mode": "affine"}
@@ -34,6 +45,8 @@ def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, 
         if name.endswith("tid2eid"):  # distinct experts per token
             rows = np.argsort(rng.random((v.shape[0], args.n_routed_experts)), axis=1)[:, : v.shape[1]]
             params[name] = mx.array(rows.astype(np.int32))
+        elif name in codecs:
+            params[name] = gguf_blocks.random_blocks(codecs[name], v.shape, seed + len(params))
         elif v.dtype == mx.uint32:  # packed quantized codes
             params[name] = mx.random.randint(0, 2**31, v.shape).astype(mx.uint32)
         elif name.endswith(".scales"):
@@ -112,7 +125,8 @@ def build_model(a):
         overrides = {"n_routed_experts": a.experts} if getattr(a, "experts", None) else {}
         args = ModelArgs(**overrides) if a.full else real_args(a.layers, **overrides)
         model = random_model(args, seed=0, expert_bits=a.expert_bits or None,
-                             dtype=mx.bfloat16 if a.dtype == "bfloat16" else mx.float32)
+                             dtype=mx.bfloat16 if a.dtype == "bfloat16" else mx.float32,
+                             expert_format=getattr(a, "expert_format", "affine"))
     if a.dtype != "float32":
         model.cast(getattr(mx, a.dtype))
     return model

@@ -254,6 +254,7 @@ def bench_speed(a):
               + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits if a.preset == "real" else 0,
+               "expert_format": a.expert_format if a.preset == "real" else "affine",
                "dtype": a.dtype,
                "chunk": a.chunk, "backend": backend() or "cpu", "bandwidth_bytes_s": bandwidth,
                "weight_bytes_per_token": weights, "results": rows}
@@ -286,6 +287,9 @@ def options(q):
     q.add_argument("--layers", type=int, default=4)
     q.add_argument("--full", action="store_true", help="all 43 layers of the real model")
     q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
+    q.add_argument("--expert-format", choices=["affine", "q2"], default="affine",
+                   help="q2: the published q2 file's experts kept native (random valid IQ2_XXS gate/up, Q2_K "
+                        "down blocks) instead of affine --expert-bits ones (real preset)")
     q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="compute dtype (float32 keeps the exact mode)")
     q.add_argument("--contexts", default="2048,8192,32768")
@@ -309,7 +313,8 @@ def plot(figures, png_path, before=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [(f"ds4-mlx ({figures['dtype']}, {figures['expert_bits']}-bit experts)", figures["results"], "o-")]
+    experts = "native q2" if figures.get("expert_format") == "q2" else f"{figures['expert_bits']}-bit"
+    series = [(f"ds4-mlx ({figures['dtype']}, {experts} experts)", figures["results"], "o-")]
     if "peer" in figures:
         series.append(("transformers eager (bf16, dense experts)", [r for r in figures["peer"]["results"]
                                                                      if "error" not in r], "s--"))

@@ -238,7 +238,8 @@ def test_kernels_pass_their_self_checks():
     mx.set_default_device(mx.gpu)
     try:
         kind = kernels.device_backend()
-        for kernel in (kernels.HC_MIX, kernels.DECODE_ATTENTION, kernels.HC_PROJECT, kernels.ROUTED_EXPERTS):
+        for kernel in (kernels.HC_MIX, kernels.DECODE_ATTENTION, kernels.HC_PROJECT, kernels.ROUTED_EXPERTS,
+                       *kernels.GGUF_ROWS.values()):
             if kind in kernel.launches:
                 assert kernel.backend() == kind, kernel.name
     finally:
@@ -336,3 +337,41 @@ def test_no_kernels_flag(monkeypatch, tmp_path, capsys):
     assert cli.main(["--no-kernels", "convert", str(tmp_path / "none.gguf"), str(tmp_path / "out"), "--quiet"]) == 1
     assert "no such file" in capsys.readouterr().err
     assert not kernels._enabled and os.environ["DS4_MLX_KERNELS"] == "0"
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
+@pytest.mark.parametrize("pairs,out,inp", [(6, 2048, 4096), (12, 4096, 2048), (3, 8, 256)])
+def test_gguf_rows_kernel_matches_gguf(codec, pairs, out, inp):
+    """The kernel for routed experts kept in GGUF blocks against the `gguf` package's dequantization."""
+    import numpy as np
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.models import gguf_blocks
+
+    w = gguf_blocks.random_blocks(codec, (16, out, gguf_blocks.row_bytes(codec, inp)), seed=pairs)
+    x = mx.random.normal((pairs, inp), key=mx.random.key(out))
+    indices = mx.random.randint(0, 16, (pairs,), key=mx.random.key(inp)).astype(mx.uint32)
+    got = on_cuda(kernels.gguf_rows, x, w, indices, codec)
+    values = gguf.quants.dequantize(np.array(w), T[codec.upper()])  # [16, out, inp]
+    want = np.einsum("pi,poi->po", np.array(x, np.float64), values[np.array(indices)].astype(np.float64))
+    assert got.shape == (pairs, out) and got.dtype == mx.float32
+    assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_gguf_rows_definition_matches_gguf():
+    """The kernel's definition, on any device, against the `gguf` package (the CUDA test's oracle too)."""
+    import numpy as np
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.models import gguf_blocks
+
+    for codec in ("iq2_xxs", "q2_k"):
+        x, w, indices, _ = kernels._gguf_rows_sample(codec)
+        values = gguf.quants.dequantize(np.array(w), T[codec.upper()])
+        want = np.einsum("pi,poi->po", np.array(x, np.float64), values[np.array(indices)].astype(np.float64))
+        got = np.array(kernels.gguf_rows_reference(x, w, indices, codec))
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        assert kernels.gguf_rows(x, w, indices, codec) is None  # no kernel on the CPU: the caller's own path

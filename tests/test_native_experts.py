@@ -102,3 +102,20 @@ def test_dequantize_matches_gguf(qtype):
     if gguf_blocks.kquant() is not None:
         got = gguf_blocks.kquant().dequantize(mx.array(raw), mx.zeros((1,)), gguf_blocks.CODECS[qtype], mx.float32)
         assert np.array_equal(np.array(got), gguf.quants.dequantize(raw, qtype))
+
+
+def test_bench_builds_native_q2_experts(monkeypatch):
+    """`bench speed --expert-format q2`'s model: random valid IQ2_XXS / Q2_K blocks of sane magnitude
+    (values about 1/sqrt(width)), run natively."""
+    from ds4_mlx.bench import random_model
+    from ds4_mlx.testing import tiny_args
+
+    monkeypatch.setenv("DS4_MLX_KQUANT", "0")
+    model = random_model(tiny_args(0, hidden_size=256, moe_intermediate_size=256, vocab_size=384), expert_format="q2")
+    experts = model.layers[1].ffn.experts
+    assert experts["gate"].gguf_type == "iq2_xxs" and experts["down"].gguf_type == "q2_k"
+    for name in ("gate", "down"):
+        values = gguf_blocks.dequantize(experts[name].weight, experts[name].gguf_type)
+        assert 0.3 < float(mx.sqrt(mx.mean(values * values))) * 16 < 3  # width 256: 1/16
+    logits = model(mx.array([[1, 2, 3, 4, 5]], dtype=mx.int32))
+    assert bool(mx.isfinite(logits).all())

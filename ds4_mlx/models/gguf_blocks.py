@@ -7,7 +7,8 @@ same order (bit for bit on the CPU). `path()` picks how an expert product runs:
   half-precision inputs and its `dequantize` then MLX's product for float32 ones (its products return
   bfloat16 for float32 inputs, which the exact mode cannot take). The default on Metal when installed;
   DS4_MLX_KQUANT=1 forces it on the CPU (where it installs), DS4_MLX_KQUANT=0 turns it off.
-- "reference": `dequantize` then MLX's product, on any backend (exact, slow; CUDA's path for now).
+- "reference": `dequantize` then MLX's product, on any backend (exact, slow). On CUDA, rows of a few
+  tokens (decode) go through a kernel that dequantizes as it reads (`kernels.gguf_rows`) instead.
 """
 
 import os
@@ -73,11 +74,41 @@ def dequantized(w, codec, dtype):
 
 def gather_product(x, w, indices, codec, sorted_indices):
     """`mx.gather_qmm`'s contract (transposed) on GGUF blocks w [n, out, row bytes]: x [..., M, in] times
-    map indices[...] -> [..., M, out]. The reference dequantizes each index's whole matrix: for few rows."""
+    map indices[...] -> [..., M, out]. On CUDA, a kernel for one row a pair (`kernels.gguf_rows`); the
+    reference dequantizes each index's whole matrix: for few rows."""
     if path() == "kquant" and x.dtype != mx.float32:
         return kquant().gather_qmm(x, w, _placeholder(), codec, rhs_indices=indices.astype(mx.uint32),
                                    transpose=True, sorted_indices=sorted_indices)
+    if x.shape[-2] == 1:
+        from ds4_mlx.models import kernels
+
+        lead = tuple(indices.shape)
+        rows = mx.broadcast_to(x, lead + x.shape[-2:]).reshape(-1, x.shape[-1])
+        y = kernels.gguf_rows(rows, w, indices.reshape(-1), codec)
+        if y is not None:
+            return y.astype(x.dtype).reshape(*lead, 1, -1)
     return x @ dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
+
+
+# where each type's float16 block scales sit, and the scale that gives values of about 1/sqrt(width)
+# times the given factor (random codes: IQ2_XXS values average ~40 d, Q2_K's d * sc * q ~11 d)
+_BLOCK_SCALES = {"iq2_xxs": [(0, 1 / 40)], "q2_k": [(80, 1 / 11), (82, 1 / 22)]}
+
+
+def random_blocks(codec, shape, seed):
+    """Valid random blocks of `codec` (IQ2_XXS or Q2_K), uint8 `shape` [..., rows, row bytes], drawn in
+    MLX: random codes (every byte pattern is valid in these types), block scales set so the values have
+    about 1/sqrt(width). For benchmarks and the kernels' self-checks."""
+    size = row_bytes(codec, 256)
+    width = shape[-1] // size * 256
+    raw = mx.random.randint(0, 256, (*shape[:-1], shape[-1] // size, size), key=mx.random.key(seed)).astype(mx.uint8)
+    parts, at = [], 0
+    for offset, factor in _BLOCK_SCALES[codec]:
+        scale = mx.full(raw.shape[:-1] + (1,), factor / np.sqrt(width), mx.float16)
+        parts += [raw[..., at:offset], mx.view(scale, mx.uint8)]
+        at = offset + 2
+    parts.append(raw[..., at:])
+    return mx.concatenate(parts, axis=-1).reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +125,16 @@ def _iq2xxs_tables():
     signs = mx.array(np.where(bits == 0, 1.0, -1.0).astype(np.float32))
     mx.eval(grid, signs)
     return grid, signs
+
+
+@lru_cache(maxsize=None)
+def iq2xxs_kernel_tables():
+    """IQ2_XXS's lattice (float32 [256 * 8]) and its 128 sign bytes (uint8), as kernel inputs."""
+    gguf.quants.IQ2_XXS.init_grid()
+    grid = mx.array(gguf.quants.IQ2_XXS.grid.reshape(-1).astype(np.float32))
+    ksigns = mx.array(np.frombuffer(gguf.quants.IQ2_XXS.ksigns, np.uint8))
+    mx.eval(grid, ksigns)
+    return grid, ksigns
 
 
 def _f16(b):

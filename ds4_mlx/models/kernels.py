@@ -554,3 +554,101 @@ def _routed_experts_cuda(x, chosen, weights, gate, up, down, limit):
 
 ROUTED_EXPERTS = Kernel("routed_experts", routed_experts_reference, _routed_experts_sample, 1e-4)
 ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts kept in GGUF blocks (IQ2_XXS, Q2_K), for a few tokens: one warp an output row of one
+# (token, expert) pair, its lanes over the row's blocks, dequantizing as they read (the IQ2_XXS lattice
+# and sign tables come from the `gguf` package, as inputs). The product of `gguf_blocks.gather_product`.
+
+_GGUF_ROWS_CUDA = """
+    const int lane = threadIdx.x % 32, job = blockIdx.x * (GROUP / 32) + threadIdx.x / 32;
+    if (job >= PAIRS * OUT) return;
+    const int pair = job / OUT, row = job % OUT;
+    const uint8_t* r = w + ((size_t)indices[pair] * OUT + row) * (IN / 256 * BLOCK);
+    const float* xv = x + (size_t)pair * IN;
+    float acc = 0.0f;
+    if (CODEC == 0) {  // Q2_K: scales[16] (sc | m << 4), qs[64] (4 values a byte), d, dmin
+        for (int u = lane; u < IN / 256 * 64; u += 32) {
+            const uint8_t* blk = r + (u / 64) * BLOCK;
+            const int byte = u % 64, half = byte / 32, l = byte % 32;
+            const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+            const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+            const uint8_t q = blk[16 + byte];
+            for (int i = 0; i < 4; ++i) {
+                const int at = half * 128 + i * 32 + l;
+                const uint8_t sc = blk[at / 16];
+                acc += (d * (float)(sc & 0xF) * (float)((q >> (2 * i)) & 3) - dmin * (float)(sc >> 4))
+                       * xv[(u / 64) * 256 + at];
+            }
+        }
+    } else {  // IQ2_XXS: d, then 8 sub-blocks of 4 lattice indices and a word of 4 x 7 sign bits + a scale
+        for (int u = lane; u < IN / 256 * 32; u += 32) {
+            const uint8_t* blk = r + (u / 32) * BLOCK;
+            const int sub = (u % 32) / 4, g = u % 4;
+            const uint8_t* sb = blk + 2 + sub * 8;
+            const uint32_t aux = sb[4] | (sb[5] << 8) | (sb[6] << 16) | ((uint32_t)sb[7] << 24);
+            const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+            const float* point = lattice + sb[g] * 8;
+            const int signs = ksigns[(aux >> (7 * g)) & 127];
+            const float* xs = xv + (u / 32) * 256 + sub * 32 + g * 8;
+            for (int k = 0; k < 8; ++k) acc += db * point[k] * ((signs >> k) & 1 ? -1.0f : 1.0f) * xs[k];
+        }
+    }
+    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
+    if (lane == 0) y[job] = acc;
+"""
+_GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
+
+
+@lru_cache(maxsize=None)
+def _gguf_rows_kernel():
+    return mx.fast.cuda_kernel(name="ds4_gguf_expert_rows", input_names=["x", "w", "indices", "lattice", "ksigns"],
+                               output_names=["y"], source=_GGUF_ROWS_CUDA)
+
+
+def _gguf_rows_cuda(x, w, indices, codec):
+    """x [P, in] float32, w uint8 [E, out, row bytes], indices [P] -> [P, out] float32: row p through expert
+    indices[p]."""
+    from ds4_mlx.models import gguf_blocks
+
+    (pairs, inp), out = x.shape, w.shape[1]
+    grid, ksigns = gguf_blocks.iq2xxs_kernel_tables()
+    return _gguf_rows_kernel()(
+        inputs=[x.astype(mx.float32), w, indices.astype(mx.uint32), grid, ksigns],
+        template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs),
+                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("GROUP", _EXPERT_GROUP)],
+        grid=(-(-pairs * out * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
+        output_shapes=[(pairs, out)], output_dtypes=[mx.float32])[0]
+
+
+def gguf_rows_reference(x, w, indices, codec):
+    """`_gguf_rows_cuda`'s definition: each pair's expert dequantized (`gguf_blocks.dequantize`), then its
+    product, in float32."""
+    from ds4_mlx.models import gguf_blocks
+
+    weights = gguf_blocks.dequantize(w[indices], codec)  # [P, out, in]
+    return (x.astype(mx.float32)[:, None, :] @ weights.swapaxes(-1, -2))[:, 0, :]
+
+
+def _gguf_rows_sample(codec):
+    from ds4_mlx.models import gguf_blocks
+
+    w = gguf_blocks.random_blocks(codec, (3, 8, gguf_blocks.row_bytes(codec, 512)), seed=5)
+    return _random(4, 512), w, mx.array([2, 0, 1, 2], mx.uint32), codec
+
+
+GGUF_ROWS = {codec: Kernel(f"gguf_rows_{codec}", gguf_rows_reference, partial(_gguf_rows_sample, codec), 1e-4)
+             for codec in _GGUF_CODECS}
+for _kernel in GGUF_ROWS.values():
+    _kernel.launches["cuda"] = _gguf_rows_cuda
+GGUF_ROWS_MAX_PAIRS = 64  # past this a prefill chunk's dequantize-then-product reads each expert once
+
+
+def gguf_rows(x, w, indices, codec):
+    """`gguf_rows_reference`, one kernel on CUDA for up to GGUF_ROWS_MAX_PAIRS pairs; None where the kernel
+    does not apply (the caller then runs its own path)."""
+    kernel = GGUF_ROWS.get(codec)
+    if kernel is None or x.shape[0] > GGUF_ROWS_MAX_PAIRS or x.shape[1] % 256 or kernel.backend() is None:
+        return None
+    return kernel.launches[kernel.backend()](x, w, indices, codec)
