@@ -220,7 +220,7 @@ def _write_model(tmp_path, dtype=None, quant=None, llama_cpp=False, every_matrix
         elif every_matrix and a.ndim >= 2 and a.dtype == np.float32 and a.shape[-1] % block == 0:
             tensors[name] = (gguf.quants.quantize(a, quant), quant)
             values[name] = gguf.quants.dequantize(tensors[name][0], quant)
-        elif quant and G.keeps_quantized(path, a.ndim) and a.shape[-1] % block == 0 and a.ndim >= 2:
+        elif quant and G.keeps_quantized(path, a.ndim, quant) and a.shape[-1] % block == 0 and a.ndim >= 2:
             if quant in G.REQUANT_TYPES:  # codes as a quantizer gives them for these weights
                 from ds4_mlx.convert import reference_quant
 
@@ -415,10 +415,10 @@ def test_tiny_model_q2_mix(tmp_path, q2_model, bits, group):
     import ds4_mlx
 
     path, args, ids, ref = q2_model
-    options = {} if (bits, group) == (2, 64) else {"expert_bits": bits, "group_size": group}
+    options = {"experts": "affine"} if (bits, group) == (2, 64) else {"expert_bits": bits, "group_size": group}
     logs = _convert(path, tmp_path / "out", shard_gb=5.0, **options)
     assert sum("relative RMS error" in line for line in logs) == 3 * args.num_hidden_layers  # one a requantized tensor
-    if not options:  # more bits cost more than the GGUF, by the user's choice
+    if "experts" in options:  # more bits cost more than the GGUF, by the user's choice
         assert sum(f.stat().st_size for f in (tmp_path / "out").iterdir()) <= 1.15 * os.path.getsize(path)
     q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
     assert q["layers.0.ffn.experts.down"] == q["layers.1.ffn.experts.gate"] == {"group_size": group, "bits": bits, "mode": "affine"}

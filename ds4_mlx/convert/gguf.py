@@ -50,7 +50,7 @@ _KEPT = {T.F32: ("F32", np.float32), T.F16: ("F16", np.float16), T.BF16: ("BF16"
 SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 
-def keeps_quantized(path: str, ndim: int, qtype=T.Q8_0) -> bool:
+def keeps_quantized(path: str, ndim: int, qtype) -> bool:
     """Whether a quantized GGUF tensor at model path `path` stays quantized (Linear, expert and, in the
     types `EXACT_AFFINE` names, embedding weights)."""
     if path == "embed.weight":
