@@ -54,6 +54,16 @@ def test_folder_keeps_the_blocks(q2_native):
     assert q["layers.0.ffn.experts.down"] == {"gguf_type": "q2_k"}
     size = sum(f.stat().st_size for f in out.iterdir())
     assert size <= 1.02 * os.path.getsize(path), (size, os.path.getsize(path))
+    from gguf import GGUFReader
+
+    arrays = {}
+    for f in out.glob("*.safetensors"):
+        arrays.update(mx.load(str(f)))
+    experts = [t for t in GGUFReader(str(path)).tensors if "_exps" in t.name]
+    assert len(experts) == 3 * len(config["compress_ratios"])
+    for t in experts:  # the file's bytes, as they are
+        stored = arrays[dsv4.mlx_name(t.name)]
+        assert stored.dtype == mx.uint8 and np.array_equal(np.array(stored).reshape(-1), np.asarray(t.data).reshape(-1))
 
 
 @pytest.mark.parametrize("source", ["folder", "gguf"])
