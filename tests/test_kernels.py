@@ -239,7 +239,7 @@ def test_kernels_pass_their_self_checks():
     try:
         kind = kernels.device_backend()
         for kernel in (kernels.HC_MIX, kernels.DECODE_ATTENTION, kernels.HC_PROJECT, kernels.ROUTED_EXPERTS,
-                       *kernels.GGUF_ROWS.values()):
+                       *kernels.GGUF_ROWS.values(), *kernels.GGUF_DEQUANTIZE.values()):
             if kind in kernel.launches:
                 assert kernel.backend() == kind, kernel.name
     finally:
@@ -375,3 +375,19 @@ def test_gguf_rows_definition_matches_gguf():
         got = np.array(kernels.gguf_rows_reference(x, w, indices, codec))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
         assert kernels.gguf_rows(x, w, indices, codec) is None  # no kernel on the CPU: the caller's own path
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
+def test_gguf_dequantize_kernel_matches_gguf(codec):
+    import numpy as np
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.models import gguf_blocks
+
+    w = gguf_blocks.random_blocks(codec, (3, 2048, gguf_blocks.row_bytes(codec, 4096)), seed=9)
+    got = on_cuda(kernels.gguf_dequantize, w, codec)
+    assert got.dtype == mx.float32
+    want = gguf.quants.dequantize(np.array(w), T[codec.upper()])
+    assert np.abs(np.array(got) - want).max() <= 1e-6 * np.abs(want).max()  # a fused multiply-add at most

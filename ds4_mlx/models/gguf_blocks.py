@@ -8,7 +8,8 @@ same order (bit for bit on the CPU). `path()` picks how an expert product runs:
   bfloat16 for float32 inputs, which the exact mode cannot take). The default on Metal when installed;
   DS4_MLX_KQUANT=1 forces it on the CPU (where it installs), DS4_MLX_KQUANT=0 turns it off.
 - "reference": `dequantize` then MLX's product, on any backend (exact, slow). On CUDA, rows of a few
-  tokens (decode) go through a kernel that dequantizes as it reads (`kernels.gguf_rows`) instead.
+  tokens (decode) go through a kernel that dequantizes as it reads (`kernels.gguf_rows`) instead, and
+  bigger batches dequantize each expert in one launch (`kernels.gguf_dequantize`).
 """
 
 import os
@@ -69,7 +70,10 @@ def dequantized(w, codec, dtype):
     """uint8 blocks [..., rows, row bytes] -> dtype [..., rows, cols], on the current path."""
     if path() == "kquant":
         return kquant().dequantize(w, _placeholder(), codec, mx.float32).astype(dtype)
-    return dequantize(w, codec).astype(dtype)
+    from ds4_mlx.models import kernels
+
+    values = kernels.gguf_dequantize(w, codec)  # one launch on CUDA
+    return (dequantize(w, codec) if values is None else values).astype(dtype)
 
 
 def gather_product(x, w, indices, codec, sorted_indices):

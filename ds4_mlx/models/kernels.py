@@ -652,3 +652,80 @@ def gguf_rows(x, w, indices, codec):
     if kernel is None or x.shape[0] > GGUF_ROWS_MAX_PAIRS or x.shape[1] % 256 or kernel.backend() is None:
         return None
     return kernel.launches[kernel.backend()](x, w, indices, codec)
+
+
+# Whole experts of a prefill chunk dequantized in one launch (one thread a byte of Q2_K codes, or a group
+# of 8 IQ2_XXS values), for the dequantize-then-product path; plain MLX takes ~20 ops a matrix.
+_GGUF_DEQUANTIZE_CUDA = """
+    const size_t u = (size_t)blockIdx.x * GROUP + threadIdx.x;
+    constexpr int UNITS = CODEC == 0 ? 64 : 32;  // per block of 256 values
+    if (u >= (size_t)ROWS * (IN / 256) * UNITS) return;
+    const size_t block = u / UNITS;
+    const uint8_t* blk = w + block * BLOCK;
+    float* out = y + block * 256;
+    if (CODEC == 0) {
+        const int byte = u % 64, half = byte / 32, l = byte % 32;
+        const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+        const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+        const uint8_t q = blk[16 + byte];
+        for (int i = 0; i < 4; ++i) {
+            const int at = half * 128 + i * 32 + l;
+            const uint8_t sc = blk[at / 16];
+            out[at] = d * (float)(sc & 0xF) * (float)((q >> (2 * i)) & 3) - dmin * (float)(sc >> 4);
+        }
+    } else {
+        const int sub = (u % 32) / 4, g = u % 4;
+        const uint8_t* sb = blk + 2 + sub * 8;
+        const uint32_t aux = sb[4] | (sb[5] << 8) | (sb[6] << 16) | ((uint32_t)sb[7] << 24);
+        const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+        const float* point = lattice + sb[g] * 8;
+        const int signs = ksigns[(aux >> (7 * g)) & 127];
+        for (int k = 0; k < 8; ++k) out[sub * 32 + g * 8 + k] = db * point[k] * ((signs >> k) & 1 ? -1.0f : 1.0f);
+    }
+"""
+
+
+@lru_cache(maxsize=None)
+def _gguf_dequantize_kernel():
+    return mx.fast.cuda_kernel(name="ds4_gguf_dequantize", input_names=["w", "lattice", "ksigns"],
+                               output_names=["y"], source=_GGUF_DEQUANTIZE_CUDA)
+
+
+def _gguf_dequantize_cuda(w, codec):
+    from ds4_mlx.models import gguf_blocks
+
+    block = gguf_blocks.row_bytes(codec, 256)
+    rows, inp = w.size // w.shape[-1], w.shape[-1] // block * 256
+    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables()
+    units = rows * (inp // 256) * (64 if codec == "q2_k" else 32)
+    return _gguf_dequantize_kernel()(
+        inputs=[w, lattice, ksigns],
+        template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("ROWS", rows), ("BLOCK", block),
+                  ("GROUP", _EXPERT_GROUP)],
+        grid=(-(-units // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
+        output_shapes=[(*w.shape[:-1], inp)], output_dtypes=[mx.float32])[0]
+
+
+def _gguf_dequantize_sample(codec):
+    from ds4_mlx.models import gguf_blocks
+
+    return gguf_blocks.random_blocks(codec, (2, 8, gguf_blocks.row_bytes(codec, 512)), seed=6), codec
+
+
+def _gguf_dequantize_definition(w, codec):
+    from ds4_mlx.models import gguf_blocks
+
+    return gguf_blocks.dequantize(w, codec)
+
+
+GGUF_DEQUANTIZE = {codec: Kernel(f"gguf_dequantize_{codec}", _gguf_dequantize_definition,
+                                 partial(_gguf_dequantize_sample, codec), 1e-6) for codec in _GGUF_CODECS}
+for _kernel in GGUF_DEQUANTIZE.values():
+    _kernel.launches["cuda"] = _gguf_dequantize_cuda
+
+
+def gguf_dequantize(w, codec):
+    """`gguf_blocks.dequantize` (float32) in one kernel on CUDA; None where it does not apply."""
+    kernel = GGUF_DEQUANTIZE.get(codec)
+    kind = None if kernel is None else kernel.backend()
+    return None if kind is None else kernel.launches[kind](w, codec)
