@@ -47,6 +47,7 @@ def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, 
             params[name] = mx.array(rows.astype(np.int32))
         elif name in codecs:
             params[name] = gguf_blocks.random_blocks(codecs[name], v.shape, seed + len(params))
+            mx.eval(params[name])  # one stack's temporaries at a time (the full model's are ~80 GB)
         elif v.dtype == mx.uint32:  # packed quantized codes
             params[name] = mx.random.randint(0, 2**31, v.shape).astype(mx.uint32)
         elif name.endswith(".scales"):

@@ -105,7 +105,8 @@ def random_blocks(codec, shape, seed):
     about 1/sqrt(width). For benchmarks and the kernels' self-checks."""
     size = row_bytes(codec, 256)
     width = shape[-1] // size * 256
-    raw = mx.random.randint(0, 256, (*shape[:-1], shape[-1] // size, size), key=mx.random.key(seed)).astype(mx.uint8)
+    raw = mx.random.randint(0, 256, (*shape[:-1], shape[-1] // size, size), dtype=mx.uint16,
+                            key=mx.random.key(seed)).astype(mx.uint8)
     parts, at = [], 0
     for offset, factor in _BLOCK_SCALES[codec]:
         scale = mx.full(raw.shape[:-1] + (1,), factor / np.sqrt(width), mx.float16)
