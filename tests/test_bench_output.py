@@ -45,7 +45,7 @@ def test_convert_bench_prints_a_table(capsys, monkeypatch):
     assert lines[0].split() == ["figure", "value"] and set(lines[1]) == {"-", " "}
     rows = dict(line.split(None, 1) for line in lines[2:])
     assert (rows["gguf_gb"], rows["mb_per_s"], rows["within_bound"]) == ("0.5", "812.50", "True")
-    assert rows["q2_gguf_gib"] == "80.76" and rows["q2_ratio_target"] == "1.15"
+    assert rows["q2_gguf_gib"] == "80.76" and rows["q2_ratio_target"] == "1.02"
     types = types.splitlines()
     assert types[0].split() == ["type", "format", "bytes_per_weight", "rel_rms", "weights_per_s"]
     assert [line.split()[0] for line in types[2:]] == ["IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"]

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ds4_mlx.cache.geometry import (closes_block, compressor_reach, frontier_start, in_block, overlaps, rows_done,
                                     rows_visible, window_reach)
+from ds4_mlx.models import gguf_blocks, kernels
 from ds4_mlx.models.kernels import (backend, clamped_swiglu, decode_attention, hc_mix, hc_project, ring_rows,
                                     routed_experts)
 from ds4_mlx.precision import exact_float32, keeps_float32
@@ -426,11 +427,14 @@ def _row(a, i):
 
 def compiled(module, method):
     """`module.method` through `mx.compile`, reading the module's current parameters at every call (so
-    loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. The plain
-    method when DS4_MLX_COMPILE=0."""
+    loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. Traced anew
+    when custom kernels are switched on or off. The plain method when DS4_MLX_COMPILE=0."""
     if os.environ.get("DS4_MLX_COMPILE", "1") == "0":
         return getattr(module, method)
     cache = module.__dict__.setdefault("_compiled", {})
+    if cache.get("kernels") != kernels.generation():
+        cache.clear()
+        cache["kernels"] = kernels.generation()
     if method not in cache:
         cache[method] = mx.compile(getattr(module, method), inputs=module.state)
     return cache[method]
@@ -506,6 +510,22 @@ class QuantizedGroupedLinear(nn.Module):
         return y[:, :, 0, :]
 
 
+class Embedding(nn.Embedding):
+    """The token embedding. Its quantized form gives rows in float32: a Q8_0 row (int8 codes times a
+    float16 scale, up to 19 significant bits) keeps its exact values, which float16 would round."""
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        return QuantizedEmbedding(*self.weight.shape, group_size, bits, mode)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, x):
+        biases = self.get("biases")
+        return mx.dequantize(self["weight"][x], self["scales"][x].astype(mx.float32),
+                             None if biases is None else biases[x].astype(mx.float32),
+                             group_size=self.group_size, bits=self.bits, mode=self.mode, dtype=mx.float32)
+
+
 class SwitchLinear(nn.Module):
     """A stack of linear maps [n, out, in]; each token row picks its own (the routed experts)."""
 
@@ -524,8 +544,10 @@ class SwitchLinear(nn.Module):
         """x [n, in] through map i alone."""
         return x @ _row(self.weight, i).T
 
-    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+    def to_quantized(self, group_size=None, bits=None, mode="affine", gguf_type=None, **_):
         n, out, inp = self.weight.shape
+        if gguf_type is not None:
+            return GGUFSwitchLinear(n, inp, out, gguf_type)
         return QuantizedSwitchLinear(n, inp, out, group_size, bits, mode)
 
 
@@ -567,6 +589,28 @@ class QuantizedSwitchLinear(nn.Module):
             mx.eval([v for triple in views for v in triple if v is not None])
             self.__dict__["_views"] = cached = (arrays, views)
         return cached[1]
+
+
+class GGUFSwitchLinear(nn.Module):
+    """Routed experts kept in the GGUF's own blocks (uint8 [n, out, row bytes] of a `gguf_blocks.CODECS`
+    type), computed as `gguf_blocks.path()` says: no requantization, the file's exact values."""
+
+    def __init__(self, n, input_dims, output_dims, gguf_type):
+        super().__init__()
+        self.gguf_type = gguf_type
+        self.weight = mx.zeros((n, output_dims, gguf_blocks.row_bytes(gguf_type, input_dims)), mx.uint8)
+        self.freeze()
+
+    def __call__(self, x, indices, sorted_indices=False):
+        return gguf_blocks.gather_product(x, self.weight, indices, self.gguf_type, sorted_indices)
+
+    def one(self, x, i):
+        return x @ gguf_blocks.dequantized(self.weight[i], self.gguf_type, x.dtype).T
+
+    def gathers(self, dtype):
+        """Whether a big sorted batch should go through `__call__` (mlx-kquant's gather) rather than one
+        dequantize-then-product per expert (`MoE._expert_loop`)."""
+        return gguf_blocks.path() == "kquant" and dtype != mx.float32
 
 
 class HyperConnection(nn.Module):
@@ -949,7 +993,8 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         order = mx.argsort(flat)
         xs, idx = x[order // k], flat[order]
-        if expert_path() == "loop":
+        gathers = getattr(self.experts["gate"], "gathers", lambda dtype: True)(xs.dtype)
+        if expert_path() == "loop" or not gathers:
             y = self._expert_loop(xs, idx)
         else:
             y = self._glu(xs[:, None, :], idx, True)[:, 0, :]
@@ -1070,7 +1115,7 @@ class Model(nn.Module):
         self.args, self.quant_sim = args, quant_sim
         if not quant_sim:  # the exact mode's float32 products must not run on TF32 (`ds4_mlx.precision`)
             exact_float32()
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed = Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hc_head = HyperHead(args)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)

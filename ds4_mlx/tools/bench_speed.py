@@ -339,6 +339,7 @@ def bench_speed(a):
               + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts, "expert_bits": expert_bits(a), "like": a.like,
+               "expert_format": a.expert_format if a.preset == "real" else "affine",
                "dtype": a.dtype,
                "chunk": a.chunk, "backend": backend() or "cpu", "bandwidth_bytes_s": bandwidth,
                "weight_bytes_per_token": weights, "results": rows}
@@ -375,6 +376,10 @@ def options(q):
     q.add_argument("--expert-bits", type=int, default=None,
                    help="random affine-quantized experts; 0: float (default: 4)")
     like_option(q)
+    q.add_argument("--expert-format", choices=["affine", "q2"], default="affine",
+                   help="q2: the published q2 file's experts kept native (random valid IQ2_XXS gate/up, Q2_K "
+                        "down blocks) instead of affine --expert-bits ones (real preset; --like q2 keeps them "
+                        "native where the converter does)")
     q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="compute dtype (float32 keeps the exact mode)")
     q.add_argument("--contexts", default="2048,8192,32768")
@@ -400,6 +405,10 @@ def plot(figures, png_path, before=None):
 
     layout = f"{figures['like']} layout" if figures.get("like") else f"{figures['expert_bits']}-bit experts"
     series = [(f"ds4-mlx ({figures['dtype']}, {layout})", figures["results"], "o-")]
+    q.add_argument("--expert-format", choices=["affine", "q2"], default="affine",
+                   help="q2: the published q2 file's experts kept native (random valid IQ2_XXS gate/up, Q2_K "
+                        "down blocks) instead of affine --expert-bits ones (real preset; --like q2 keeps them "
+                        "native where the converter does)")
     if "peer" in figures:
         series.append(("transformers eager (bf16, dense experts)", [r for r in figures["peer"]["results"]
                                                                      if "error" not in r], "s--"))

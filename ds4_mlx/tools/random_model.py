@@ -8,12 +8,25 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
 
 
-def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, dtype=mx.float32):
+# `--expert-format q2`: the published q2 file's routed experts, kept in their GGUF blocks
+NATIVE_EXPERT_FORMATS = {"q2": {"gate": "iq2_xxs", "up": "iq2_xxs", "down": "q2_k"}}
+
+
+def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, dtype=mx.float32,
+                 expert_format="affine"):
     """A model with random weights drawn in MLX (fast at real widths). With `expert_bits`, the routed
     experts are random affine-quantized weights, never materialised in float (group 64 at 2 bits, as the
-    converter writes the q2 file's experts; group 32 otherwise)."""
+    converter writes the q2 file's experts; group 32 otherwise). `expert_format` "q2": random valid
+    IQ2_XXS gate/up and Q2_K down blocks, kept native (`NATIVE_EXPERT_FORMATS`), instead."""
+    from ds4_mlx.models import gguf_blocks
+
     model = Model(args, quant_sim=quant_sim)
-    if expert_bits:
+    codecs = {}
+    if expert_format != "affine":
+        codecs = {f"layers.{i}.ffn.experts.{p}.weight": codec for i in range(args.num_hidden_layers)
+                  for p, codec in NATIVE_EXPERT_FORMATS[expert_format].items()}
+        model.apply_quantization({name.removesuffix(".weight"): {"gguf_type": codec} for name, codec in codecs.items()})
+    elif expert_bits:
         group = 64 if expert_bits == 2 else 32
         model.apply_quantization({f"layers.{i}.ffn.experts.{p}": {"group_size": group, "bits": expert_bits,
                                                                    "mode": "affine"}
@@ -25,6 +38,9 @@ def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, 
         if name.endswith("tid2eid"):  # distinct experts per token
             rows = np.argsort(rng.random((v.shape[0], args.n_routed_experts)), axis=1)[:, : v.shape[1]]
             params[name] = mx.array(rows.astype(np.int32))
+        elif name in codecs:
+            params[name] = gguf_blocks.random_blocks(codecs[name], v.shape, seed + len(params))
+            mx.eval(params[name])  # one stack's temporaries at a time (the full model's are ~80 GB)
         elif v.dtype == mx.uint32:  # packed quantized codes
             params[name] = mx.random.randint(0, 2**31, v.shape).astype(mx.uint32)
         elif name.endswith(".scales"):
@@ -68,7 +84,8 @@ def model_from_flags(a):
         else:
             bits = 4 if a.expert_bits is None else a.expert_bits
             model = random_model(args, seed=0, expert_bits=bits or None,
-                                 dtype=mx.bfloat16 if a.dtype == "bfloat16" else mx.float32)
+                                 dtype=mx.bfloat16 if a.dtype == "bfloat16" else mx.float32,
+                                 expert_format=getattr(a, "expert_format", "affine"))
     if a.dtype != "float32":
         model.cast(getattr(mx, a.dtype))
     return model
@@ -94,15 +111,18 @@ def published_layout(args: ModelArgs, variant: str):
     from ds4_mlx.tools.bench_convert import PUBLISHED, tensor_type
     from ds4_mlx.convert.gguf import TensorPlan
     from ds4_mlx.convert.requant import affine_format
-    from ds4_mlx.models.deepseek_v4 import mlx_name
     from ds4_mlx.demo import gguf_shapes
+    from ds4_mlx.models.deepseek_v4 import mlx_name
+    from ds4_mlx.models.gguf_blocks import native_available
 
     experts = tuple(T[n] for n in PUBLISHED[variant])
     arrays, quantization = {}, {}
     for name, shape in gguf_shapes(args).items():
         tensor = SimpleNamespace(name=name, tensor_type=tensor_type(name, shape, experts),
                                  shape=np.array(shape[::-1]), data_offset=0, n_bytes=0)  # GGML order
-        plan = TensorPlan(tensor, mlx_name(name), None, affine_format)
+        plan = TensorPlan(tensor, mlx_name(name), None, affine_format, native_available())
+        if plan.packed and not plan.quantized:
+            raise ValueError(f"{name}: the bench cannot draw a packed float parameter")
         if plan.quantized:
             quantization[plan.module] = dict(plan.fmt)
         for path, dtype, out_shape in plan.outputs():
@@ -151,6 +171,10 @@ def quantized_part(path, shape, dtype, fmt):
     """Random codes (".weight") or the scales and biases that make uniform codes a zero-mean weight of
     standard deviation 1/sqrt(input width). The one place that knows the formats the converter keeps:
     a new one (native GGUF blocks) is drawn here."""
+    if "gguf_type" in fmt:  # native GGUF blocks
+        from ds4_mlx.models.gguf_blocks import random_blocks
+
+        return random_blocks(fmt["gguf_type"], shape, seed=len(path))
     if fmt["mode"] != "affine":
         raise ValueError(f"{path}: the bench cannot draw {fmt['mode']} weights yet")
     if path.endswith(".weight"):
