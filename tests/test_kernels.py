@@ -258,8 +258,8 @@ def _plain_logits(model):
 
 
 def test_a_wrong_kernel_turns_itself_off(fake_backend, capsys):
-    from ds4_mlx.bench import random_model
-    from ds4_mlx.testing import tiny_args
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
 
     def wrong(mix, scale, base, streams, iters, eps):
         x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
@@ -279,8 +279,8 @@ def test_a_wrong_kernel_turns_itself_off(fake_backend, capsys):
 def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):
     """A kernel right on its self-check's sizes but wrong at the model's: on, it changes the answer,
     compiled decode graphs included; switched off, every graph runs the definition again."""
-    from ds4_mlx.bench import random_model
-    from ds4_mlx.testing import tiny_args
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
 
     def wrong_when_wide(mix, scale, base, streams, iters, eps):
         x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)

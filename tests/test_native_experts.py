@@ -96,9 +96,9 @@ def test_kquant_path(q2_native, monkeypatch):
     x = mx.array(rng.standard_normal((6, 1, 256)).astype(np.float32))
     idx = mx.array([0, 3, 1, 1, 2, 0], mx.uint32)
     want = np.einsum("tk,tok->to", np.array(x)[:, 0], values[np.array(idx)])
-    y = gguf_blocks.gather_product(x, w, idx, "q2_k", False)
+    y = dsv4.gguf_gather_product(x, w, idx, "q2_k", False)
     assert y.dtype == mx.float32 and np.abs(np.array(y)[:, 0] - want).max() <= 1e-4 * np.abs(want).max()
-    y = gguf_blocks.gather_product(x.astype(mx.bfloat16), w, idx, "q2_k", False)  # mlx-kquant's own product
+    y = dsv4.gguf_gather_product(x.astype(mx.bfloat16), w, idx, "q2_k", False)  # mlx-kquant's own product
     assert y.dtype == mx.bfloat16 and np.abs(np.array(y.astype(mx.float32))[:, 0] - want).max() <= 0.05 * np.abs(want).max()
 
 
@@ -117,8 +117,8 @@ def test_dequantize_matches_gguf(qtype):
 def test_bench_builds_native_q2_experts(monkeypatch):
     """`bench speed --expert-format q2`'s model: random valid IQ2_XXS / Q2_K blocks of sane magnitude
     (values about 1/sqrt(width)), run natively."""
-    from ds4_mlx.bench import random_model
-    from ds4_mlx.testing import tiny_args
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
 
     monkeypatch.setenv("DS4_MLX_KQUANT", "0")
     model = random_model(tiny_args(0, hidden_size=256, moe_intermediate_size=256, vocab_size=384), expert_format="q2")

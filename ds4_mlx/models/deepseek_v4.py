@@ -591,6 +591,32 @@ class QuantizedSwitchLinear(nn.Module):
         return cached[1]
 
 
+def gguf_dequantized(w, codec, dtype):
+    """uint8 blocks [..., rows, row bytes] -> dtype [..., rows, cols], on the current path."""
+    if gguf_blocks.path() == "kquant":
+        scales = gguf_blocks.placeholder_scales()
+        return gguf_blocks.kquant().dequantize(w, scales, codec, mx.float32).astype(dtype)
+    values = kernels.gguf_dequantize(w, codec)  # one launch on CUDA
+    return (gguf_blocks.dequantize(w, codec) if values is None else values).astype(dtype)
+
+
+def gguf_gather_product(x, w, indices, codec, sorted_indices):
+    """`mx.gather_qmm`'s contract (transposed) on GGUF blocks w [n, out, row bytes]: x [..., M, in] times
+    map indices[...] -> [..., M, out]. On CUDA, a kernel for one row a pair (`kernels.gguf_rows`); the
+    reference dequantizes each index's whole matrix: for few rows."""
+    if gguf_blocks.path() == "kquant" and x.dtype != mx.float32:
+        return gguf_blocks.kquant().gather_qmm(x, w, gguf_blocks.placeholder_scales(), codec,
+                                               rhs_indices=indices.astype(mx.uint32), transpose=True,
+                                               sorted_indices=sorted_indices)
+    if x.shape[-2] == 1:
+        lead = tuple(indices.shape)
+        rows = mx.broadcast_to(x, lead + x.shape[-2:]).reshape(-1, x.shape[-1])
+        y = kernels.gguf_rows(rows, w, indices.reshape(-1), codec)
+        if y is not None:
+            return y.astype(x.dtype).reshape(*lead, 1, -1)
+    return x @ gguf_dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
+
+
 class GGUFSwitchLinear(nn.Module):
     """Routed experts kept in the GGUF's own blocks (uint8 [n, out, row bytes] of a `gguf_blocks.CODECS`
     type), computed as `gguf_blocks.path()` says: no requantization, the file's exact values."""
@@ -602,10 +628,10 @@ class GGUFSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x, indices, sorted_indices=False):
-        return gguf_blocks.gather_product(x, self.weight, indices, self.gguf_type, sorted_indices)
+        return gguf_gather_product(x, self.weight, indices, self.gguf_type, sorted_indices)
 
     def one(self, x, i):
-        return x @ gguf_blocks.dequantized(self.weight[i], self.gguf_type, x.dtype).T
+        return x @ gguf_dequantized(self.weight[i], self.gguf_type, x.dtype).T
 
     def gathers(self, dtype):
         """Whether a big sorted batch should go through `__call__` (mlx-kquant's gather) rather than one

@@ -9,7 +9,8 @@ same order (bit for bit on the CPU). `path()` picks how an expert product runs:
   DS4_MLX_KQUANT=1 forces it on the CPU (where it installs), DS4_MLX_KQUANT=0 turns it off.
 - "reference": `dequantize` then MLX's product, on any backend (exact, slow). On CUDA, rows of a few
   tokens (decode) go through a kernel that dequantizes as it reads (`kernels.gguf_rows`) instead, and
-  bigger batches dequantize each expert in one launch (`kernels.gguf_dequantize`).
+  bigger batches dequantize each expert in one launch (`kernels.gguf_dequantize`): the model's
+  `GGUFSwitchLinear` picks among them.
 """
 
 import os
@@ -58,40 +59,12 @@ def native_available():
 _NO_SCALES = None
 
 
-def _placeholder():
+def placeholder_scales():
     global _NO_SCALES
     if _NO_SCALES is None:  # mlx-kquant reads scales from the wire bytes; its `scales` argument is unused
         _NO_SCALES = mx.zeros((1,), mx.float16)
         mx.eval(_NO_SCALES)
     return _NO_SCALES
-
-
-def dequantized(w, codec, dtype):
-    """uint8 blocks [..., rows, row bytes] -> dtype [..., rows, cols], on the current path."""
-    if path() == "kquant":
-        return kquant().dequantize(w, _placeholder(), codec, mx.float32).astype(dtype)
-    from ds4_mlx.models import kernels
-
-    values = kernels.gguf_dequantize(w, codec)  # one launch on CUDA
-    return (dequantize(w, codec) if values is None else values).astype(dtype)
-
-
-def gather_product(x, w, indices, codec, sorted_indices):
-    """`mx.gather_qmm`'s contract (transposed) on GGUF blocks w [n, out, row bytes]: x [..., M, in] times
-    map indices[...] -> [..., M, out]. On CUDA, a kernel for one row a pair (`kernels.gguf_rows`); the
-    reference dequantizes each index's whole matrix: for few rows."""
-    if path() == "kquant" and x.dtype != mx.float32:
-        return kquant().gather_qmm(x, w, _placeholder(), codec, rhs_indices=indices.astype(mx.uint32),
-                                   transpose=True, sorted_indices=sorted_indices)
-    if x.shape[-2] == 1:
-        from ds4_mlx.models import kernels
-
-        lead = tuple(indices.shape)
-        rows = mx.broadcast_to(x, lead + x.shape[-2:]).reshape(-1, x.shape[-1])
-        y = kernels.gguf_rows(rows, w, indices.reshape(-1), codec)
-        if y is not None:
-            return y.astype(x.dtype).reshape(*lead, 1, -1)
-    return x @ dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
 
 
 # where each type's float16 block scales sit, and the scale that gives values of about 1/sqrt(width)

@@ -561,7 +561,7 @@ ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
 # ---------------------------------------------------------------------------------------------
 # Routed experts kept in GGUF blocks (IQ2_XXS, Q2_K), for a few tokens: one warp an output row of one
 # (token, expert) pair, its lanes over the row's blocks, dequantizing as they read (the IQ2_XXS lattice
-# and sign tables come from the `gguf` package, as inputs). The product of `gguf_blocks.gather_product`.
+# and sign tables come from the `gguf` package, as inputs). The product of `deepseek_v4.gguf_gather_product`.
 
 _GGUF_ROWS_CUDA = """
     const int lane = threadIdx.x % 32, job = blockIdx.x * (GROUP / 32) + threadIdx.x / 32;
