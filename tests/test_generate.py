@@ -195,15 +195,14 @@ def test_follow_up_reuses_the_whole_cache(demo):
         prompt = session.tokens + follow_up
 
 
-def _generate_cli(capsys, *args):
-    """`ds4-mlx generate` run in this process (a subprocess would spend its time importing MLX)."""
-    from ds4_mlx import cli
+def _generate_cli(*args):
+    import subprocess
+    import sys
 
-    capsys.readouterr()
-    code = cli.main(["generate", "-p", "Hi", "--temp", "0", *args])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return out, err
+    result = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "generate", "-p", "Hi", "--temp", "0", *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, result.stderr
 
 
 def _expected(demo, n, thinking):
@@ -221,22 +220,22 @@ def _expected(demo, n, thinking):
             "".join(e.text for e in events if isinstance(e, ContentDelta)))
 
 
-def test_generate_command_answer_on_stdout_figures_on_their_own_line(demo, capsys):
+def test_generate_command_answer_on_stdout_figures_on_their_own_line(demo):
     _, answer = _expected(demo, 4, thinking=False)
-    out, err = _generate_cli(capsys, "-n", "4", "--nothink")
+    out, err = _generate_cli("-n", "4", "--nothink")
     assert out == answer.lstrip() + "\n" and answer.strip()
     lines = err.splitlines()
     assert "gibberish" in lines[0]
     assert re.fullmatch(r"\[length: prompt 10 tokens, \d+\.\d\d s; generated 4 tokens, \d+\.\d\d s\]", lines[-1])
 
 
-def test_generate_command_shows_reasoning_only_when_asked(demo, capsys):
+def test_generate_command_shows_reasoning_only_when_asked(demo):
     reasoning, answer = _expected(demo, 24, thinking=True)
     assert reasoning.strip() and not answer  # the demo model never ends its reasoning this soon
-    out, err = _generate_cli(capsys, "-n", "24")
+    out, err = _generate_cli("-n", "24")
     assert out == "" and reasoning not in err
     assert "no answer yet: all 24 tokens went to reasoning" in err
     assert re.fullmatch(r"\[length: prompt 10 tokens, .*; generated 24 tokens, .* t/s\]", err.splitlines()[-1])
-    out, err = _generate_cli(capsys, "-n", "24", "--show-reasoning")
+    out, err = _generate_cli("-n", "24", "--show-reasoning")
     assert out == "" and reasoning in err
     assert err.splitlines()[-1].startswith("[length: prompt 10 tokens")  # not glued to the reasoning
