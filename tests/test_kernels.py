@@ -22,7 +22,7 @@ def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0):
         previous = mx.default_device()
         mx.set_default_device(mx.gpu)
         try:
-            assert kernels.kernel_backend() in ("metal", "cuda")
+            assert kernels.backend() in ("metal", "cuda")
             got = kernels.hc_mix(mix, scale, base, streams, iters, eps)
             want = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
             mx.eval(got, want)
@@ -47,7 +47,7 @@ def on_cuda(kernel, *args):
     previous = mx.default_device()
     mx.set_default_device(mx.gpu)
     try:
-        if kernels.kernel_backend() != "cuda":
+        if kernels.backend() != "cuda":
             pytest.skip("CUDA only")
         out = kernel(*args)
         mx.eval(out)

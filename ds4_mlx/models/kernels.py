@@ -19,19 +19,14 @@ def use_kernels(on: bool):
 
 
 def backend():
-    """'metal' or 'cuda' when the default device is a GPU, else None."""
-    if mx.default_device() != mx.gpu:
+    """'metal', 'cuda' or None (CPU, or kernels switched off) for the default device."""
+    if not _enabled or mx.default_device() != mx.gpu:
         return None
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():
         return "cuda"
     return None
-
-
-def kernel_backend():
-    """The backend whose fused kernels run: `backend()`, or None when kernels are switched off."""
-    return backend() if _enabled else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +109,7 @@ def _hc_kernel(kind, eps):
 
 def hc_mix(mix, scale, base, streams, iters, eps):
     """`hc_mix_reference`, fused into one kernel on Metal and CUDA (float32 throughout)."""
-    kind = kernel_backend()
+    kind = backend()
     if kind is None:
         return hc_mix_reference(mix, scale, base, streams, iters, eps)
     T, hc, H = streams.shape
@@ -210,7 +205,7 @@ def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
     """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
     warps' partial sums fill 32 KB of shared memory at 512)."""
     nh, hd = q.shape
-    if kernel_backend() != "cuda" or hd % 32 or hd > 512:
+    if backend() != "cuda" or hd % 32 or hd > 512:
         return decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio)
     f32 = mx.float32
     if rows is None:  # sliding window only: placeholders the kernel never reads
@@ -273,7 +268,7 @@ def hc_project(flat, fn, eps):
     """`hc_project_reference`, one kernel on CUDA for up to HC_PROJECT_MAX_TOKENS tokens."""
     T, n = flat.shape
     m = fn.shape[0]
-    if kernel_backend() != "cuda" or T > HC_PROJECT_MAX_TOKENS:
+    if backend() != "cuda" or T > HC_PROJECT_MAX_TOKENS:
         return hc_project_reference(flat, fn, eps)
     f32 = mx.float32
     return _hc_project_kernel(eps)(
@@ -419,7 +414,7 @@ def routed_experts(x, chosen, weights, gate, up, down, limit):
     """`routed_experts_reference` in two kernels on CUDA; None where they do not apply (the caller then
     runs its own path)."""
     rows = _EXPERT_ROWS
-    if kernel_backend() != "cuda" or not all(_fits(m, rows) for m in (gate, up, down)) or gate[3:] != up[3:] \
+    if backend() != "cuda" or not all(_fits(m, rows) for m in (gate, up, down)) or gate[3:] != up[3:] \
             or gate[1].dtype != up[1].dtype:
         return None
     (T, k), f32 = chosen.shape, mx.float32
