@@ -17,9 +17,10 @@ from ds4_mlx.generate import SamplingParams
 from ds4_mlx.repl import Conversation
 from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.session import Session
-from ds4_mlx.tools.testing import demo_server
-from test_server_sessions import MODEL, long_conversation, request_lines
+from ds4_mlx.tools.testing import demo_server, long_conversation, request_lines
 from test_session import assert_exact, model_for
+
+MODEL = "deepseek-v4-flash"
 
 
 def folder_bytes(path):

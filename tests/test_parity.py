@@ -83,14 +83,18 @@ def test_configs_exercise_every_path(tiny_gguf, reference):
     assert logits.std(axis=-1).min() > 0.3
 
 
+def assert_close_to_oracle(got, expected):
+    diff = np.abs(got - expected)
+    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+
+
 def test_logits_match_transformers(tiny_gguf, reference):
     path, _, _ = tiny_gguf
     ids, expected, _ = reference
     model = load(path, quant_sim=False)
     got = np.array(model(mx.array(ids[None], dtype=mx.int32))[0])
     assert got.shape == expected.shape
-    diff = np.abs(got - expected)
-    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+    assert_close_to_oracle(got, expected)
 
 
 def test_chunked_cache_matches_transformers(tiny_gguf, reference):
@@ -105,8 +109,7 @@ def test_chunked_cache_matches_transformers(tiny_gguf, reference):
         outs.append(np.array(model(mx.array(ids[None, start:end], dtype=mx.int32), cache=cache)[0]))
         start = end
     got = np.concatenate(outs)
-    diff = np.abs(got - expected)
-    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+    assert_close_to_oracle(got, expected)
 
 
 def test_chunk_longer_than_the_rings_matches_transformers(tiny_gguf, reference):
@@ -118,8 +121,7 @@ def test_chunk_longer_than_the_rings_matches_transformers(tiny_gguf, reference):
     assert max(r.capacity for c in cache for r in c.rings()) < 150
     got = np.concatenate([np.array(model(mx.array(ids[None, i : i + 150], dtype=mx.int32), cache=cache)[0])
                           for i in range(0, len(ids), 150)])
-    diff = np.abs(got - expected)
-    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+    assert_close_to_oracle(got, expected)
 
 
 def relative_rms(a, b):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.cache.layers import make_caches
 from ds4_mlx.session import Session, SyncInterrupted
-from ds4_mlx.tools.testing import tiny_args
+from ds4_mlx.tools.random_model import random_model
+from ds4_mlx.tools.testing import cold_logits, tiny_args
 
 SEEDS = [0, 3, 5]
 _models = {}
@@ -33,10 +33,6 @@ class Float32Rows:
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
-
-
-def cold_logits(model, tokens):
-    return Session(model, rewind_slack=0, checkpoint_every=10**9, max_chunk=61).sync(tokens)
 
 
 def assert_exact(session, logits):

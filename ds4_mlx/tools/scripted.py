@@ -94,8 +94,7 @@ def load_script(path) -> ScriptedModel:
 def main(argv=None):
     from aiohttp import web
 
-    from ds4_mlx.demo import load_for_cli
-    from ds4_mlx.server.build import build_server
+    from ds4_mlx.tools.testing import demo_server
 
     p = argparse.ArgumentParser(prog="python -m ds4_mlx.tools.scripted", description=__doc__.split("\n\n")[0])
     p.add_argument("script", help="a JSON file: {turns: [{reasoning, text, calls}], side}")
@@ -105,8 +104,7 @@ def main(argv=None):
     p.add_argument("--sessions", type=int, default=2)
     args = p.parse_args(argv)
     model = load_script(args.script)
-    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=args.ctx,
-                          sessions=args.sessions, budget_bytes=2**33, generate=model.generate)
+    server = demo_server(ctx=args.ctx, sessions=args.sessions, budget_bytes=2**33, generate=model.generate)
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None)
 
 

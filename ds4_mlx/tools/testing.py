@@ -1,13 +1,17 @@
-"""Tiny DeepSeek V4 models for tests, benchmarks and the demo.
+"""Test support: tiny DeepSeek V4 models, the transformers oracle, and the demo model served.
 
 - `write_gguf` writes a `deepseek4` GGUF (ds4 tensor names, numpy-order arrays).
 - `tiny_args`: a small config keeping every layer type (random weights: `ds4_mlx.demo.random_gguf_tensors`).
 - `hf_tiny_model` / `hf_to_gguf_tensors`: the transformers DeepseekV4 oracle (fp32) and its weights in ds4
   names, so a GGUF written from it must give the same logits in MLX.
 
-Importing this module needs neither torch nor transformers; the oracle functions import them lazily.
+- `demo_server`, `served`, `serve_process`, `wait_healthy`: the demo model served in the test process or
+  as `ds4-mlx serve`; `request_lines`, `cold_answer`, `cold_logits`: what the tests compare.
+
+Importing this module needs neither torch nor transformers nor an API client: they are imported lazily.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -350,6 +354,45 @@ def demo_server(**options):
 
     settings = {"model_id": DEMO_MODEL_ID, "ctx": 4096, "sessions": 1, "budget_bytes": 2**32, **options}
     return build_server(lambda: load_for_cli(None)[:2], **settings)
+
+
+@contextlib.contextmanager
+def served(**options):
+    """The demo model served in the background (`demo_server(**options)`): (server, OpenAI client)."""
+    from openai import OpenAI
+
+    from ds4_mlx.server.build import BackgroundServer
+
+    with BackgroundServer(demo_server(**options)) as bg:
+        yield bg, OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
+
+
+def answer_text(done) -> str:
+    """A chat completion's reasoning and content, as one text."""
+    message = done.choices[0].message
+    return (getattr(message, "reasoning_content", None) or "") + (message.content or "")
+
+
+def cold_answer(ctx=8192, **request) -> str:
+    """The answer to a chat completion `request` from a fresh server: what a warm one must answer too."""
+    with served(ctx=ctx) as (_, client):
+        return answer_text(client.chat.completions.create(**request))
+
+
+def long_conversation(words=1020) -> list[dict]:
+    """A system and a user message of over 2,000 tokens: a prefill of more than one 2,048-token chunk."""
+    return [{"role": "system", "content": "You are a helpful assistant"},
+            {"role": "user", "content": "Summarize: " + " ".join(f"item{i}" for i in range(words))}]
+
+
+def request_lines(caplog) -> list[dict]:
+    """The figures of the server's per-request log lines, as strings (the `Outcome` each record carries;
+    the line itself, in words, is `line`)."""
+    records = [r for r in caplog.records if r.name == "ds4_mlx.server" and hasattr(r, "outcome")]
+    return [{"slot": str(o.slot), "live": str(o.live), "prompt": str(o.prompt_tokens), "common": str(o.common),
+             "reused": str(o.reused), "replayed": str(o.replayed), "computed": str(o.computed),
+             "gen": str(o.completion_tokens), "finish": o.finish_reason, "miss": o.miss or "-", "line": r.getMessage()}
+            for r, o in ((r, r.outcome) for r in records)]
 
 
 def serve_process(*args, command=("-m", "ds4_mlx.cli", "serve"), **popen):
