@@ -347,9 +347,11 @@ class OutputParser:
 
     thinking=True: the output starts inside the reasoning (the prompt ended with `<think>`) and the
     first `</think>` switches to content. tools=True: DSML tool-call blocks in the content become
-    `ToolCall`s; a block that is not well-formed, or never closed, stays content. Only text that may
-    be the start of a marker is held back, plus whitespace before a possible tool-call block (the
-    block starts with a blank line that belongs to it, not to the content)."""
+    `ToolCall`s; a DSML block that is not well-formed, or never closed, is markup no client can use: it
+    is left out of the content and kept in `malformed` (for a log line); a bare `<tool_calls>` that is
+    not a call stays text. Only text that may be the start
+    of a marker is held back, plus whitespace before a possible tool-call block (the block starts with
+    a blank line that belongs to it, not to the content)."""
 
     def __init__(self, *, thinking=True, tools=False, make_id=new_tool_call_id):
         self.state = "reasoning" if thinking else "content"
@@ -360,6 +362,7 @@ class OutputParser:
         self.block_prefix = None  # inside a tool-call block: its tag prefix
         self.block_text = ""  # the block's opening (leading whitespace and start tag)
         self.block_scanned = 0  # how much of `pending` holds no end tag
+        self.malformed = []  # tool-call blocks left out of the content: not well-formed, or never closed
 
     def feed(self, text: str) -> list:
         self.pending += text
@@ -373,7 +376,8 @@ class OutputParser:
     def finish(self) -> list:
         events = []
         if self.state == "tool_block":
-            self.pending = self.block_text + self.pending
+            self._malformed(self.block_text + self.pending, events)
+            self.pending = ""
         if self.state == "reasoning":
             events.append(ReasoningDelta(self.pending))
         else:
@@ -436,11 +440,18 @@ class OutputParser:
         self.state = "content"
         calls = parse_tool_block(body, self.block_prefix)
         if calls is None:
-            events.append(ContentDelta(block))
+            self._malformed(block, events)
         else:
             events.extend(ToolCall(self.make_id(), name, json.dumps(arguments, ensure_ascii=False), block)
                           for name, arguments in calls)
         return True
+
+    def _malformed(self, block: str, events):
+        """A block that is not a tool call: DSML markup is left out; a bare `<tool_calls>` is prose."""
+        if self.block_prefix:
+            self.malformed.append(block)
+        else:
+            events.append(ContentDelta(block))
 
 
 def merge_deltas(events) -> list:

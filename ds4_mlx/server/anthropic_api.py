@@ -16,7 +16,7 @@ import uuid
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
 from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
-from ds4_mlx.server.constraints import constrained, forced_tool_call
+from ds4_mlx.server.constraints import constrained, forced_tool_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored, number_in, positive_int, string_list
 from ds4_mlx.server.protocol import Prepared, ServerInfo
@@ -218,7 +218,7 @@ def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *,
         temperature=number_in(body, "temperature", 0.0, 1.0, defaults.temperature),
         top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p), top_k=get(body, "top_k", int, defaults.top_k),
         min_p=defaults.min_p)
-    sampling = constrained(sampling, thinking=text.endswith("<think>"), forced=forced_tool_call(choice, tools))
+    sampling = constrained(sampling, thinking=text.endswith("<think>"), grammar=forced_tool_grammar(choice, tools))
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False), max_tokens=max_tokens, sampling=sampling,
                     stop=string_list(body, "stop_sequences"), model=model, tool_id_prefix="toolu_",

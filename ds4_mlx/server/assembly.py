@@ -7,6 +7,7 @@ remembers the exact DSML block behind each tool call id (`ToolCallMemory`), so w
 call back, the prompt holds the very tokens the model sampled and the live session still matches.
 """
 
+import logging
 import uuid
 from collections import OrderedDict
 
@@ -14,6 +15,8 @@ from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, ToolCall
 from ds4_mlx.generate import TokenLogprob
 
 __all__ = ["Answer", "ToolCallMemory", "ContentDelta", "ReasoningDelta", "ToolCall", "TokenLogprob"]
+
+log = logging.getLogger("ds4_mlx.server")
 
 
 class Answer:
@@ -47,6 +50,10 @@ class Answer:
         return generation_finish
 
     def _collect(self, events: list) -> list:
+        while self._parser.malformed:
+            block = self._parser.malformed.pop(0)
+            log.warning("a tool-call block that does not parse was left out of the answer (%d characters): %.200r",
+                        len(block), block)
         for event in events:
             if isinstance(event, ReasoningDelta):
                 self.reasoning += event.text

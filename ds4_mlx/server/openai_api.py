@@ -7,7 +7,7 @@ import uuid
 from ds4_mlx.chat import BOS, render
 from ds4_mlx.server import protocol
 from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, TokenLogprob, ToolCall, ToolCallMemory
-from ds4_mlx.server.constraints import constrained, forced_tool_call, response_format_grammar
+from ds4_mlx.server.constraints import constrained, forced_tool_grammar, response_format_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
@@ -74,8 +74,8 @@ def parse_chat(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Pre
     thinking, effort = protocol.thinking_mode(body, model, info)
     text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
     sampling = dataclasses.replace(protocol.sampling(body), logprobs=chat_logprobs(body))
-    sampling = constrained(sampling, thinking=text.endswith("<think>"), forced=forced_tool_call(choice, tools),
-                           grammar=response_format_grammar(body))
+    grammar = forced_tool_grammar(choice, tools) or response_format_grammar(body)
+    sampling = constrained(sampling, thinking=text.endswith("<think>"), grammar=grammar)
     return Prepared(
         prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
         stream=get(body, "stream", bool, False),

@@ -144,7 +144,7 @@ def tool_choice_name(choice) -> str | None:
 
 def resolve_tool_choice(choice, tools: list[dict] | None):
     """The tools to render under `tool_choice`: "none" hides them; "auto", "required" and a named
-    function keep them all (a named function must exist; `constraints.forced_tool_call` makes the
+    function keep them all (a named function must exist; `constraints.forced_tool_grammar` makes the
     answer call one)."""
     if choice is None or not tools:
         return tools

@@ -13,7 +13,7 @@ import uuid
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
 from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
-from ds4_mlx.server.constraints import constrained, forced_tool_call, response_format_grammar
+from ds4_mlx.server.constraints import constrained, forced_tool_grammar, response_format_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
@@ -103,9 +103,8 @@ def parse_responses(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -
     effort = get(get(body, "reasoning", dict, {}), "effort", str)
     thinking, effort = protocol.thinking_mode(body, model, info, effort=effort)
     text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
-    sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"),
-                           forced=forced_tool_call(choice, tools),
-                           grammar=response_format_grammar(get(body, "text", dict, {}), "format"))
+    grammar = forced_tool_grammar(choice, tools) or response_format_grammar(get(body, "text", dict, {}), "format")
+    sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"), grammar=grammar)
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False),
                     max_tokens=protocol.max_tokens(body, "max_output_tokens", "max_tokens"),
