@@ -33,20 +33,23 @@ from ds4_mlx.chat import (BOS, DEFAULT_SYSTEM, THINK_START, ContentDelta, Output
 from ds4_mlx.session import Session, SyncInterrupted
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+GREEDY_BELOW = 1e-5  # a lower temperature divides the logits into inf and NaN: it is argmax
 
 
 @dataclass
 class SamplingParams:
     """Sampling knobs. Defaults are ds4's (temperature 1, top_p 1, min_p 0.05, no top_k).
 
-    temperature <= 0 means greedy (argmax). top_k <= 0, top_p >= 1 and min_p <= 0 switch that
+    temperature below `GREEDY_BELOW` (0 included) means greedy (argmax). top_k <= 0, top_p >= 1 and min_p <= 0 switch that
     filter off. The filters apply to the temperature-scaled distribution in the order top_k, top_p,
     min_p. seed=None draws a random seed; a given seed makes a run reproducible.
 
     logprobs: None, or report each sampled token's log probability (under the model's distribution,
     before temperature and filters) with that many most likely alternatives. constraint: None, or a
     factory `constraint(tokenizer)` of an object with `mask(logits) -> logits` (disallowed tokens at
-    -inf) and `advance(token)`, applied before each draw (`ds4_mlx.constrain`)."""
+    -inf) and `advance(token)`, applied before each draw (`ds4_mlx.constrain`). logit_bias: None, or
+    {token id: value} added to those tokens' logits before every draw (greedy too); an id outside the
+    vocabulary names no token, so its bias changes nothing."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -55,6 +58,7 @@ class SamplingParams:
     seed: Optional[int] = None
     logprobs: Optional[int] = None
     constraint: Optional[Callable] = None
+    logit_bias: Optional[dict] = None
 
 
 def filter_logits(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -84,13 +88,21 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed % 2**64)  # any integer: MLX takes 64 bits
+        self.bias = None  # the logit bias as a [vocab] array, made at the first draw
 
     def __call__(self, logits: mx.array) -> int:
         return int(self.draw(logits).item())
 
     def draw(self, logits: mx.array) -> mx.array:
         """The sampled id as an unevaluated array (no sync)."""
-        if self.params.temperature <= 0:
+        if self.params.logit_bias:
+            if self.bias is None:
+                vocab = logits.shape[-1]
+                ids = [i for i in self.params.logit_bias if 0 <= i < vocab]
+                self.bias = mx.zeros((vocab,)).at[mx.array(ids, dtype=mx.int32)].add(
+                    mx.array([self.params.logit_bias[i] for i in ids])) if ids else mx.zeros((vocab,))
+            logits = logits.astype(mx.float32) + self.bias
+        if self.params.temperature < GREEDY_BELOW:
             return mx.argmax(logits)
         self.key, draw_key = mx.random.split(self.key)
         return mx.random.categorical(filter_logits(logits, self.params), key=draw_key)

@@ -113,6 +113,17 @@ def test_greedy_and_seeded_sampling():
     assert {sampler(logits) for _ in range(50)} <= top2
 
 
+def test_a_tiny_temperature_is_greedy_and_a_logit_bias_steers_the_draw():
+    logits = mx.random.normal((1000,), key=mx.random.key(0))
+    best = int(mx.argmax(logits).item())
+    for temperature in (1e-45, 1e-6):  # dividing by it gives inf and NaN: drawing from that is garbage
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=2))
+        assert [sampler(logits) for _ in range(5)] == [best] * 5
+    biased = Sampler(SamplingParams(temperature=0, logit_bias={7: 100.0, best: -100.0, 5000: 100.0}))
+    assert biased(logits) == 7  # 5000 is past the vocabulary: no token, no effect
+    assert Sampler(SamplingParams(seed=3, logit_bias={best: -100.0}))(logits) != best
+
+
 # ---------------------------------------------------------------- stream_generate
 
 

@@ -27,7 +27,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 
 # ---------------------------------------------------------------- requests
 
-TEXT_ONLY = "this model reads text only"
+TEXT_ONLY = protocol.TEXT_ONLY
 # Keys of a content block that hold no text for the model: a block of an unknown type with nothing
 # else is skipped (a newer client's marker), one that carries more is refused rather than dropped.
 META_KEYS = {"type", "cache_control", "citations", "id", "signature"}

@@ -29,7 +29,12 @@ def _text(content, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where} must be a string or an array of content parts", param=where)
-    return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text") \
+                or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}[{j}] is a {kind or 'non-text'} part: {protocol.TEXT_ONLY}", param=where)
+    return "".join(p["text"] for p in content)
 
 
 def chat_messages(instructions: str | None, items) -> list[dict]:
@@ -92,6 +97,7 @@ BODY_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "reason
 
 def parse_responses(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Prepared:
     note_ignored(body, BODY_FIELDS, "responses")
+    protocol.refuse_unsupported(body, ("store",))
     model = info.model_name(body)
     for name in ("previous_response_id", "conversation"):
         if body.get(name) is not None:
