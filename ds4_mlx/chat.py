@@ -265,6 +265,12 @@ class ReasoningDelta:
 
 
 @dataclass
+class MalformedBlock:
+    """A DSML tool-call block that does not parse (or was never closed): left out of the answer."""
+    text: str
+
+
+@dataclass
 class ToolCall:
     """A complete tool call. `arguments` is a JSON object as a string, keys in call order. `dsml`
     is the exact text of the whole tool-call block it came from (the same for every call of one
@@ -348,7 +354,7 @@ class OutputParser:
     thinking=True: the output starts inside the reasoning (the prompt ended with `<think>`) and the
     first `</think>` switches to content. tools=True: DSML tool-call blocks in the content become
     `ToolCall`s; a DSML block that is not well-formed, or never closed, is markup no client can use: it
-    is left out of the content and kept in `malformed` (for a log line); a bare `<tool_calls>` that is
+    becomes a `MalformedBlock` (left out of the content, for a log line); a bare `<tool_calls>` that is
     not a call stays text. Only text that may be the start
     of a marker is held back, plus whitespace before a possible tool-call block (the block starts with
     a blank line that belongs to it, not to the content)."""
@@ -362,7 +368,6 @@ class OutputParser:
         self.block_prefix = None  # inside a tool-call block: its tag prefix
         self.block_text = ""  # the block's opening (leading whitespace and start tag)
         self.block_scanned = 0  # how much of `pending` holds no end tag
-        self.malformed = []  # tool-call blocks left out of the content: not well-formed, or never closed
 
     def feed(self, text: str) -> list:
         self.pending += text
@@ -377,11 +382,11 @@ class OutputParser:
         events = []
         if self.state == "tool_block":
             self._malformed(self.block_text + self.pending, events)
-            self.pending = ""
+            self.pending = self.block_text = ""
         if self.state == "reasoning":
             events.append(ReasoningDelta(self.pending))
         else:
-            events.append(ContentDelta(self.pending))  # an unclosed tool block stays text
+            events.append(ContentDelta(self.pending))
         self.pending = ""
         self.state = "content"
         return merge_deltas(events)
@@ -446,10 +451,15 @@ class OutputParser:
                           for name, arguments in calls)
         return True
 
+    @property
+    def held(self) -> int:
+        """How many characters of the text fed so far are not in the events returned yet."""
+        return len(self.pending) + (len(self.block_text) if self.state == "tool_block" else 0)
+
     def _malformed(self, block: str, events):
         """A block that is not a tool call: DSML markup is left out; a bare `<tool_calls>` is prose."""
         if self.block_prefix:
-            self.malformed.append(block)
+            events.append(MalformedBlock(block))
         else:
             events.append(ContentDelta(block))
 

@@ -144,32 +144,64 @@ class Detokenizer:
         return text
 
 
+class AnswerStops(tuple):
+    """Stop strings that apply to the answer's content only, as OpenAI's `stop` does: not inside the
+    reasoning (`thinking`: the output starts there) nor inside DSML tool-call blocks (`tools`)."""
+
+    def __new__(cls, strings=(), *, thinking: bool, tools: bool):
+        stops = super().__new__(cls, strings)
+        stops.thinking, stops.tools = thinking, tools
+        return stops
+
+
 class StopStringWatcher:
-    """Finds stop strings in streamed text, also across token boundaries, and withholds the tail
-    of the text that could still become a stop string. A stop string can only begin in withheld
-    text, so that is all it keeps."""
+    """Finds stop strings in streamed text, also across token boundaries, and withholds the text that
+    could still become part of one. Plain stop strings are looked for in all the text; `AnswerStops`
+    only in the content, which an `OutputParser` splits from the reasoning and the tool calls (a stop
+    string never spans a tool call). `stop_at` is where the first stop string begins in the text."""
 
     def __init__(self, stop_strings: Sequence[str]):
         self.stops = [s for s in stop_strings if s]
-        self.withheld = ""
-        self.emitted = 0  # characters let through so far
-        self.stop_at = None  # where the first stop string begins, counted from the first character
+        self.parser = (OutputParser(thinking=stop_strings.thinking, tools=stop_strings.tools)
+                       if isinstance(stop_strings, AnswerStops) and self.stops else None)
+        self.text = ""  # everything added
+        self.released = 0  # characters of it let through
+        self.content_tail = ""  # the content that ends where parsing has got to and may begin a stop string
+        self.stop_at = None
 
     def add(self, text: str) -> str:
         """Append text; return the part that is now safe to show."""
-        self.withheld += text
-        hits = [i for i in (self.withheld.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stop_at = self.emitted + min(hits)
-            return self._emit(min(hits))
-        return self._emit(len(self.withheld) - partial_marker_len(self.withheld, self.stops))
+        self.text += text
+        if self.parser is None:
+            return self._scan([ContentDelta(text)], len(self.text))
+        events = self.parser.feed(text)
+        return self._scan(events, len(self.text) - self.parser.held)
 
     def flush(self) -> str:
-        return self._emit(len(self.withheld))
+        """The rest of the text (up to a stop string that only the end of the text revealed)."""
+        if self.stop_at is None and self.parser is not None:
+            self._scan(self.parser.finish(), len(self.text))
+        return self._release(self.stop_at if self.stop_at is not None else len(self.text))
 
-    def _emit(self, n: int) -> str:
-        out, self.withheld = self.withheld[:n], self.withheld[n:]
-        self.emitted += n
+    def _scan(self, events, parsed_to: int) -> str:
+        """Look for a stop string in the content of `events`, which ends at `parsed_to` in the text."""
+        for event in events:
+            if isinstance(event, ContentDelta):
+                self.content_tail += event.text
+            elif not isinstance(event, ReasoningDelta):  # a tool call or left-out markup
+                self.content_tail = ""
+        tail_start = parsed_to - len(self.content_tail)
+        hits = [i for i in (self.content_tail.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stop_at = tail_start + min(hits)
+            return self._release(self.stop_at)
+        self.content_tail = self.content_tail[len(self.content_tail) - partial_marker_len(self.content_tail,
+                                                                                          self.stops):]
+        return self._release(parsed_to - len(self.content_tail))
+
+    def _release(self, end: int) -> str:
+        out = self.text[self.released:end] if end > self.released else ""
+        self.released = max(self.released, end)
         return out
 
 
@@ -266,14 +298,16 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     constraint = sampling.constraint(tokenizer) if sampling.constraint else None
 
     def finish(reason, token=None, text="", logprob=None):
-        if reason == FINISH_STOP and watcher.stop_at is not None:
+        if watcher.stop_at is None:  # the end of the text may still reveal a stop string in the content
+            text += watcher.add(detok.flush()) + watcher.flush()
+        if watcher.stop_at is not None:
+            reason = FINISH_STOP if reason != FINISH_ABORT else reason
             kept = sum(1 for end in detok.token_ends if end is not None and end <= watcher.stop_at)
             stats.output_ids = sampled[:kept]
             if len(session.tokens) > len(prompt_ids) + kept:
                 session.trim(len(prompt_ids) + kept)
         else:
             stats.output_ids = [t for t in sampled if t not in stop_ids]
-            text += watcher.add(detok.flush()) + watcher.flush()
         stats.completion_tokens = len(sampled)
         stats.decode_seconds = time.perf_counter() - decode_start
         return GenerationChunk(text=text, token=token, finish_reason=reason, stats=stats, logprob=logprob)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from ds4_mlx.chat import (ContentDelta, OutputParser, ReasoningDelta, ToolCall, render,
+from ds4_mlx.chat import (ContentDelta, MalformedBlock, OutputParser, ReasoningDelta, ToolCall, render,
                           render_next_user_turn, render_tool_calls)
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
@@ -223,12 +223,12 @@ def test_malformed_dsml_is_left_out_of_the_content(block):
     text = "Before.\n\n" + block + " after"
     for cuts in all_cuttings(text, seed=2):
         events = parse(text, cuts, thinking=False, tools=True)
-        assert all(isinstance(e, ContentDelta) for e in events)
-        if block.startswith("<｜DSML｜"):  # markup: never shown; the unclosed one swallows the rest
-            assert "".join(e.text for e in events) == ("Before." if "</｜DSML｜tool_calls>" not in block
-                                                       else "Before. after")
+        if block.startswith("<｜DSML｜"):  # markup: never shown; one never closed takes the rest with it
+            closed = "</｜DSML｜tool_calls>" in block
+            assert events == [ContentDelta("Before."), MalformedBlock("\n\n" + block + ("" if closed else " after"))] \
+                + ([ContentDelta(" after")] if closed else [])
         else:  # a bare <tool_calls> in prose stays text
-            assert "".join(e.text for e in events) == text
+            assert events == [ContentDelta(text)]
 
 
 def test_random_marker_soup_never_raises_and_keeps_all_text():
@@ -239,14 +239,13 @@ def test_random_marker_soup_never_raises_and_keeps_all_text():
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(2, 40)))
         cuts = sorted(rng.sample(range(1, len(text)), min(5, len(text) - 1)))
         parse(text, cuts, thinking=True, tools=True)
-        parser = OutputParser(thinking=False, tools=True, make_id=lambda: "call_x")
-        events = [e for cut_text in (text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)]))
-                  for e in parser.feed(cut_text)] + parser.finish()
-        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-        blocks = {e.dsml for e in events if isinstance(e, ToolCall)}
-        # every character is shown, in a tool call, or left out as malformed markup; none of that is content
-        assert sorted(content + "".join(blocks) + "".join(parser.malformed)) == sorted(text)
-        assert "<｜DSML｜tool_calls>" not in content
+        events = parse(text, cuts, thinking=False, tools=True)
+        # in order: content, each tool-call block once, and the markup left out: the whole text
+        rebuilt = "".join(e.text if isinstance(e, (ContentDelta, MalformedBlock)) else
+                          e.dsml if not (i and isinstance(events[i - 1], ToolCall)) else ""
+                          for i, e in enumerate(events))
+        assert rebuilt == text
+        assert "<｜DSML｜tool_calls>" not in "".join(e.text for e in events if isinstance(e, ContentDelta))
 
 
 def test_prompt_token_counts_match_the_official_api():

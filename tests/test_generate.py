@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from ds4_mlx import SyncInterrupted
-from ds4_mlx.generate import (Sampler, SamplingParams, filter_logits,
+from ds4_mlx.generate import (AnswerStops, Sampler, SamplingParams, filter_logits,
                               stream_generate)
 
 VOCAB = 16
@@ -17,7 +17,8 @@ class ByteTokenizer:
     """Token i decodes to PIECES[i] (bytes), so a character can be split across tokens."""
 
     PIECES = {0: b"<s>", 1: b"</s>", 2: b"ab", 3: b"ST", 4: b"OP", 5: b"cd", 6: "é".encode()[:1],
-              7: "é".encode()[1:], 8: b" ", 9: b"S", 10: b"x"}
+              7: "é".encode()[1:], 8: b" ", 9: b"S", 10: b"x", 11: b"</think>", 12: b"\n\n",
+              13: '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'.encode()}
     eos_id = EOS
 
     def decode(self, ids):
@@ -153,6 +154,21 @@ def test_stop_string_inside_one_token_keeps_earlier_tokens():
     assert "".join(c.text for c in chunks) == "ab"
     assert chunks[-1].stats.output_ids == [2]
     check_contract(session, chunks)
+
+
+def test_answer_stop_strings_skip_the_reasoning_and_tool_calls():
+    # "\n\n" in the reasoning, and the blank line that opens a tool-call block, are not the answer's content
+    stops = AnswerStops(["\n\n"], thinking=True, tools=True)
+    session, chunks = run([2, 12, 5, 11, 2, 12, 13, 5, 12, 2, EOS], stop_strings=stops)
+    assert "".join(c.text for c in chunks) == "ab\n\ncd</think>ab\n\n" + ByteTokenizer.PIECES[13].decode() + "cd"
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stats.output_ids == [2, 12, 5, 11, 2, 12, 13, 5]
+    check_contract(session, chunks)
+    # a stop string the parser held back (whitespace that might open a tool call) is found at the end
+    session, chunks = run([11, 5, 12, EOS], stop_strings=stops)
+    assert "".join(c.text for c in chunks) == "</think>cd" and chunks[-1].stats.output_ids == [11, 5]
+    check_contract(session, chunks)
+    session, chunks = run([2, 12, 5, 11, 2, EOS], stop_strings=["\n\n"])  # plain: the whole text
+    assert "".join(c.text for c in chunks) == "ab" and chunks[-1].stats.output_ids == [2]
 
 
 def test_split_character_never_emits_broken_utf8():

@@ -11,7 +11,7 @@ import logging
 import uuid
 from collections import OrderedDict
 
-from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, ToolCall
+from ds4_mlx.chat import ContentDelta, MalformedBlock, OutputParser, ReasoningDelta, ToolCall
 from ds4_mlx.generate import TokenLogprob
 
 __all__ = ["Answer", "ToolCallMemory", "ContentDelta", "ReasoningDelta", "ToolCall", "TokenLogprob"]
@@ -50,10 +50,6 @@ class Answer:
         return generation_finish
 
     def _collect(self, events: list) -> list:
-        while self._parser.malformed:
-            block = self._parser.malformed.pop(0)
-            log.warning("a tool-call block that does not parse was left out of the answer (%d characters): %.200r",
-                        len(block), block)
         for event in events:
             if isinstance(event, ReasoningDelta):
                 self.reasoning += event.text
@@ -63,6 +59,9 @@ class Answer:
                 self.tool_calls.append(event)
                 if self._tool_memory is not None:
                     self._tool_memory.remember(event)
+            elif isinstance(event, MalformedBlock):
+                log.warning("a tool-call block that does not parse was left out of the answer (%d characters): "
+                            "%.200r", len(event.text), event.text)
         return events
 
 

@@ -9,7 +9,7 @@ answers through a responder with the same four methods, so the app drives all AP
 import json
 from dataclasses import dataclass, field
 
-from ds4_mlx.generate import SamplingParams
+from ds4_mlx.generate import AnswerStops, SamplingParams
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, number_in, positive_int, string_list
 
@@ -64,6 +64,10 @@ class Prepared:
     param: str = "messages"  # the field named by a context-length error
     tool_id_prefix: str = "call_"
     show_reasoning: bool = True  # Anthropic's `thinking.display: omitted` sends thinking blocks without text
+
+    def __post_init__(self):
+        # stop strings end the answer's content, never its reasoning or a tool call
+        self.stop = AnswerStops(self.stop, thinking=self.thinking, tools=self.tools)
 
 
 @dataclass
