@@ -281,8 +281,9 @@ def bench_speed(a):
 
 
 def options(q):
-    q.add_argument("--preset", choices=["real", "tiny"], default="real",
-                   help="real: V4 Flash widths, [CSA, HCA] layers with random quantized experts")
+    q.add_argument("--preset", choices=["real", "tiny"], default=None,
+                   help="real: V4 Flash widths, [CSA, HCA] layers with random quantized experts; tiny: the test "
+                        "model (default: tiny on a CPU, where real widths need tens of GB and hours)")
     q.add_argument("--layers", type=int, default=4)
     q.add_argument("--full", action="store_true", help="all 43 layers of the real model")
     q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
