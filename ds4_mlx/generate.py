@@ -113,8 +113,8 @@ class Detokenizer:
     bytes end inside a character are held until the character completes.
 
     `add(token) -> str` returns the text released by this token (often "", sometimes the text of
-    several held tokens). `token_ends[i]` is the length of the released text once token i's text was
-    released (None while held)."""
+    several held tokens). `text` is all the text released; `token_ends[i]` its length once token i's
+    text was released (None while held)."""
 
     REPLACEMENT = "\ufffd"
     MAX_HELD = 8  # a character is at most 4 bytes: past this, the bytes really are invalid
@@ -122,7 +122,7 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.held = []
-        self.released_len = 0
+        self.text = ""
         self.token_ends = []
 
     def add(self, token: int) -> str:
@@ -137,9 +137,9 @@ class Detokenizer:
         return self._release(self.tokenizer.decode(self.held)) if self.held else ""
 
     def _release(self, text: str) -> str:
-        self.released_len += len(text)
+        self.text += text
         for i in range(len(self.token_ends) - len(self.held), len(self.token_ends)):
-            self.token_ends[i] = self.released_len
+            self.token_ends[i] = len(self.text)
         self.held = []
         return text
 
@@ -211,7 +211,8 @@ class GenerationStats:
 
     prompt_tokens: len(prompt_ids). reused/replayed/computed: from `session.last_sync` (cache hit,
     tokens re-run to rebuild state after a trim, new prompt tokens). completion_tokens: tokens
-    sampled, a stop token included. output_ids: the answer's tokens (see the module docstring)."""
+    sampled, a stop token included. output_ids: the answer's tokens (see the module docstring);
+    output_text: their text (None when a stop string began inside a token: then no text is theirs)."""
 
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -219,6 +220,7 @@ class GenerationStats:
     computed_tokens: int = 0
     completion_tokens: int = 0
     output_ids: list = field(default_factory=list)
+    output_text: Optional[str] = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -304,10 +306,13 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
             reason = FINISH_STOP if reason != FINISH_ABORT else reason
             kept = sum(1 for end in detok.token_ends if end is not None and end <= watcher.stop_at)
             stats.output_ids = sampled[:kept]
+            kept_text = detok.text[:detok.token_ends[kept - 1]] if kept else ""
+            stats.output_text = kept_text if len(kept_text) == watcher.stop_at else None
             if len(session.tokens) > len(prompt_ids) + kept:
                 session.trim(len(prompt_ids) + kept)
         else:
             stats.output_ids = [t for t in sampled if t not in stop_ids]
+            stats.output_text = detok.text
         stats.completion_tokens = len(sampled)
         stats.decode_seconds = time.perf_counter() - decode_start
         return GenerationChunk(text=text, token=token, finish_reason=reason, stats=stats, logprob=logprob)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from ds4_mlx.chat import (ContentDelta, MalformedBlock, OutputParser, ReasoningDelta, ToolCall, render,
+from ds4_mlx.chat import (ContentDelta, MalformedBlock, OutputParser, Sampled, ReasoningDelta, ToolCall, render,
                           render_next_user_turn, render_tool_calls)
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
@@ -118,11 +118,22 @@ def test_tool_context_keeps_old_reasoning_even_without_tools():
         f"{A}<think>r2</think>a1{E}{U}q2{A}<think>")
 
 
-def test_exact_dsml_replay_and_attribute_escaping():
+def test_a_sampled_answer_is_rendered_as_its_ids_while_the_message_says_the_same():
+    calls = [{"function": {"name": "f", "arguments": '{"x": 1}'}}]
+    sampled = Sampled("a\n\n<RAW BLOCK>", [7, 8, 9], thinking=False, reasoning="", content="a",
+                      calls=[("f", {"x": 1})])
     messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": "", "dsml": "<RAW>",
-                 "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
-    assert render(messages, thinking=False) == f"{B}{U}q{A}</think><RAW>{E}"
+                {"role": "assistant", "content": "a", "tool_calls": calls, "sampled": sampled}]
+    prompt = render(messages, thinking=False)
+    assert prompt == f"{B}{U}q{A}</think>a\n\n<RAW BLOCK>{E}" and not prompt.replay_notes
+    assert prompt.sampled_spans == ((len(f"{B}{U}q{A}</think>"), len(prompt) - len(E), (7, 8, 9)),)
+    edited = render([messages[0], {**messages[1], "content": "b"}], thinking=False)
+    assert "<RAW BLOCK>" not in edited and not edited.sampled_spans and "edited" in edited.replay_notes[0]
+    thought = Sampled("r</think>a", [5], thinking=True, reasoning="r", content="a", calls=[])
+    later = [messages[0], {"role": "assistant", "content": "a", "reasoning_content": "r", "sampled": thought},
+             {"role": "user", "content": "more"}]
+    assert "drops an earlier turn's reasoning" in render(later).replay_notes[0]
+    assert render(later[:2]).sampled_spans  # the last turn keeps its reasoning: its ids
     block = render_tool_calls([{"function": {"name": 'a"<b>&', "arguments": '{"k\\"": 1.5}'}}])
     assert '<｜DSML｜invoke name="a&quot;&lt;b&gt;&amp;">' in block
     assert '<｜DSML｜parameter name="k&quot;" string="false">1.5</｜DSML｜parameter>' in block

@@ -15,7 +15,7 @@ import uuid
 
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
-from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
+from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, ToolCall
 from ds4_mlx.server.constraints import constrained, forced_tool_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored, number_in, positive_int, string_list
@@ -202,7 +202,7 @@ def thinking_mode(body: dict, model: str, info: ServerInfo) -> tuple[bool, str |
     return kind != "disabled", effort, display != "omitted"
 
 
-def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *, counting=False) -> Prepared:
+def parse_messages(body: dict, info: ServerInfo, memory: AnswerMemory, *, counting=False) -> Prepared:
     note_ignored(body, BODY_FIELDS, "messages")
     model = info.model_name(body, anthropic=True)
     max_tokens = positive_int(body, "max_tokens")
@@ -212,7 +212,8 @@ def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *,
     choice = tool_choice(get(body, "tool_choice", dict))
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     thinking, effort, shown = thinking_mode(body, model, info)
-    text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    protocol.log_replay_notes(text, "messages")
     defaults = protocol.SamplingParams()
     sampling = protocol.SamplingParams(
         temperature=number_in(body, "temperature", 0.0, 1.0, defaults.temperature),

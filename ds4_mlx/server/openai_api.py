@@ -6,7 +6,7 @@ import uuid
 
 from ds4_mlx.chat import BOS, render
 from ds4_mlx.server import protocol
-from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, TokenLogprob, ToolCall, ToolCallMemory
+from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, TokenLogprob, ToolCall
 from ds4_mlx.server.constraints import constrained, forced_tool_grammar, response_format_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored
@@ -66,7 +66,7 @@ def chat_logprobs(body: dict) -> int | None:
     return top or 0
 
 
-def parse_chat(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Prepared:
+def parse_chat(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepared:
     note_ignored(body, CHAT_FIELDS, "chat")
     protocol.refuse_unsupported(body, ("store",))
     model = info.model_name(body)
@@ -78,7 +78,8 @@ def parse_chat(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Pre
     choice = get(body, "tool_choice", (str, dict))
     tools = protocol.resolve_tool_choice(choice, protocol.function_tools(get(body, "tools", list)))
     thinking, effort = protocol.thinking_mode(body, model, info)
-    text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    protocol.log_replay_notes(text, "chat")
     sampling = dataclasses.replace(protocol.sampling(body), logprobs=chat_logprobs(body))
     grammar = forced_tool_grammar(choice, tools) or response_format_grammar(body)
     sampling = constrained(sampling, thinking=text.endswith("<think>"), grammar=grammar)

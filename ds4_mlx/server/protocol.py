@@ -7,11 +7,14 @@ answers through a responder with the same four methods, so the app drives all AP
 """
 
 import json
+import logging
 from dataclasses import dataclass, field
 
 from ds4_mlx.generate import AnswerStops, SamplingParams
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, number_in, positive_int, string_list
+
+log = logging.getLogger("ds4_mlx.server")
 
 THINK_MAX_MIN_CTX = 393216  # Think Max needs this much context (ds4's rule)
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's, and DeepSeek's max
@@ -188,3 +191,10 @@ def resolve_tool_choice(choice, tools: list[dict] | None):
     if name is not None and name not in {t["function"]["name"] for t in tools}:
         raise APIError(422, f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
     return tools
+
+
+def log_replay_notes(prompt, where: str):
+    """Log why an earlier answer is written from its text rather than the tokens it was sampled as: the
+    session recomputes the prompt from there, and the log says why instead of guessing."""
+    if prompt.replay_notes:
+        log.info(f"{where}: {'; '.join(prompt.replay_notes)}; the session recomputes from there")

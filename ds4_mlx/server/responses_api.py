@@ -12,7 +12,7 @@ import uuid
 
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
-from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
+from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, ToolCall
 from ds4_mlx.server.constraints import constrained, forced_tool_grammar, response_format_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored
@@ -95,7 +95,7 @@ BODY_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "reason
                "min_p", "seed", "text", "previous_response_id", "conversation", "metadata"}
 
 
-def parse_responses(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Prepared:
+def parse_responses(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepared:
     note_ignored(body, BODY_FIELDS, "responses")
     protocol.refuse_unsupported(body, ("store",))
     model = info.model_name(body)
@@ -108,7 +108,8 @@ def parse_responses(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     effort = get(get(body, "reasoning", dict, {}), "effort", str)
     thinking, effort = protocol.thinking_mode(body, model, info, effort=effort)
-    text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    protocol.log_replay_notes(text, "responses")
     grammar = forced_tool_grammar(choice, tools) or response_format_grammar(get(body, "text", dict, {}), "format")
     sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"), grammar=grammar)
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
