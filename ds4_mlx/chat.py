@@ -209,8 +209,9 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     messages: dicts with `role` (system, developer, user, assistant, tool or function), `content`
     (str, None or a list of text parts); assistant messages may carry `reasoning_content`,
     `tool_calls` ([{id, function: {name, arguments}}], arguments a JSON string or an object) and
-    `sampled` (the server's memory of the answer, a `Sampled`: when the turn's text after the
-    generation prompt is exactly its text, its ids are rendered, never the text re-tokenized);
+    `sampled` (the server's memory of the answer, a `Sampled`: when the message says the same, with
+    reasoning exactly where the template keeps it, its sampled ids are rendered, never its text
+    re-tokenized; else the prompt's `replay_notes` say why not);
     a system or developer message with `in_place` set is rendered where it stands, after a blank line.
     tools: OpenAI tool definitions, or None. thinking: thinking mode. reasoning_effort: "max" adds
     the Think Max prefix (the caller checks the context is large enough: ds4 asks for 393216),
@@ -317,7 +318,7 @@ class MalformedBlock:
 class ToolCall:
     """A complete tool call. `arguments` is a JSON object as a string, keys in call order. `dsml`
     is the exact text of the whole tool-call block it came from (the same for every call of one
-    block), to pass back as the assistant message's `dsml` for a byte-exact replay."""
+    block)."""
 
     id: str
     name: str
