@@ -377,6 +377,10 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
             return
         logits = session.step_async(drawn)
         token = session.settle()
+        if should_abort():  # asked while this token was computed: it is neither shown nor kept
+            session.trim(len(session.tokens) - 1)
+            yield finish(FINISH_ABORT)
+            return
         sampled.append(token)
         if constraint:
             constraint.advance(token)

@@ -196,6 +196,13 @@ def test_abort_between_tokens_and_during_prefill():
     assert [(c.text, c.token, c.finish_reason) for c in chunks] == [
         ("ab", 2, None), ("cd", 5, None), ("", None, "abort")]
     check_contract(session, chunks)
+    # asked while a token is computed (Ctrl+C in the REPL): that token is neither shown nor kept
+    session = ScriptedSession([2, 5, 2, 5])
+    stream = stream_generate(session, ByteTokenizer(), PROMPT, max_tokens=100, sampling=GREEDY,
+                             should_abort=lambda: len(session.tokens) > len(PROMPT) + 1)  # once "cd" is fed
+    chunks = list(stream)
+    assert [(c.text, c.token, c.finish_reason) for c in chunks] == [("ab", 2, None), ("", None, "abort")]
+    check_contract(session, chunks)
     seen = []
     session, chunks = run([2], on_prefill=lambda done, total: seen.append(done) or done == 2)
     assert seen == [1, 2] and session.tokens == PROMPT[:2]
