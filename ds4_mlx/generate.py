@@ -40,9 +40,9 @@ GREEDY_BELOW = 1e-5  # a lower temperature divides the logits into inf and NaN: 
 class SamplingParams:
     """Sampling knobs. Defaults are ds4's (temperature 1, top_p 1, min_p 0.05, no top_k).
 
-    temperature below `GREEDY_BELOW` (0 included) means greedy (argmax). top_k <= 0, top_p >= 1 and min_p <= 0 switch that
-    filter off. The filters apply to the temperature-scaled distribution in the order top_k, top_p,
-    min_p. seed=None draws a random seed; a given seed makes a run reproducible.
+    temperature below `GREEDY_BELOW` (0 included) means greedy (argmax). top_k <= 0, top_p >= 1 and
+    min_p <= 0 switch that filter off. The filters apply to the temperature-scaled distribution in the
+    order top_k, top_p, min_p. seed=None draws a random seed; a given seed makes a run reproducible.
 
     logprobs: None, or report each sampled token's log probability (under the model's distribution,
     before temperature and filters) with that many most likely alternatives. constraint: None, or a

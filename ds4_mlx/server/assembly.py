@@ -48,8 +48,9 @@ class Answer:
 
     def finish(self) -> list:
         events = self._collect(self._parser.finish())
-        if self._memory is not None and self.sampled() is not None:
-            self._memory.remember(self.sampled(), [call.id for call in self.tool_calls])
+        sampled = self.sampled() if self._memory is not None else None
+        if sampled is not None:
+            self._memory.remember(sampled, [call.id for call in self.tool_calls])
         return events
 
     def sampled(self) -> Sampled | None:

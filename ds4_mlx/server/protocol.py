@@ -129,7 +129,8 @@ def logit_bias(body: dict) -> dict[int, float] | None:
         return None
     out = {}
     for key, bias in value.items():
-        if not key.isdigit() or isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+        is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not key.isdigit() or not is_number or not -100 <= bias <= 100:
             raise APIError(400, "'logit_bias' maps token ids to numbers from -100 to 100", param="logit_bias")
         out[int(key)] = float(bias)
     return out
