@@ -179,9 +179,10 @@ class StopStringWatcher:
 
     def flush(self) -> str:
         """The rest of the text (up to a stop string that only the end of the text revealed)."""
+        out = ""
         if self.stop_at is None and self.parser is not None:
-            self._scan(self.parser.finish(), len(self.text))
-        return self._release(self.stop_at if self.stop_at is not None else len(self.text))
+            out = self._scan(self.parser.finish(), len(self.text))
+        return out + self._release(self.stop_at if self.stop_at is not None else len(self.text))
 
     def _scan(self, events, parsed_to: int) -> str:
         """Look for a stop string in the content of `events`, which ends at `parsed_to` in the text."""

@@ -282,3 +282,41 @@ def test_generate_command_shows_reasoning_only_when_asked(demo):
     out, err = _generate_cli("-n", "24", "--show-reasoning")
     assert out == "" and reasoning in err
     assert err.splitlines()[-1].startswith("[length: prompt 10 tokens")  # not glued to the reasoning
+
+
+def test_answer_stops_on_random_marker_soup():
+    """What is let through never holds a stop string in its content; a stop is reported exactly where one
+    begins in the content; text cut anywhere gives the same result."""
+    import random
+
+    from ds4_mlx.chat import ContentDelta, OutputParser
+    from ds4_mlx.generate import StopStringWatcher
+
+    def content(text, thinking, tools):
+        parser = OutputParser(thinking=thinking, tools=tools)
+        return "".join(e.text for e in parser.feed(text) + parser.finish() if isinstance(e, ContentDelta))
+
+    rng = random.Random(4)
+    pieces = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", '<｜DSML｜invoke name="f">', "</｜DSML｜invoke>",
+              "</think>", "\n\n", "\n", " ", "ab", "x", "S", "TOP"]
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 25)))
+        thinking, tools = rng.random() < 0.5, rng.random() < 0.5
+        stops = AnswerStops(rng.choice([["\n\n"], ["STOP"], ["x\n", "b "]]), thinking=thinking, tools=tools)
+        results = set()
+        for _ in range(3):
+            watcher, released, start = StopStringWatcher(stops), "", 0
+            for cut in sorted(rng.sample(range(len(text) + 1), min(4, len(text) + 1))) + [len(text)]:
+                released += watcher.add(text[start:cut])
+                start = cut
+                if watcher.stop_at is not None:
+                    break
+            released += watcher.flush()
+            results.add((released, watcher.stop_at))
+            assert text.startswith(released)
+            assert not any(s in content(released, thinking, tools) for s in stops)
+            if watcher.stop_at is None:
+                assert released == text
+            else:
+                assert released == text[:watcher.stop_at] and any(text.startswith(s, watcher.stop_at) for s in stops)
+        assert len(results) == 1, (text, results)
