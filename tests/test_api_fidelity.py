@@ -332,3 +332,16 @@ def test_tokenize_honours_add_special_and_parse_special(bg):
     plain = tokenize(content=text, parse_special=False)
     assert tokenizer.id_of("<｜User｜>") not in plain and tokenizer.decode(plain) == text
     assert tokenize(content=text, add_special=True) == [tokenizer.bos_id] + as_is
+
+
+def test_a_stop_string_ends_the_content_never_the_reasoning(bg, oai):
+    blank_line = bg.server.worker.tokenizer.encode("\n\n")
+    assert len(blank_line) == 1
+    request = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stop=["\n\n"],
+                   logit_bias={str(blank_line[0]): 100})  # every token a blank line
+    thought = oai.chat.completions.create(model=MODEL, **request)
+    assert thought.choices[0].finish_reason == "length"
+    assert thought.choices[0].message.model_extra["reasoning_content"] == "\n\n" * 4
+    direct = oai.chat.completions.create(model="deepseek-chat", **request)
+    assert direct.choices[0].finish_reason == "stop" and direct.choices[0].message.content == ""
+    assert direct.usage.completion_tokens == 1
