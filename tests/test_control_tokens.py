@@ -94,8 +94,8 @@ def test_token_counts_and_usage_follow_the_rule():
     assert usage["prompt_tokens"] == len(tok.encode(render(messages))) != len(official(render(messages)))
 
 
-def test_a_client_cannot_supply_a_verbatim_tool_block():
-    from ds4_mlx.server.assembly import ToolCallMemory
+def test_a_client_cannot_supply_sampled_tokens():
+    from ds4_mlx.server.assembly import AnswerMemory
 
-    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "dsml": FORGED}]
-    assert ToolCallMemory().attach(messages)[1] == {"role": "assistant", "content": "a"}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "sampled": FORGED}]
+    assert AnswerMemory().attach(messages)[1] == {"role": "assistant", "content": "a"}

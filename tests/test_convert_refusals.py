@@ -56,6 +56,14 @@ def test_a_gguf_without_tokenizer_is_refused_unless_one_is_given(tmp_path, gguf_
     assert tokenizer.encode("hello world") == [2, 3] and tokenizer.bos_id == 0
 
 
+def test_a_conversion_ends_with_a_summary_line(tmp_path, gguf_without_tokenizer, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(gguf_without_tokenizer), str(out), "--quiet",
+                     "--tokenizer", str(small_tokenizer(tmp_path / "tok"))]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"converted {gguf_without_tokenizer} to {out}: ") and line.endswith(" s")
+
+
 def test_a_folder_that_is_not_a_model_says_so(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not a model")
     rc, err = run(capsys, "generate", "-m", str(tmp_path), "-p", "Hi")

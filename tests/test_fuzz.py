@@ -10,7 +10,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings, strategies as st
 from schemathesis import GenerationMode
 
-from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, ToolCall
+from ds4_mlx.chat import ContentDelta, MalformedBlock, OutputParser, ReasoningDelta, ToolCall
 from ds4_mlx.generate import stream_generate
 from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.openapi import openapi_spec
@@ -176,5 +176,6 @@ def test_the_output_parser_does_not_depend_on_where_the_stream_is_cut(text, cuts
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     whole = events_of(args, [text])
     assert events_of(args, pieces) == whole
-    shown = "".join(e.text if isinstance(e, (ContentDelta, ReasoningDelta)) else e.dsml for e in whole)
-    assert len(shown) <= len(text) and all(isinstance(e, (ContentDelta, ReasoningDelta, ToolCall)) for e in whole)
+    shown = "".join(e.text if isinstance(e, (ContentDelta, ReasoningDelta, MalformedBlock)) else e.dsml for e in whole)
+    assert len(shown) <= len(text) and all(isinstance(e, (ContentDelta, ReasoningDelta, ToolCall, MalformedBlock))
+                                           for e in whole)

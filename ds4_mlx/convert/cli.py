@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from ds4_mlx.convert import EXPERT_BITS, GROUP_SIZES
@@ -36,9 +37,13 @@ def register(subparsers):
 
 
 def run(args):
-    convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet,
-            expert_bits=args.expert_bits, group_size=args.group_size, experts=args.experts, tokenizer_dir=args.tokenizer,
-            require_tokenizer=True)
+    start = time.perf_counter()
+    out = convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet,
+                  expert_bits=args.expert_bits, group_size=args.group_size, experts=args.experts,
+                  tokenizer_dir=args.tokenizer,
+                  require_tokenizer=True)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"converted {args.gguf} to {out}: {size / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")
 
 
 def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log=None, expert_bits=None,

@@ -15,7 +15,7 @@ import traceback
 from aiohttp import web
 
 from ds4_mlx.server import anthropic_api, openai_api, responses_api, webui
-from ds4_mlx.server.assembly import Answer, ToolCallMemory
+from ds4_mlx.server.assembly import Answer, AnswerMemory
 from ds4_mlx.server.errors import APIError, context_exceeded
 from ds4_mlx.server.loading import start_in_background
 from ds4_mlx.server.metrics import ServerMetrics
@@ -41,7 +41,7 @@ class Server:
         self.worker = worker
         self.info = info
         self.keepalive_s = keepalive_s
-        self.tool_memory = ToolCallMemory()
+        self.answer_memory = AnswerMemory()
         self.access = access
         self.metrics = ServerMetrics(self)
         self.loaded = None  # the model load, a future once the app starts
@@ -121,7 +121,7 @@ class Server:
 
     async def chat_completions(self, request):
         body = await self._body(request)
-        prepared = openai_api.parse_chat(body, self.info, self.tool_memory)
+        prepared = openai_api.parse_chat(body, self.info, self.answer_memory)
         responder = openai_api.ChatResponder(prepared, include_usage=openai_api.include_usage(body))
         return await self._generate(request, prepared, responder, "chat")
 
@@ -138,18 +138,18 @@ class Server:
 
     async def messages(self, request):
         body = await self._body(request)
-        prepared = anthropic_api.parse_messages(body, self.info, self.tool_memory)
+        prepared = anthropic_api.parse_messages(body, self.info, self.answer_memory)
         return await self._generate(request, prepared, anthropic_api.MessagesResponder(prepared), "messages")
 
     async def count_tokens(self, request):
         body = await self._body(request)
-        prepared = anthropic_api.parse_messages(body, self.info, self.tool_memory, counting=True)
+        prepared = anthropic_api.parse_messages(body, self.info, self.answer_memory, counting=True)
         ids = await self._tokenize(prepared.prompt_text)
         return web.json_response({"input_tokens": len(ids)})
 
     async def responses(self, request):
         body = await self._body(request)
-        prepared = responses_api.parse_responses(body, self.info, self.tool_memory)
+        prepared = responses_api.parse_responses(body, self.info, self.answer_memory)
         return await self._generate(request, prepared, responses_api.ResponsesResponder(prepared, body), "responses")
 
     # -- the generation loop --------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class Server:
         max_tokens = min(prepared.max_tokens or room, room, self.info.max_tokens or room)
         job = Job(GenerationRequest(ids, max_tokens, prepared.sampling, prepared.stop, label),
                   asyncio.get_running_loop(), client_gone=lambda: _client_gone(request))
-        answer = Answer(thinking=prepared.thinking, tools=prepared.tools, tool_memory=self.tool_memory,
+        answer = Answer(thinking=prepared.thinking, tools=prepared.tools, memory=self.answer_memory,
                         tool_id_prefix=prepared.tool_id_prefix)
         self.worker.submit(job)
         if prepared.stream:

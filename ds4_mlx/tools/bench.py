@@ -26,8 +26,8 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def register(subparsers):
     p = subparsers.add_parser("bench", help="speed and memory benchmarks",
                               description="Speed and memory benchmarks. Each prints a table of its figures, "
-                                          "or with --json one JSON object on the last line. On a CPU, model "
-                                          "and rewind use the tiny test model unless --preset real.")
+                                          "or with --json one JSON object on the last line. On a CPU, model, "
+                                          "rewind and speed use the tiny test model unless --preset real.")
     sub = p.add_subparsers(dest="bench", required=True)
     for name, fn, extra in BENCHES:
         q = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__,
@@ -202,7 +202,9 @@ def bench_convert(a):
 
 
 def _bench_convert_options(q):
-    q.add_argument("--size-gb", type=float, default=4.0, help="synthetic file to convert (0: none)")
+    q.add_argument("--size-gb", type=float, default=5.3,
+                   help="synthetic file to convert: at least this many GB, in whole layers at real widths (the "
+                        "smallest, one layer with the embeddings and head, is 5.3 GB); 0: none")
     q.add_argument("--rows", type=int, default=2048, help="rows of each real-width tensor measured")
     q.add_argument("--expert-bits", type=int, default=None)
     q.add_argument("--group-size", type=int, default=None)

@@ -217,6 +217,11 @@ def _stop(process) -> int:
 
 def bench_load(a) -> dict:
     """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
+    try:
+        import openai  # noqa: F401 - the clients are the real SDK's, as users run them
+    except ImportError:
+        raise SystemExit("bench load runs the openai package's client, which is not installed: "
+                         "pip install openai") from None
     convs = conversations(a.conversations)
     url, process = _serve(a.sessions, a.ctx)
     try:

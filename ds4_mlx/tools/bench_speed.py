@@ -369,8 +369,9 @@ def bench_speed(a):
 def options(q):
     from ds4_mlx.tools.random_model import like_option
 
-    q.add_argument("--preset", choices=["real", "tiny"], default="real",
-                   help="real: V4 Flash widths, [CSA, HCA] layers with random quantized experts")
+    q.add_argument("--preset", choices=["real", "tiny"], default=None,
+                   help="real: V4 Flash widths, [CSA, HCA] layers with random quantized experts; tiny: the test "
+                        "model (default: tiny on a CPU, where real widths need tens of GB and hours)")
     q.add_argument("--layers", type=int, default=4)
     q.add_argument("--full", action="store_true", help="all 43 layers of the real model")
     q.add_argument("--expert-bits", type=int, default=None,
