@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from ds4_mlx.chat import partial_marker_len
+from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, partial_marker_len
 from ds4_mlx.session import SyncInterrupted
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"

@@ -349,8 +349,6 @@ def test_gguf_rows_definition_matches_gguf():
     import gguf.quants
     from gguf import GGMLQuantizationType as T
 
-    from ds4_mlx.models import gguf_blocks
-
     for codec in ("iq2_xxs", "q2_k"):
         x, w, indices, _ = kernels._gguf_rows_sample(codec)
         values = gguf.quants.dequantize(np.array(w), T[codec.upper()])

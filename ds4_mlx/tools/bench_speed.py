@@ -406,10 +406,6 @@ def plot(figures, png_path, before=None):
 
     layout = f"{figures['like']} layout" if figures.get("like") else f"{figures['expert_bits']}-bit experts"
     series = [(f"ds4-mlx ({figures['dtype']}, {layout})", figures["results"], "o-")]
-    q.add_argument("--expert-format", choices=["affine", "q2"], default="affine",
-                   help="q2: the published q2 file's experts kept native (random valid IQ2_XXS gate/up, Q2_K "
-                        "down blocks) instead of affine --expert-bits ones (real preset; --like q2 keeps them "
-                        "native where the converter does)")
     if "peer" in figures:
         series.append(("transformers eager (bf16, dense experts)", [r for r in figures["peer"]["results"]
                                                                      if "error" not in r], "s--"))
