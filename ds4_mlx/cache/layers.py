@@ -192,13 +192,14 @@ class LayerCache:
 
     def decode_slots(self):
         """Where a decoded token at `pos` writes and reads, as ints (computed here once, not in every
-        layer's graph): its slot in each ring, its offset in its block, the buffer row its block fills,
-        and the rows visible after it."""
+        layer's graph): its slot in each ring, the slot of its window's first row, its offset in its
+        block, the buffer row its block fills, and the compressed rows visible to it."""
         p, m = self.pos, self.ratio
-        slots = {"pos": p, "raw": ring_slot(p, self.raw.capacity)}
+        slots = {"pos": p, "raw": ring_slot(p, self.raw.capacity),
+                 "window": ring_slot(p - window_reach(self.window), self.raw.capacity),
+                 "visible": rows_visible(p, m) if m else 0}
         if m:
-            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=in_block(p, m), row=block_of(p, m),
-                         visible=rows_visible(p, m))
+            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=in_block(p, m), row=block_of(p, m))
         return slots
 
     def decoded(self, arrays):

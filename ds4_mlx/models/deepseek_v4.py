@@ -698,7 +698,7 @@ class Attention(nn.Module):
             if selecting:
                 visible = slots["visible"].reshape(1, 1)
                 selected = self._select(qr, x, pos, index_rows, visible, quant_sim)[0]
-        out = decode_attention(q[0], ring, fresh, rows, selected, pos, self.sinks, W, self.ratio)
+        out = decode_attention(q[0], ring, fresh, rows, selected, pos, self.sinks, W, self.ratio, slots)
         return self._project_out(out[None], pos), arrays
 
     def __call__(self, x, cache, quant_sim):
