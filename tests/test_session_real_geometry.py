@@ -4,6 +4,7 @@ chunk that passed the restored position was longer than the compressor rings."""
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from ds4_mlx.bench import random_model
 from ds4_mlx.cache.layers import TokenRing
@@ -37,12 +38,13 @@ def issue_prompts(rng, vocab):
     return a, a[:603] + rng.integers(0, vocab, 5).tolist()
 
 
-def test_rewind_past_a_long_chunk_equals_cold_prefill():
+@pytest.mark.parametrize("chunk", [2048, 256])
+def test_rewind_past_a_long_chunk_equals_cold_prefill(chunk):
     """A's 2,048-token chunk overwrote the ratio-4 compressor rings (519 rows) long after the lanes at
     128, 256, ... were due; B rewinds to 603 and must not restore rows of other positions."""
     model = real_geometry_model()
     a, b = issue_prompts(np.random.default_rng(0), model.args.vocab_size)
-    session = Session(model)
+    session = Session(model, max_chunk=chunk)
     session.sync(a)
     logits = session.sync(b)
     assert session.last_sync == {"reused": 512, "replayed": 91, "computed": 5}  # from the lane at 512

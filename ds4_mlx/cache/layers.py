@@ -15,8 +15,9 @@ are float32 in the reference and stay so. Without `quant_sim` every row stays fl
 Arrays are only ever replaced (`mx.slice_update` and rebinding), never written through a shared
 handle, so holding the old arrays is a valid snapshot and writing after a snapshot copies on write.
 
-State protocol (as mlx-lm's caches): `state` is the named arrays position `pos` needs, in position
-order; `meta_state` a dict of counters; `load_state(state, meta_state)` rebuilds the cache from them.
+State protocol: `state` is the named arrays position `pos` needs, in position order; `meta_state` a
+dict of counters; `load_state(state, meta_state)` rebuilds the cache from them (the names follow
+mlx-lm's caches, the setters and `from_state` do not).
 """
 
 import mlx.core as mx
