@@ -914,8 +914,6 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs, quant_sim: bool = True):
         super().__init__()
         self.args, self.quant_sim = args, quant_sim
-        if not quant_sim:  # the exact mode's float32 products must not run on TF32 (`ds4_mlx.precision`)
-            exact_float32()
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hc_head = HyperHead(args)
@@ -933,6 +931,8 @@ class Model(nn.Module):
 
     def __call__(self, inputs, cache=None, *, last_only=False):
         """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""
+        if not self.quant_sim and self.norm.weight.dtype == mx.float32:
+            exact_float32()  # the exact mode: no float32 product on TF32 (`ds4_mlx.precision`)
         ids = inputs.reshape(-1)
         T = ids.shape[0]
         if cache is None:
