@@ -5,8 +5,8 @@
   session's logits after any rewind equal a cold prefill of its tokens.
 - In it, float32 matrix products run in full float32 on every backend. MLX runs them on TF32 tensor
   cores by default (CUDA; M5-class Macs), which moves logits by up to ~1.6 at real widths; it reads
-  `MLX_ENABLE_TF32` once, at the first matrix-product-family call of the process, so a model built
-  with `quant_sim` off sets it to 0 (`exact_float32`) before it runs anything, and checks that it took.
+  `MLX_ENABLE_TF32` once, at the first matrix-product-family call of the process, so the first forward
+  pass in the exact mode sets it to 0 (`exact_float32`) before it runs anything, and checks that it took.
 - Everything else stays fast: half-precision compute (`Model.cast`) keeps the parameters
   `keeps_float32` names in float32 and is unaffected by TF32; the default (`quant_sim` on) leaves
   MLX's TF32 setting as it is.
@@ -19,6 +19,7 @@ import warnings
 import mlx.core as mx
 
 TF32_VARIABLE = "MLX_ENABLE_TF32"
+_exact_chosen = False  # `exact_float32` ran in this process
 
 
 def keeps_float32(path: str) -> bool:
@@ -44,7 +45,12 @@ def tf32_active() -> bool:
 def exact_float32():
     """Full float32 matrix products for the rest of the process (the exact mode): sets `MLX_ENABLE_TF32=0`
     unless the caller chose otherwise, and warns when MLX had already read the variable (a float32 product
-    ran earlier in the process with TF32 on): then only a new process with the variable set is exact."""
+    ran earlier in the process with TF32 on): then only a new process with the variable set is exact.
+    Once a process; later calls return at once."""
+    global _exact_chosen
+    if _exact_chosen:
+        return
+    _exact_chosen = True
     os.environ.setdefault(TF32_VARIABLE, "0")
     if os.environ[TF32_VARIABLE] != "0":
         warnings.warn(f"{TF32_VARIABLE}={os.environ[TF32_VARIABLE]}: float32 products may run on TF32 tensor "

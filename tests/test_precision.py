@@ -12,35 +12,39 @@ import pytest
 from ds4_mlx.precision import keeps_float32
 
 PROBE = """
-import json
 import os
+import mlx.core as mx
 from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.tools.testing import tiny_args
 model = random_model(tiny_args(0), quant_sim={quant_sim})
+if {half}:
+    model.cast(mx.bfloat16)
+model(mx.array([[1, 2, 3]]))
 print(os.environ.get("MLX_ENABLE_TF32"))
 """
 
 
-def built_model_sets(quant_sim, **env):
-    """MLX_ENABLE_TF32 in a fresh process after building a model."""
+def forward_sets(quant_sim, half=False, **env):
+    """MLX_ENABLE_TF32 in a fresh process after a model's first forward pass (and stderr)."""
     environ = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
     environ.update(PYTHONPATH=str(Path(__file__).parents[1]), **env)
-    out = subprocess.run([sys.executable, "-c", PROBE.format(quant_sim=quant_sim)], env=environ,
+    out = subprocess.run([sys.executable, "-c", PROBE.format(quant_sim=quant_sim, half=half)], env=environ,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip().splitlines()[-1], out.stderr
 
 
 def test_the_exact_mode_turns_tf32_off():
-    assert built_model_sets(False)[0] == "0"
+    assert forward_sets(False)[0] == "0"
 
 
-def test_the_default_leaves_tf32_alone():
-    assert built_model_sets(True)[0] == "None"
+def test_the_default_and_bfloat16_leave_tf32_alone():
+    assert forward_sets(True)[0] == "None"
+    assert forward_sets(False, half=True)[0] == "None"
 
 
 def test_a_chosen_tf32_setting_is_kept_and_warned_about():
-    value, stderr = built_model_sets(False, MLX_ENABLE_TF32="1")
+    value, stderr = forward_sets(False, MLX_ENABLE_TF32="1")
     assert value == "1" and "not exact" in stderr
 
 

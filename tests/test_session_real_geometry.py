@@ -4,6 +4,7 @@ chunk that passed the restored position was longer than the compressor rings."""
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.cache.layers import TokenRing
@@ -37,12 +38,13 @@ def issue_prompts(rng, vocab):
     return a, a[:603] + rng.integers(0, vocab, 5).tolist()
 
 
-def test_rewind_past_a_long_chunk_equals_cold_prefill():
+@pytest.mark.parametrize("chunk", [2048, 256])
+def test_rewind_past_a_long_chunk_equals_cold_prefill(chunk):
     """A's 2,048-token chunk overwrote the ratio-4 compressor rings (519 rows) long after the lanes at
     128, 256, ... were due; B rewinds to 603 and must not restore rows of other positions."""
     model = real_geometry_model()
     a, b = issue_prompts(np.random.default_rng(0), model.args.vocab_size)
-    session = Session(model)
+    session = Session(model, max_chunk=chunk)
     session.sync(a)
     logits = session.sync(b)
     assert session.last_sync == {"reused": 512, "replayed": 91, "computed": 5}  # from the lane at 512
@@ -83,3 +85,15 @@ def test_a_ring_sets_aside_the_lane_rows_a_long_chunk_drops():
     assert mx.array_equal(ring.copy(36, 40), rows[34:38])
     ring.log(42, rows[:3])
     assert ring.dropped_lanes == {} and ring.copy(12, 16) is None  # a later chunk forgets them
+
+
+def test_a_checkpoint_missing_a_row_is_passed_over_for_an_older_one():
+    model = real_geometry_model()
+    a, b = issue_prompts(np.random.default_rng(2), model.args.vocab_size)
+    session = Session(model)
+    session.sync(a)
+    lane = session.checkpoints[512][1]  # the ratio-4 layer's lane: 4 compressor rows a ring
+    lane["rows"] = [rows if rows is None else rows[1:] for rows in lane["rows"]]
+    logits = session.sync(b)
+    assert session.last_sync == {"reused": 384, "replayed": 219, "computed": 5}
+    assert float(mx.abs(logits - cold(model, b)).max()) <= 1e-4

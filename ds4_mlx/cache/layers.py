@@ -64,13 +64,17 @@ class TokenRing:
         the lanes' rows among those it drops are copied aside first."""
         n, kept = rows.shape[0], min(rows.shape[0], self.capacity)
         self.dropped_lanes = {}
-        if self.lane_every and n > kept:
-            every, need = self.lane_every, self.lane_rows
-            for q in range(start - start % every + every, start + n - kept + need, every):
-                before = self.copy(q - need, start) if q - need < start else mx.zeros((0, self.width), self.dtype)
-                if before is not None:  # else the ring no longer held the rows before the chunk
-                    mine = rows[mx.arange(max(q - need, start) - start, q - start)].astype(self.dtype)
-                    self.dropped_lanes[q] = mx.concatenate([before, mine])
+        every, need = self.lane_every, self.lane_rows
+        lanes = range(start - start % every + every, start + n - kept + need, every) if every and n > kept else ()
+        if lanes:  # one gather for all of them (a lane's rows before the chunk are still in the ring)
+            spans = [(q, max(q - need, start)) for q in lanes]
+            picked = rows[mx.array([p - start for q, first in spans for p in range(first, q)])].astype(self.dtype)
+            at = 0
+            for q, first in spans:
+                mine, at = picked[at : at + q - first], at + q - first
+                before = self.copy(q - need, first)
+                if before is not None:  # else the ring had lost them before this chunk: no lane there
+                    self.dropped_lanes[q] = mx.concatenate([before, mine]) if before.shape[0] else mine
         self.write(start + n - kept, rows[n - kept :])
 
     def gather(self, positions):
@@ -180,8 +184,10 @@ class LayerCache:
         return self._buffers
 
     def arrays(self):
-        """The arrays a step writes (its rings' and buffers' rows): what to evaluate with the logits."""
-        return [x.rows for x in self.rings() + self.buffers()]
+        """The arrays a step writes (its rings' and buffers' rows, the lane rows a chunk set aside): what to
+        evaluate with the logits (set-aside rows evaluated later would hold the whole chunk until then)."""
+        return [x.rows for x in self.rings() + self.buffers()] + [
+            rows for ring in self.rings() for rows in ring.dropped_lanes.values()]
 
     def decode_arrays(self):
         """The arrays one decoded token reads and writes, by name: the rings' rows, and the buffers' with
@@ -192,13 +198,14 @@ class LayerCache:
 
     def decode_slots(self):
         """Where a decoded token at `pos` writes and reads, as ints (computed here once, not in every
-        layer's graph): its slot in each ring, its offset in its block, the buffer row its block fills,
-        and the rows visible after it."""
+        layer's graph): its slot in each ring, the slot of its window's first row, its offset in its
+        block, the buffer row its block fills, and the compressed rows visible to it."""
         p, m = self.pos, self.ratio
-        slots = {"pos": p, "raw": ring_slot(p, self.raw.capacity)}
+        slots = {"pos": p, "raw": ring_slot(p, self.raw.capacity),
+                 "window": ring_slot(p - window_reach(self.window), self.raw.capacity),
+                 "visible": rows_visible(p, m) if m else 0}
         if m:
-            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=in_block(p, m), row=block_of(p, m),
-                         visible=rows_visible(p, m))
+            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=in_block(p, m), row=block_of(p, m))
         return slots
 
     def decoded(self, arrays):

@@ -873,7 +873,8 @@ class Attention(nn.Module):
             if selecting:
                 visible = slots["visible"].reshape(1, 1)
                 selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, visible)[0]
-        return decode_attention(rows["q"][0], ring, fresh, compressed, selected, pos, self.sinks, W, self.ratio), arrays
+        return decode_attention(rows["q"][0], ring, fresh, compressed, selected, pos, self.sinks, W, self.ratio,
+                                slots), arrays
 
     def __call__(self, x, cache, quant_sim):
         args, hd = self.args, self.head_dim
@@ -1139,8 +1140,6 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs, quant_sim: bool = True):
         super().__init__()
         self.args, self.quant_sim = args, quant_sim
-        if not quant_sim:  # the exact mode's float32 products must not run on TF32 (`ds4_mlx.precision`)
-            exact_float32()
         self.embed = Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hc_head = HyperHead(args)
@@ -1158,6 +1157,8 @@ class Model(nn.Module):
 
     def __call__(self, inputs, cache=None, *, last_only=False):
         """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""
+        if not self.quant_sim and self.norm.weight.dtype == mx.float32:
+            exact_float32()  # the exact mode: no float32 product on TF32 (`ds4_mlx.precision`)
         ids = inputs.reshape(-1)
         T = ids.shape[0]
         if cache is None:

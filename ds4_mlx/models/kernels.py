@@ -15,7 +15,7 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 
-from ds4_mlx.cache.geometry import ring_slot, rows_visible
+from ds4_mlx.cache.geometry import ring_slot, rows_visible, window_reach
 
 _enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
 _generation = 0
@@ -234,15 +234,17 @@ def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, windo
 _ATTEND_CUDA = """
     constexpr int E = HD / 32, NW = GROUP / 32;
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int p = pos[0];
-    const int n_rows = SELECT ? K : (RATIO ? (p + 1) / RATIO : 0);
+    const int n_rows = SELECT ? K : visible[0];
     const float scale = rsqrtf((float)HD);
     float qv[E], acc[E];
     for (int e = 0; e < E; ++e) { qv[e] = q[h * HD + e * 32 + lane] * scale; acc[e] = 0.0f; }
     float m = -__int_as_float(0x7f800000), l = 0.0f;  // -infinity
     for (int j = warp; j < W + n_rows; j += NW) {
         decltype(ring) key;
-        if (j < W - 1) key = ring + ((p - (W - 1) + j) % CAP) * HD;
+        if (j < W - 1) {  // the window's rows from its first slot on, wrapping once (W - 1 <= CAP)
+            const int slot = first[0] + j;
+            key = ring + (slot < CAP ? slot : slot - CAP) * HD;
+        }
         else if (j == W - 1) key = fresh;
         else key = rows + (SELECT ? selected[j - W] : j - W) * HD;
         float k[E], s = 0.0f;
@@ -273,18 +275,19 @@ _ATTEND_GROUP = 512
 @lru_cache(maxsize=None)
 def _attend_kernel():
     return mx.fast.cuda_kernel(name="ds4_decode_attention",
-                               input_names=["q", "ring", "fresh", "rows", "selected", "pos", "sinks"],
+                               input_names=["q", "ring", "fresh", "rows", "selected", "first", "visible", "sinks"],
                                output_names=["out"], source=_ATTEND_CUDA)
 
 
-def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
+def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots=None):
     """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
-    warps' partial sums fill 32 KB of shared memory at 512)."""
+    warps' partial sums fill 32 KB of shared memory at 512). `slots`: `LayerCache.decode_slots` as
+    arrays (the window's first ring slot, the visible compressed rows), else computed from `pos`."""
     nh, hd = q.shape
     kind = DECODE_ATTENTION.backend()
     if kind is None or hd % 32 or hd > 512:
         return decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio)
-    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio)
+    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots)
 
 
 def _decode_attention_sample():
@@ -293,16 +296,19 @@ def _decode_attention_sample():
             mx.array(21, mx.int32), _random(nh), 8, 4)
 
 
-def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
+def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots=None):
     nh, hd = q.shape
     f32 = mx.float32
+    if slots is None:
+        slots = {"window": ring_slot(pos - window_reach(window), ring.shape[0]),
+                 "visible": rows_visible(pos, ratio) if ratio else mx.zeros_like(pos)}
+    first, visible = slots["window"].astype(mx.int32), slots["visible"].astype(mx.int32)
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
     return _attend_kernel()(
         inputs=[q.astype(f32), ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),
-                pos[None] if selected is None else selected, pos.astype(mx.int32),
-                sinks.astype(f32)],
-        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("RATIO", ratio),
+                first[None] if selected is None else selected, first, visible, sinks.astype(f32)],
+        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[0]),
                   ("GROUP", _ATTEND_GROUP)],
         grid=(nh * _ATTEND_GROUP, 1, 1), threadgroup=(_ATTEND_GROUP, 1, 1),

@@ -33,8 +33,7 @@ def parity_args(a):
     ratios = [int(r) for r in a.ratios.split(",")]
     if a.widths == "tiny":
         return real_geometry_args(num_hidden_layers=len(ratios), compress_ratios=ratios)
-    return ModelArgs(num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=1,
-                     n_routed_experts=a.experts, max_position_embeddings=max(65536, 2 * a.tokens))
+    return ModelArgs(num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=1, n_routed_experts=a.experts)
 
 
 def reference(a, folder: Path):

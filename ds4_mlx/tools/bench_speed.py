@@ -11,6 +11,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.cache.geometry import rows_done
+
 # HBM bandwidth used for the roofline: H200 141 GB HBM3e, 4.8 TB/s (NVIDIA's figure)
 BANDWIDTH = {"cuda": 4.8e12}
 
@@ -47,10 +49,10 @@ def _cache_bytes_read(model, context):
         ratio = args.compress_ratios[i]
         rows = args.sliding_window
         if ratio == 4:
-            rows += min(args.index_topk, context // 4)
-            total += (context // 4) * args.index_head_dim * 4
+            rows += min(args.index_topk, rows_done(context, 4))
+            total += rows_done(context, 4) * args.index_head_dim * 4
         elif ratio:
-            rows += context // ratio
+            rows += rows_done(context, ratio)
         total += rows * args.head_dim * 4
     return total
 
