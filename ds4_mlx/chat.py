@@ -1,6 +1,6 @@
 """DeepSeek V4 chat format: render conversations to prompt text, parse model output back.
 
-Rendering follows ds4's server template (architecture notes, section 3.3): BOS, the optional Think Max
+Rendering follows ds4's server template: BOS, the optional Think Max
 prefix, the system block (tools prompt first, then the system and developer messages joined by a
 blank line), `<｜User｜>` turns, tool results as `<tool_result>` blocks after one `<｜User｜>`, and
 assistant turns `<｜Assistant｜>` + reasoning marker + content + DSML tool calls + EOS. The prompt ends
@@ -75,28 +75,48 @@ class Client(str):
     prompts): in a rendered prompt it is plain text, even where it spells a control token."""
 
 
+class Sampled(str):
+    """An answer's text as the model sampled it after the generation prompt, with the token ids it
+    sampled (`ids`) and what was parsed from it (`thinking`: it began in the reasoning; `reasoning`,
+    `content`, `calls`: [(name, arguments dict)]). In a rendered prompt those very ids stand for an
+    assistant message that says the same, so a follow-up matches the live session token for token."""
+
+    def __new__(cls, text: str, ids, *, thinking: bool, reasoning: str, content: str, calls: list):
+        sampled = super().__new__(cls, text)
+        sampled.ids = tuple(ids)
+        sampled.thinking, sampled.reasoning, sampled.content, sampled.calls = thinking, reasoning, content, calls
+        return sampled
+
+
 class Prompt(str):
     """Rendered prompt text that knows which spans the template wrote (`template_spans`): only there do
     control-token strings (`<｜User｜>`, `<think>`, ...) become control tokens when tokenized
-    (`Tokenizer.encode`); client text is encoded as plain text. A prompt whose client text spells no
-    control token tokenizes exactly as the plain string does."""
+    (`Tokenizer.encode`); client text is encoded as plain text; a `Sampled` answer is its ids
+    (`sampled_spans`: (start, end, ids)). A prompt whose client text spells no control token, and that
+    holds no sampled answer, tokenizes exactly as the plain string does. `replay_notes`: why `render`
+    wrote a remembered answer from its text rather than its sampled ids."""
 
     template_spans: tuple = ()
+    sampled_spans: tuple = ()
+    replay_notes: tuple = ()
 
     @classmethod
     def join(cls, pieces) -> "Prompt":
-        """The pieces concatenated; `Client` pieces are client text, any other piece template text."""
-        spans, position = [], 0
+        """The pieces concatenated; `Client` pieces are client text, `Sampled` ones sampled answers, any
+        other piece template text."""
+        spans, sampled, position = [], [], 0
         for piece in pieces:
             end = position + len(piece)
-            if piece and not isinstance(piece, Client):
+            if isinstance(piece, Sampled):
+                sampled.append((position, end, piece.ids))
+            elif piece and not isinstance(piece, Client):
                 if spans and spans[-1][1] == position:
                     spans[-1] = (spans[-1][0], end)
                 else:
                     spans.append((position, end))
             position = end
         prompt = cls("".join(pieces))
-        prompt.template_spans = tuple(spans)
+        prompt.template_spans, prompt.sampled_spans = tuple(spans), tuple(sampled)
         return prompt
 
 
@@ -165,6 +185,8 @@ def render_tool_calls(tool_calls) -> str:
 
 
 def _tool_calls_pieces(tool_calls) -> list:
+    if not tool_calls:
+        return []
     out = [f"\n\n{TOOL_CALLS_START}\n"]
     for call in tool_calls:
         name, arguments = tool_call_arguments(call)
@@ -187,7 +209,9 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     messages: dicts with `role` (system, developer, user, assistant, tool or function), `content`
     (str, None or a list of text parts); assistant messages may carry `reasoning_content`,
     `tool_calls` ([{id, function: {name, arguments}}], arguments a JSON string or an object) and
-    `dsml` (the exact tool-call block the model sampled, replayed verbatim instead of re-rendering);
+    `sampled` (the server's memory of the answer, a `Sampled`: when the message says the same, with
+    reasoning exactly where the template keeps it, its sampled ids are rendered, never its text
+    re-tokenized; else the prompt's `replay_notes` say why not);
     a system or developer message with `in_place` set is rendered where it stands, after a blank line.
     tools: OpenAI tool definitions, or None. thinking: thinking mode. reasoning_effort: "max" adds
     the Think Max prefix (the caller checks the context is large enough: ds4 asks for 393216),
@@ -211,6 +235,7 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     for i, part in enumerate(system_parts):
         out += (["\n\n"] if i else []) + part
     awaiting_assistant = in_tool_results = False
+    notes = []
     for i, message in enumerate(messages):
         role = message.get("role")
         text = content_text(message.get("content"))
@@ -226,22 +251,41 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
         elif role in ("system", "developer") and message.get("in_place"):
             out += ["\n\n", Client(text)]
         elif role == "assistant":
+            answer = [Client(text)] + _tool_calls_pieces(message.get("tool_calls") or [])
             if awaiting_assistant:
-                out.append(ASSISTANT)
-                if thinking and (has_tool_context or i > last_user):
-                    out += [THINK_START, Client(content_text(message.get("reasoning_content"))), THINK_END]
+                keeps_reasoning = thinking and (has_tool_context or i > last_user)
+                out += [ASSISTANT, THINK_START if keeps_reasoning else THINK_END]
+                if keeps_reasoning:
+                    answer = [Client(content_text(message.get("reasoning_content"))), THINK_END] + answer
+            sampled = message.get("sampled")
+            if sampled is not None:
+                differs = _differs_from_sampled(message, sampled, awaiting_assistant and keeps_reasoning)
+                if not awaiting_assistant:
+                    differs = "it follows another assistant message"
+                if differs:
+                    notes.append(f"messages[{i}] is written from its text, not the tokens sampled: {differs}")
                 else:
-                    out.append(THINK_END)
-            out.append(Client(text))
-            if message.get("dsml"):
-                out.append(message["dsml"])  # the model's own tokens, from the server's memory
-            elif message.get("tool_calls"):
-                out += _tool_calls_pieces(message["tool_calls"])
-            out.append(EOS)
+                    answer = [sampled]
+            out += answer + [EOS]
             awaiting_assistant = in_tool_results = False
     if add_generation_prompt and awaiting_assistant:
         out += [ASSISTANT, THINK_START if thinking else THINK_END]
-    return Prompt.join(out)
+    prompt = Prompt.join(out)
+    prompt.replay_notes = tuple(notes)
+    return prompt
+
+
+def _differs_from_sampled(message: dict, sampled: Sampled, keeps_reasoning: bool) -> str:
+    """Why an assistant message cannot be rendered as the answer `sampled` ("" when it can)."""
+    if sampled.thinking and not keeps_reasoning:
+        return "the template drops an earlier turn's reasoning"
+    if keeps_reasoning and not sampled.thinking:
+        return "it was answered without thinking and is rendered with reasoning"
+    calls = [tool_call_arguments(call) for call in message.get("tool_calls") or []]
+    if content_text(message.get("content")) != sampled.content or calls != sampled.calls or (
+            keeps_reasoning and content_text(message.get("reasoning_content")) != sampled.reasoning):
+        return "it was edited"
+    return ""
 
 
 def render_next_user_turn(text: str, *, thinking=True) -> str:
@@ -265,10 +309,16 @@ class ReasoningDelta:
 
 
 @dataclass
+class MalformedBlock:
+    """A DSML tool-call block that does not parse (or was never closed): left out of the answer."""
+    text: str
+
+
+@dataclass
 class ToolCall:
     """A complete tool call. `arguments` is a JSON object as a string, keys in call order. `dsml`
     is the exact text of the whole tool-call block it came from (the same for every call of one
-    block), to pass back as the assistant message's `dsml` for a byte-exact replay."""
+    block)."""
 
     id: str
     name: str
@@ -347,9 +397,11 @@ class OutputParser:
 
     thinking=True: the output starts inside the reasoning (the prompt ended with `<think>`) and the
     first `</think>` switches to content. tools=True: DSML tool-call blocks in the content become
-    `ToolCall`s; a block that is not well-formed, or never closed, stays content. Only text that may
-    be the start of a marker is held back, plus whitespace before a possible tool-call block (the
-    block starts with a blank line that belongs to it, not to the content)."""
+    `ToolCall`s; a DSML block that is not well-formed, or never closed, is markup no client can use: it
+    becomes a `MalformedBlock` (left out of the content, for a log line); a bare `<tool_calls>` that is
+    not a call stays text. Only text that may be the start
+    of a marker is held back, plus whitespace before a possible tool-call block (the block starts with
+    a blank line that belongs to it, not to the content)."""
 
     def __init__(self, *, thinking=True, tools=False, make_id=new_tool_call_id):
         self.state = "reasoning" if thinking else "content"
@@ -373,11 +425,12 @@ class OutputParser:
     def finish(self) -> list:
         events = []
         if self.state == "tool_block":
-            self.pending = self.block_text + self.pending
+            self._malformed(self.block_text + self.pending, events)
+            self.pending = self.block_text = ""
         if self.state == "reasoning":
             events.append(ReasoningDelta(self.pending))
         else:
-            events.append(ContentDelta(self.pending))  # an unclosed tool block stays text
+            events.append(ContentDelta(self.pending))
         self.pending = ""
         self.state = "content"
         return merge_deltas(events)
@@ -436,11 +489,23 @@ class OutputParser:
         self.state = "content"
         calls = parse_tool_block(body, self.block_prefix)
         if calls is None:
-            events.append(ContentDelta(block))
+            self._malformed(block, events)
         else:
             events.extend(ToolCall(self.make_id(), name, json.dumps(arguments, ensure_ascii=False), block)
                           for name, arguments in calls)
         return True
+
+    @property
+    def held(self) -> int:
+        """How many characters of the text fed so far are not in the events returned yet."""
+        return len(self.pending) + (len(self.block_text) if self.state == "tool_block" else 0)
+
+    def _malformed(self, block: str, events):
+        """A block that is not a tool call: DSML markup is left out; a bare `<tool_calls>` is prose."""
+        if self.block_prefix:
+            events.append(MalformedBlock(block))
+        else:
+            events.append(ContentDelta(block))
 
 
 def merge_deltas(events) -> list:

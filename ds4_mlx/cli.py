@@ -2,27 +2,36 @@
 
 import argparse
 import importlib
+import os
 import sys
 
 # sub-command name -> module that defines `register(subparsers)`; the module's parser sets `func`.
 SUBCOMMANDS = {
     "convert": "ds4_mlx.convert.cli",
     "chat": "ds4_mlx.repl",
-    "generate": "ds4_mlx.generate",
+    "generate": "ds4_mlx.generate_cli",
     "serve": "ds4_mlx.server.cli",
-    "bench": "ds4_mlx.bench",
+    "bench": "ds4_mlx.tools.bench",
 }
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="ds4-mlx", description="DeepSeek V4 Flash on MLX")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="run every custom GPU kernel's plain definition instead (as DS4_MLX_KERNELS=0)")
     sub = parser.add_subparsers(dest="command", required=True)
     # import only the room a command needs, so start-up stays fast
-    wanted = [argv[0]] if argv and argv[0] in SUBCOMMANDS else list(SUBCOMMANDS)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    wanted = [command] if command in SUBCOMMANDS else list(SUBCOMMANDS)
     for name in wanted:
         importlib.import_module(SUBCOMMANDS[name]).register(sub)
     args = parser.parse_args(argv)
+    if args.no_kernels:
+        from ds4_mlx.models import kernels
+
+        os.environ["DS4_MLX_KERNELS"] = "0"  # for the processes a command starts too
+        kernels.use_kernels(False)
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:

@@ -21,32 +21,34 @@ cache holds the whole answer.
 """
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from ds4_mlx.chat import (BOS, DEFAULT_SYSTEM, THINK_START, ContentDelta, OutputParser, ReasoningDelta,
-                          partial_marker_len, render)
-from ds4_mlx.session import Session, SyncInterrupted
+from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, partial_marker_len
+from ds4_mlx.session import SyncInterrupted
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+RATE_MIN_TOKENS = 16  # below this, a speed measures overhead, not the model
+GREEDY_BELOW = 1e-5  # a lower temperature divides the logits into inf and NaN: it is argmax
 
 
 @dataclass
 class SamplingParams:
     """Sampling knobs. Defaults are ds4's (temperature 1, top_p 1, min_p 0.05, no top_k).
 
-    temperature <= 0 means greedy (argmax). top_k <= 0, top_p >= 1 and min_p <= 0 switch that
-    filter off. The filters apply to the temperature-scaled distribution in the order top_k, top_p,
-    min_p. seed=None draws a random seed; a given seed makes a run reproducible.
+    temperature below `GREEDY_BELOW` (0 included) means greedy (argmax). top_k <= 0, top_p >= 1 and
+    min_p <= 0 switch that filter off. The filters apply to the temperature-scaled distribution in the
+    order top_k, top_p, min_p. seed=None draws a random seed; a given seed makes a run reproducible.
 
     logprobs: None, or report each sampled token's log probability (under the model's distribution,
     before temperature and filters) with that many most likely alternatives. constraint: None, or a
     factory `constraint(tokenizer)` of an object with `mask(logits) -> logits` (disallowed tokens at
-    -inf) and `advance(token)`, applied before each draw (`ds4_mlx.constrain`)."""
+    -inf) and `advance(token)`, applied before each draw (`ds4_mlx.constrain`). logit_bias: None, or
+    {token id: value} added to those tokens' logits before every draw (greedy too); an id outside the
+    vocabulary names no token, so its bias changes nothing."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -55,6 +57,7 @@ class SamplingParams:
     seed: Optional[int] = None
     logprobs: Optional[int] = None
     constraint: Optional[Callable] = None
+    logit_bias: Optional[dict] = None
 
 
 def filter_logits(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -84,13 +87,21 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed % 2**64)  # any integer: MLX takes 64 bits
+        self.bias = None  # the logit bias as a [vocab] array, made at the first draw
 
     def __call__(self, logits: mx.array) -> int:
         return int(self.draw(logits).item())
 
     def draw(self, logits: mx.array) -> mx.array:
         """The sampled id as an unevaluated array (no sync)."""
-        if self.params.temperature <= 0:
+        if self.params.logit_bias:
+            if self.bias is None:
+                vocab = logits.shape[-1]
+                ids = [i for i in self.params.logit_bias if 0 <= i < vocab]
+                self.bias = mx.zeros((vocab,)).at[mx.array(ids, dtype=mx.int32)].add(
+                    mx.array([self.params.logit_bias[i] for i in ids])) if ids else mx.zeros((vocab,))
+            logits = logits.astype(mx.float32) + self.bias
+        if self.params.temperature < GREEDY_BELOW:
             return mx.argmax(logits)
         self.key, draw_key = mx.random.split(self.key)
         return mx.random.categorical(filter_logits(logits, self.params), key=draw_key)
@@ -101,8 +112,8 @@ class Detokenizer:
     bytes end inside a character are held until the character completes.
 
     `add(token) -> str` returns the text released by this token (often "", sometimes the text of
-    several held tokens). `token_ends[i]` is the length of the released text once token i's text was
-    released (None while held)."""
+    several held tokens). `text` is all the text released; `token_ends[i]` its length once token i's
+    text was released (None while held)."""
 
     REPLACEMENT = "\ufffd"
     MAX_HELD = 8  # a character is at most 4 bytes: past this, the bytes really are invalid
@@ -110,7 +121,7 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.held = []
-        self.released_len = 0
+        self.text = ""
         self.token_ends = []
 
     def add(self, token: int) -> str:
@@ -125,39 +136,72 @@ class Detokenizer:
         return self._release(self.tokenizer.decode(self.held)) if self.held else ""
 
     def _release(self, text: str) -> str:
-        self.released_len += len(text)
+        self.text += text
         for i in range(len(self.token_ends) - len(self.held), len(self.token_ends)):
-            self.token_ends[i] = self.released_len
+            self.token_ends[i] = len(self.text)
         self.held = []
         return text
 
 
+class AnswerStops(tuple):
+    """Stop strings that apply to the answer's content only, as OpenAI's `stop` does: not inside the
+    reasoning (`thinking`: the output starts there) nor inside DSML tool-call blocks (`tools`)."""
+
+    def __new__(cls, strings=(), *, thinking: bool, tools: bool):
+        stops = super().__new__(cls, strings)
+        stops.thinking, stops.tools = thinking, tools
+        return stops
+
+
 class StopStringWatcher:
-    """Finds stop strings in streamed text, also across token boundaries, and withholds the tail
-    of the text that could still become a stop string. A stop string can only begin in withheld
-    text, so that is all it keeps."""
+    """Finds stop strings in streamed text, also across token boundaries, and withholds the text that
+    could still become part of one. Plain stop strings are looked for in all the text; `AnswerStops`
+    only in the content, which an `OutputParser` splits from the reasoning and the tool calls (a stop
+    string never spans a tool call). `stop_at` is where the first stop string begins in the text."""
 
     def __init__(self, stop_strings: Sequence[str]):
         self.stops = [s for s in stop_strings if s]
-        self.withheld = ""
-        self.emitted = 0  # characters let through so far
-        self.stop_at = None  # where the first stop string begins, counted from the first character
+        self.parser = (OutputParser(thinking=stop_strings.thinking, tools=stop_strings.tools)
+                       if isinstance(stop_strings, AnswerStops) and self.stops else None)
+        self.text = ""  # everything added
+        self.released = 0  # characters of it let through
+        self.content_tail = ""  # the content that ends where parsing has got to and may begin a stop string
+        self.stop_at = None
 
     def add(self, text: str) -> str:
         """Append text; return the part that is now safe to show."""
-        self.withheld += text
-        hits = [i for i in (self.withheld.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stop_at = self.emitted + min(hits)
-            return self._emit(min(hits))
-        return self._emit(len(self.withheld) - partial_marker_len(self.withheld, self.stops))
+        self.text += text
+        if self.parser is None:
+            return self._scan([ContentDelta(text)], len(self.text))
+        events = self.parser.feed(text)
+        return self._scan(events, len(self.text) - self.parser.held)
 
     def flush(self) -> str:
-        return self._emit(len(self.withheld))
+        """The rest of the text (up to a stop string that only the end of the text revealed)."""
+        out = ""
+        if self.stop_at is None and self.parser is not None:
+            out = self._scan(self.parser.finish(), len(self.text))
+        return out + self._release(self.stop_at if self.stop_at is not None else len(self.text))
 
-    def _emit(self, n: int) -> str:
-        out, self.withheld = self.withheld[:n], self.withheld[n:]
-        self.emitted += n
+    def _scan(self, events, parsed_to: int) -> str:
+        """Look for a stop string in the content of `events`, which ends at `parsed_to` in the text."""
+        for event in events:
+            if isinstance(event, ContentDelta):
+                self.content_tail += event.text
+            elif not isinstance(event, ReasoningDelta):  # a tool call or left-out markup
+                self.content_tail = ""
+        tail_start = parsed_to - len(self.content_tail)
+        hits = [i for i in (self.content_tail.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stop_at = tail_start + min(hits)
+            return self._release(self.stop_at)
+        self.content_tail = self.content_tail[len(self.content_tail) - partial_marker_len(self.content_tail,
+                                                                                          self.stops):]
+        return self._release(parsed_to - len(self.content_tail))
+
+    def _release(self, end: int) -> str:
+        out = self.text[self.released:end] if end > self.released else ""
+        self.released = max(self.released, end)
         return out
 
 
@@ -167,7 +211,8 @@ class GenerationStats:
 
     prompt_tokens: len(prompt_ids). reused/replayed/computed: from `session.last_sync` (cache hit,
     tokens re-run to rebuild state after a trim, new prompt tokens). completion_tokens: tokens
-    sampled, a stop token included. output_ids: the answer's tokens (see the module docstring)."""
+    sampled, a stop token included. output_ids: the answer's tokens (see the module docstring);
+    output_text: their text (None when a stop string began inside a token: then no text is theirs)."""
 
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -175,6 +220,7 @@ class GenerationStats:
     computed_tokens: int = 0
     completion_tokens: int = 0
     output_ids: list = field(default_factory=list)
+    output_text: Optional[str] = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -254,14 +300,19 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     constraint = sampling.constraint(tokenizer) if sampling.constraint else None
 
     def finish(reason, token=None, text="", logprob=None):
-        if reason == FINISH_STOP and watcher.stop_at is not None:
+        if watcher.stop_at is None:  # the end of the text may still reveal a stop string in the content
+            text += watcher.add(detok.flush()) + watcher.flush()
+        if watcher.stop_at is not None:
+            reason = FINISH_STOP if reason != FINISH_ABORT else reason
             kept = sum(1 for end in detok.token_ends if end is not None and end <= watcher.stop_at)
             stats.output_ids = sampled[:kept]
+            kept_text = detok.text[:detok.token_ends[kept - 1]] if kept else ""
+            stats.output_text = kept_text if len(kept_text) == watcher.stop_at else None
             if len(session.tokens) > len(prompt_ids) + kept:
                 session.trim(len(prompt_ids) + kept)
         else:
             stats.output_ids = [t for t in sampled if t not in stop_ids]
-            text += watcher.add(detok.flush()) + watcher.flush()
+            stats.output_text = detok.text
         stats.completion_tokens = len(sampled)
         stats.decode_seconds = time.perf_counter() - decode_start
         return GenerationChunk(text=text, token=token, finish_reason=reason, stats=stats, logprob=logprob)
@@ -326,6 +377,10 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
             return
         logits = session.step_async(drawn)
         token = session.settle()
+        if should_abort():  # asked while this token was computed: it is neither shown nor kept
+            session.trim(len(session.tokens) - 1)
+            yield finish(FINISH_ABORT)
+            return
         sampled.append(token)
         if constraint:
             constraint.advance(token)
@@ -346,157 +401,3 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         if len(sampled) % 256 == 0:
             mx.clear_cache()  # return the freed step buffers now and then
         drawn_from, drawn = logits, draw(logits)
-
-
-# ---------------------------------------------------------------- `ds4-mlx generate`
-
-
-def add_sampling_arguments(parser):
-    """The sampling flags shared by `generate` and `chat`."""
-    defaults = SamplingParams()
-    parser.add_argument("-m", "--model", help="a .gguf file or converted MLX folder "
-                        "(default: the built-in demo model, random weights: gibberish text)")
-    parser.add_argument("-n", "--max-tokens", type=int, default=1024,
-                        help="most tokens to generate, reasoning included (default %(default)s)")
-    parser.add_argument("--temp", type=float, default=defaults.temperature,
-                        help="temperature, 0 = greedy (default %(default)s)")
-    parser.add_argument("--top-p", type=float, default=defaults.top_p)
-    parser.add_argument("--top-k", type=int, default=defaults.top_k)
-    parser.add_argument("--min-p", type=float, default=defaults.min_p)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--system", default=DEFAULT_SYSTEM,
-                        help="system prompt (an empty string for none)")
-    think = parser.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_true", default=True,
-                       help="thinking mode (the default)")
-    think.add_argument("--nothink", dest="think", action="store_false", help="answer directly")
-
-
-def sampling_from_args(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-                          min_p=args.min_p, seed=args.seed)
-
-
-def load_for_cli(model_path):
-    """(model, tokenizer, is_demo) for a CLI command; no path means the built-in demo model."""
-    import ds4_mlx
-
-    is_demo = model_path is None
-    if is_demo:
-        from ds4_mlx.demo import demo_model_path
-
-        model_path = demo_model_path()
-    model, tokenizer = ds4_mlx.load(model_path)
-    if tokenizer is None:
-        raise ValueError(f"{model_path}: the model has no tokenizer; convert its GGUF file again with "
-                         "`ds4-mlx convert --tokenizer DIR`")
-    return model, tokenizer, is_demo
-
-
-DEMO_NOTE = "(demo model: tiny random weights with the real tokenizer, so its text is gibberish; " \
-            "pass -m MODEL for a real one)"
-
-
-GENERATE_MAX_TOKENS = 512  # a few screens of text; the REPL, which can be interrupted, allows more
-RATE_MIN_TOKENS = 16  # below this, a speed measures overhead, not the model
-
-
-def run_generate(args):
-    """The answer on stdout (nothing else goes there); on stderr, the reasoning when asked for, a
-    progress line while hidden reasoning runs on a terminal, and the figures on a line of their own."""
-    model, tokenizer, is_demo = load_for_cli(args.model)
-    if is_demo:
-        print(DEMO_NOTE, file=sys.stderr)
-    if args.prompt.startswith(BOS):
-        prompt_text = args.prompt  # already rendered
-    else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt_text = render(messages + [{"role": "user", "content": args.prompt}], thinking=args.think)
-    thinking = prompt_text.endswith(THINK_START)
-    parser = OutputParser(thinking=thinking)
-    err = _Stderr()
-    answered = False
-    reasoning_tokens = 0
-    session = Session(model, rewind_slack=0)  # it never rewinds: no slack rows
-    for chunk in stream_generate(session, tokenizer, tokenizer.encode(prompt_text),
-                                 max_tokens=args.max_tokens, sampling=sampling_from_args(args)):
-        events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
-        for event in events:
-            if isinstance(event, ReasoningDelta) and args.show_reasoning:
-                err.write(event.text, dim=True)
-            elif isinstance(event, ContentDelta) and (answered or event.text.strip()):
-                err.end_line()
-                sys.stdout.write(event.text if answered else event.text.lstrip())
-                sys.stdout.flush()
-                answered = True
-        if thinking and not answered and not args.show_reasoning and chunk.token is not None:
-            reasoning_tokens += 1
-            err.progress(f"[thinking: {reasoning_tokens} tokens]")
-        if chunk.finish_reason:
-            if answered:
-                print(file=sys.stdout)
-            err.end_line()
-            if thinking and not answered and chunk.finish_reason == FINISH_LENGTH:
-                err.write(f"[no answer yet: all {args.max_tokens} tokens went to reasoning; raise --max-tokens, "
-                          f"or --nothink to answer directly{'' if args.show_reasoning else ', or --show-reasoning'}]\n")
-            err.write(stats_line(chunk.finish_reason, chunk.stats) + "\n", dim=True)
-    return 0
-
-
-def stats_line(finish_reason: str, s: GenerationStats) -> str:
-    def took(tokens: int, seconds: float) -> str:
-        rate = f", {tokens / seconds:.1f} t/s" if tokens >= RATE_MIN_TOKENS and seconds > 0 else ""
-        return f"{seconds:.2f} s{rate}"
-
-    return (f"[{finish_reason}: prompt {s.prompt_tokens} tokens, "
-            f"{took(s.computed_tokens + s.replayed_tokens, s.prefill_seconds)}; "
-            f"generated {s.completion_tokens} tokens, {took(s.completion_tokens, s.decode_seconds)}]")
-
-
-class _Stderr:
-    """stderr that knows whether its last line is finished, and dims or redraws text on a terminal only."""
-
-    def __init__(self):
-        self.tty = sys.stderr.isatty()
-        self.at_line_start = True
-        self.progress_shown = False
-
-    def write(self, text: str, *, dim=False):
-        if not text:
-            return
-        self._clear_progress()
-        if dim and self.tty:
-            body = text.rstrip("\n")  # the line ends after the colour does
-            text = f"\x1b[2m{body}\x1b[0m{text[len(body):]}"
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        self.at_line_start = text.endswith("\n")
-
-    def end_line(self):
-        self._clear_progress()
-        if not self.at_line_start:
-            self.write("\n")
-
-    def progress(self, text: str):
-        if self.tty:
-            sys.stderr.write(f"\r\x1b[2m{text}\x1b[0m")
-            sys.stderr.flush()
-            self.progress_shown = True
-
-    def _clear_progress(self):
-        if self.progress_shown:
-            sys.stderr.write("\r\x1b[K")
-            self.progress_shown = False
-
-
-def register(subparsers):
-    p = subparsers.add_parser("generate", help="print a completion for one prompt",
-                              description="Render PROMPT as a one-turn chat (or use it as is when it "
-                                          "starts with BOS) and print the answer on stdout; figures, and "
-                                          "the reasoning with --show-reasoning, go to stderr.")
-    p.add_argument("-p", "--prompt", required=True)
-    add_sampling_arguments(p)
-    p.add_argument("--show-reasoning", action="store_true",
-                   help="print the reasoning to stderr (dimmed on a terminal) before the answer")
-    p.set_defaults(max_tokens=GENERATE_MAX_TOKENS)
-    p.set_defaults(func=run_generate)

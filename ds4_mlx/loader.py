@@ -10,12 +10,26 @@ import mlx.core as mx
 from ds4_mlx.models import deepseek_v4 as dsv4
 
 
-def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool):
+def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool, packed_floats=None):
+    """The model holding `weights`; `quantization` names its quantized modules' formats, `packed_floats`
+    the float parameters stored as exact codes (dequantized here, to float32)."""
+    weights = unpack_floats(weights, packed_floats or {})
     model = dsv4.Model(args, quant_sim=quant_sim)
     model.apply_quantization(quantization)
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
     return model
+
+
+def unpack_floats(weights: dict, packed: dict) -> dict:
+    """`weights` with each packed float parameter ({path: affine format}) as float32 values. The
+    scales go up to float32 first, so codes * scale + bias is computed, exactly, in float32."""
+    out = dict(weights)
+    for path, fmt in packed.items():
+        scales, biases = (out.pop(f"{path}.{part}").astype(mx.float32) for part in ("scales", "biases"))
+        out[path] = mx.dequantize(out[path], scales, biases, group_size=fmt["group_size"], bits=fmt["bits"],
+                                  mode=fmt["mode"], dtype=mx.float32)
+    return out
 
 
 def cache_root() -> Path:
@@ -28,9 +42,11 @@ def load(path, *, quant_sim=None, progress=True):
     (ds4 and the official inference do), False computes plain float math as transformers does.
     The tokenizer is None when the file carries none (tiny test models).
 
-    GGUF files whose types MLX holds exactly (F32/F16/BF16, Q8_0, Q4_K, MXFP4) load directly. Files with
-    Q2_K or IQ2_XXS tensors need requantizing, which is done once into a folder under
-    `$DS4_MLX_HOME/converted` (named by the files' size, modification time and header hash) and reused."""
+    GGUF files load directly: F32/F16/BF16, Q8_0, Q4_K and MXFP4 tensors in an MLX form that holds their
+    values, Q2_K / IQ2_XXS / Q4_K routed experts in their own blocks where the machine has a native path
+    for them (`gguf_blocks.native_available`). Elsewhere Q2_K / IQ2_XXS experts need requantizing, which
+    is done once into a folder under `$DS4_MLX_HOME/converted` (named by the files' size, modification
+    time and header hash) and reused."""
     path = Path(path)
     quant_sim = True if quant_sim is None else quant_sim
     if path.is_dir() and (path / "config.json").is_file():
@@ -46,9 +62,9 @@ def load(path, *, quant_sim=None, progress=True):
     g = GGUFModel(path)
     if g.needs_requant:
         return _load_folder(_converted_once(g, progress), quant_sim)
-    quantization = {}
-    weights = dict(g.iter_weights(quantization))
-    model = build_model(g.args, weights, quantization, quant_sim=quant_sim)
+    quantization, packed = {}, {}
+    weights = dict(g.iter_weights(quantization, packed))
+    model = build_model(g.args, weights, quantization, quant_sim=quant_sim, packed_floats=packed)
     model.weight_files = [(path.name, path.stat().st_size)]  # names and sizes identify saved sessions' model
     return model, Tokenizer.from_gguf(g.metadata)
 
@@ -58,12 +74,13 @@ def _load_folder(path, quant_sim):
 
     config = json.loads((path / "config.json").read_text())
     quantization = config.pop("quantization", {})
+    packed = config.pop("packed_floats", {})
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
         weights.update(mx.load(str(f)))
     args = dsv4.ModelArgs.from_dict(config)
     tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-    model = build_model(args, weights, quantization, quant_sim=quant_sim)
+    model = build_model(args, weights, quantization, quant_sim=quant_sim, packed_floats=packed)
     model.weight_files = [(f.name, f.stat().st_size) for f in sorted(path.glob("*.safetensors"))]
     return model, tok
 
@@ -81,9 +98,9 @@ def _converted_once(g, progress):
     if (folder / "config.json").exists():
         return folder
     if progress:
-        print(f"ds4-mlx: {Path(g.path).name} has Q2_K / IQ2_XXS tensors, which MLX cannot hold as they are: "
-              f"converting once into {folder} (later loads reuse it; `ds4-mlx convert` picks the folder)",
-              file=sys.stderr)
+        print(f"ds4-mlx: {g.notice}", file=sys.stderr)
+        print(f"ds4-mlx: {Path(g.path).name}: converting once into {folder} (later loads reuse it; "
+              "`ds4-mlx convert` picks the folder)", file=sys.stderr)
     try:
         convert(g.path, folder, progress=progress, log=lambda msg: None, model=g)
     except ValueError:

@@ -13,10 +13,11 @@ import threading
 from pathlib import Path
 
 from ds4_mlx.cache import add_disk_arguments, disk_store_from_args
-from ds4_mlx.chat import (DEFAULT_SYSTEM, ContentDelta, OutputParser, ReasoningDelta, render,
-                          render_next_user_turn)
-from ds4_mlx.generate import (DEMO_NOTE, FINISH_ABORT, SamplingParams, add_sampling_arguments,
-                              load_for_cli, sampling_from_args, stream_generate)
+from ds4_mlx.chat import (ASSISTANT, BOS, DEFAULT_SYSTEM, EOS, THINK_END, THINK_MAX_PREFIX, THINK_START, USER,
+                          ContentDelta, OutputParser, ReasoningDelta, render, render_next_user_turn)
+from ds4_mlx.demo import DEMO_NOTE, load_for_cli
+from ds4_mlx.generate import FINISH_ABORT, SamplingParams, stream_generate
+from ds4_mlx.generate_cli import add_sampling_arguments, sampling_from_args
 from ds4_mlx.loader import cache_root
 from ds4_mlx.session import Session
 
@@ -132,13 +133,40 @@ class Conversation:
         if entry is None or not self.disk.load(self.session, entry):
             return False
         self.transcript, self.saved = list(self.session.tokens), entry
-        self.turns = max(self.turns, 1)
+        self.system, self.messages = self._conversation_of(self.transcript)
+        self.turns = len(self.messages) // 2
         return True
+
+    def _conversation_of(self, ids) -> tuple:
+        """(system, messages) of a transcript, split at the template's control ids (client text in it is
+        plain text, so only the template wrote those): BOS system, then <｜User｜> question
+        <｜Assistant｜> answer, each answer but the last ended by EOS."""
+        markers = {self.tokenizer.id_of(t): t for t in (BOS, USER, ASSISTANT, EOS)}
+        segments, role, start = [], None, 0
+        for i, token in enumerate(list(ids) + [None]):
+            if token is None or token in markers:
+                segments.append((role, ids[start:i]))
+                role, start = markers.get(token), i + 1
+        system, messages = "", []
+        for marker, part in segments:
+            if marker == BOS:
+                system = self.tokenizer.decode(part).removeprefix(THINK_MAX_PREFIX)
+            elif marker == USER:
+                messages.append({"role": "user", "content": self.tokenizer.decode(part)})
+            elif marker == ASSISTANT:
+                text = self.tokenizer.decode(part)
+                thinking = text.startswith(THINK_START)
+                messages.append(self._answer_of(text.removeprefix(THINK_START if thinking else THINK_END), thinking))
+        return system, messages
 
 
     def _answer(self, output_ids) -> dict:
-        parser = OutputParser(thinking=self.thinking)
-        events = parser.feed(self.tokenizer.decode(output_ids)) + parser.finish()
+        return self._answer_of(self.tokenizer.decode(output_ids), self.thinking)
+
+    @staticmethod
+    def _answer_of(text: str, thinking: bool) -> dict:
+        parser = OutputParser(thinking=thinking)
+        events = parser.feed(text) + parser.finish()
         answer = {"role": "assistant", "content": "".join(e.text for e in events if isinstance(e, ContentDelta))}
         reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
         if reasoning:

@@ -70,9 +70,9 @@ class Session:
         return self.logits
 
     def sync_steps(self, prompt_ids):
-        """`sync` one model chunk at a time: yields (done, total) prompt tokens computed after each
-        chunk. Between chunks the session holds a prefix of the prompt and `last_sync` counts the work
-        so far; a rewind deeper than the rings replays before the first chunk."""
+        """`sync` one model chunk at a time: yields (done, total) tokens run through the model after
+        each chunk, the tokens a rewind replays first, then the new ones. Between chunks the session
+        holds a prefix of the prompt and `last_sync` counts the work so far."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
@@ -81,12 +81,12 @@ class Session:
             self.last_sync = {"reused": common, "replayed": 0, "computed": 0}
             return
         target = min(common, len(prompt) - 1)
-        reused, replayed = self._rewind(target)
-        self.last_sync = {"reused": reused, "replayed": replayed, "computed": 0}
-        rest = prompt[target:]
-        for done in self._feed_steps(rest):
-            self.last_sync["computed"] = done
-            yield done, len(rest)
+        replay = len(self._rewind(target))
+        work = prompt[len(self.tokens) :]  # the replayed tokens are the prompt's up to the target
+        self.last_sync = {"reused": len(self.tokens), "replayed": 0, "computed": 0}
+        for done in self._feed_steps(work):
+            self.last_sync.update(replayed=min(done, replay), computed=max(0, done - replay))
+            yield done, len(work)
 
     def step(self, token_id):
         """Append one token; return the next-token logits."""
@@ -96,17 +96,13 @@ class Session:
         """`step` for a token id the device is still computing (an int32 array holding one id, e.g. a
         sampler's lazy draw): the logits come back with their evaluation started, so the caller builds
         this step while the device finishes the last one. Call `settle()` before using the session again."""
+        return step_together([self], token.reshape(1))[0]
+
+    def _stepped(self, token, logits):
         pos = len(self.tokens)
-        try:
-            logits = self.model(token.reshape(1, 1).astype(mx.int32), self.cache, last_only=True)[0, -1]
-        except BaseException:  # as in `_feed`: every layer back at the last token
-            self._undo_chunk(1)
-            raise
         self.tokens.append(token)
         self.logits = logits
-        mx.async_eval(logits, [c.arrays() for c in self.cache])
         self._take_checkpoints(pos, pos + 1)  # the same lanes and full checkpoints as `step`
-        return logits
 
     def settle(self):
         """Wait for the id of the last `step_async` token and record it; return it."""
@@ -119,7 +115,7 @@ class Session:
         if not 0 <= n <= len(self.tokens):
             raise ValueError(f"cannot trim {len(self.tokens)} tokens to {n}")
         if n < len(self.tokens):
-            self._rewind(n)
+            self._feed(self._rewind(n))
 
     def snapshot(self):
         """A handle on the current state: O(1), arrays are shared until either side writes."""
@@ -154,16 +150,17 @@ class Session:
 
     # Internals ----------------------------------------------------------------------------------
     def _rewind(self, target):
-        """Go back to `target` tokens; return (reused, replayed) token counts."""
+        """Go back to `target` tokens: trim in place, or restore the newest checkpoint at or before it (or
+        start over). Returns the tokens to replay from there to reach the target (the caller feeds them)."""
         if target == len(self.tokens):
-            return target, 0
+            return []
         self.logits = None
         self.checkpoints = {p: cp for p, cp in self.checkpoints.items() if p <= target}
         if all(c.can_trim(target) for c in self.cache):
             for c in self.cache:
                 c.trim(target)
             del self.tokens[target:]
-            return target, 0
+            return []
         start = max((q for q, cp in self.checkpoints.items()
                      if all(c.can_restore(layer) for c, layer in zip(self.cache, cp))), default=0)
         replay = self.tokens[start:target]
@@ -172,11 +169,8 @@ class Session:
                 c.restore_checkpoint(cp)
             del self.tokens[start:]
         else:
-            tokens = self.tokens[:target]
             self.reset()
-            replay = tokens
-        self._feed(replay)
-        return start, len(replay)
+        return replay
 
     def _undo_chunk(self, n):
         """A chunk of n tokens failed (an exception or out of memory mid-graph): some layers may have
@@ -230,12 +224,13 @@ class Session:
         every = self.lane_every
         lanes = [q for q in range(start - start % every + every, end + 1, every)
                  if q % self.checkpoint_every] if every else []
-        for q in lanes:
-            self.checkpoints[q] = [c.checkpoint(q, raw=False) for c in self.cache]
-        full = end % self.checkpoint_every == 0
-        if full:
-            self.checkpoints[end] = [c.checkpoint(end) for c in self.cache]
-        if lanes or full:
+        taken = [(q, [c.checkpoint(q, raw=False) for c in self.cache]) for q in lanes]
+        if end % self.checkpoint_every == 0:
+            taken.append((end, [c.checkpoint(end) for c in self.cache]))
+        for q, layers in taken:
+            if None not in layers:  # else a ring lost a row the position needs: no checkpoint there
+                self.checkpoints[q] = layers
+        if taken:
             self._thin(end)
 
     def checkpoint_spacing(self, distance):
@@ -251,3 +246,21 @@ class Session:
                     del self.checkpoints[q]
             elif q % self.checkpoint_spacing(end - q):
                 del self.checkpoints[q]
+
+
+def step_together(sessions, tokens):
+    """`Session.step_async` for several sessions of one model in one forward (`Model.decode_batch`):
+    `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their evaluation
+    started; call each session's `settle()` before using it again."""
+    if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
+        raise ValueError("step_together takes distinct sessions of one model")
+    try:
+        logits = sessions[0].model.decode_batch(tokens.astype(mx.int32), [s.cache for s in sessions])
+    except BaseException:  # as in `_feed`: every layer of every session back at its last token
+        for s in sessions:
+            s._undo_chunk(1)
+        raise
+    for b, s in enumerate(sessions):
+        s._stepped(tokens[b], logits[b])
+    mx.async_eval(logits, [c.arrays() for s in sessions for c in s.cache])
+    return logits

@@ -95,13 +95,20 @@ class Tokenizer:
 
     def encode(self, text: str) -> list:
         """Token ids of `text`. A rendered `ds4_mlx.chat.Prompt` maps control-token strings to their ids
-        only inside the template's spans (client text that spells one stays plain text); any other
-        string maps them wherever they occur, as the official encoder does."""
+        only inside the template's spans (client text that spells one stays plain text) and gives a
+        sampled answer its sampled ids; any other string maps them wherever they occur, as the official
+        encoder does."""
         spans = getattr(text, "template_spans", None)
         if spans is None:
             return _encode(self._tok, text)
+        # a sampled answer (`ds4_mlx.chat.Sampled`) is the ids the model sampled, not its text re-encoded
+        boundaries = sorted([(start, end, None) for start, end in spans] + list(text.sampled_spans))
         ids, plain_from = [], 0
-        for start, end in spans:
+        for start, end, sampled_ids in boundaries:
+            if sampled_ids is not None:
+                ids += self._encode_plain(text[plain_from:start]) + list(sampled_ids)
+                plain_from = end
+                continue
             for match in self._control_pattern.finditer(text, start, end):
                 ids += self._encode_plain(text[plain_from:match.start()])
                 ids.append(self._control_ids[match.group()])

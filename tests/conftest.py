@@ -1,4 +1,6 @@
-"""Shared fixtures: MLX on the CPU, and tiny GGUF models written once per test session."""
+"""Shared fixtures: MLX on the CPU, tiny GGUF models written once per test session, the demo model, and
+the demo model served for a test module. Helpers that are not fixtures (a server of given options, a
+served process, waiting for /health, cold-prefill logits) are in `ds4_mlx.tools.testing`."""
 
 import os
 import sys
@@ -8,7 +10,7 @@ import pytest
 
 mx.set_default_device(mx.cpu)
 
-# seeds of `ds4_mlx.testing.tiny_args`: 0 is the fixed tiny shape, the others draw other shapes
+# seeds of `ds4_mlx.tools.testing.tiny_args`: 0 is the fixed tiny shape, the others draw other shapes
 TINY_SEEDS = [0, 2, 4]
 
 
@@ -16,7 +18,7 @@ TINY_SEEDS = [0, 2, 4]
 def tiny_models(tmp_path_factory):
     """{seed: (gguf path, transformers model, ModelArgs)}, built lazily (needs torch + transformers)."""
     pytest.importorskip("transformers")
-    from ds4_mlx.testing import tiny_args, write_tiny_gguf
+    from ds4_mlx.tools.testing import tiny_args, write_tiny_gguf
 
     folder = tmp_path_factory.mktemp("tiny_gguf")
     built = {}
@@ -35,6 +37,41 @@ def tiny_models(tmp_path_factory):
 def tiny_gguf(request, tiny_models):
     """(gguf path, transformers model, ModelArgs) for each of the tiny configs."""
     return tiny_models(request.param)
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The demo model's (model, tokenizer), loaded once."""
+    from ds4_mlx.demo import load_for_cli
+
+    return load_for_cli(None)[:2]
+
+
+@pytest.fixture(scope="module")
+def bg(request):
+    """The demo model served in the background for one test module: `demo_server` with the module's
+    `SERVER_OPTIONS` (a dict), if it has one."""
+    from ds4_mlx.server.build import BackgroundServer
+    from ds4_mlx.tools.testing import demo_server
+
+    with BackgroundServer(demo_server(**getattr(request.module, "SERVER_OPTIONS", {}))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def oai(bg):
+    """An OpenAI SDK client of `bg` (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(bg):
+    """An Anthropic SDK client of `bg`."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=bg.url, api_key="-", max_retries=0)
 
 
 _exit_status = []

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ds4_mlx.generate import load_for_cli
-from ds4_mlx.scripted import ScriptedModel, Turn
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.tools.scripted import ScriptedModel, Turn
+from ds4_mlx.server.build import BackgroundServer
+from ds4_mlx.tools.testing import demo_server
 
 BIN = Path(__file__).resolve().parent.parent / ".clients" / "node_modules" / ".bin"
 REUSE_SLACK = 128
@@ -45,8 +45,7 @@ def workdir(tmp_path):
 
 
 def serve(model: ScriptedModel):
-    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=32768, sessions=2,
-                          budget_bytes=2**33, generate=model.generate)
+    server = demo_server(ctx=32768, sessions=2, budget_bytes=2**33, generate=model.generate)
     return BackgroundServer(server)
 
 

@@ -6,30 +6,15 @@ import base64
 import json
 import logging
 
-import anthropic
 import openai
 import pytest
 import requests
 
-from ds4_mlx.generate import load_for_cli
-from ds4_mlx.server.build import BackgroundServer, build_server
-from ds4_mlx.testing import live_text
+from ds4_mlx.tools.testing import live_text
 
 MODEL = "deepseek-v4-flash"
 CAP = 24
-
-
-@pytest.fixture(scope="module")
-def bg():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=2, budget_bytes=2**32,
-                          max_tokens=CAP)
-    with BackgroundServer(server) as bg:
-        yield bg
-
-
-@pytest.fixture(scope="module")
-def claude(bg):
-    return anthropic.Anthropic(base_url=bg.url, api_key="-", max_retries=0)
+SERVER_OPTIONS = {"sessions": 2, "max_tokens": CAP}  # the `bg` fixture's
 
 
 def post_messages(bg, body: dict, **kwargs):
@@ -151,11 +136,6 @@ def test_a_contentless_block_of_an_unknown_type_is_skipped_and_a_tool_reference_
 # ---------------------------------------------------------------- OpenAI completions and chat
 
 
-@pytest.fixture(scope="module")
-def oai(bg):
-    return openai.OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
-
-
 def test_completions_complete_raw_text(bg, oai):
     done = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2, temperature=0)
     tokenizer = bg.server.worker.tokenizer
@@ -260,3 +240,88 @@ def test_response_format_json_schema_is_enforced(oai):
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectish"}}})
+
+
+# ---------------------------------------------------------------- inputs this server cannot honour are refused
+
+IMAGE_URL = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                                       IMAGE_URL]}]}, "reads text only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "reads text only"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "What is it?"}, {"type": "input_image", "image_url": "data:,"}]}]},
+     "reads text only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "missing required field 'content'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "has no tools"),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "function", "name": "f"}}, "has no tools"),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                      "tool_choice": {"type": "any"}}, "has no tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "bogus"},
+     "reasoning_effort must be one of"),
+    ("/v1/responses", {"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning_effort must be one of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "store": True}, "'store'"),
+    ("/v1/responses", {"input": "hi", "store": True}, "'store'"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "'best_of'"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "'suffix'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}},
+     "'logit_bias'"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "'logit_bias'"),
+])
+def test_what_the_server_cannot_honour_is_a_400(bg, path, body, words):
+    response = requests.post(bg.url + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=60)
+    assert response.status_code in (400, 422), response.text
+    assert words in response.text
+
+
+def test_what_clients_send_by_default_stays_accepted(oai):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, store=False, tool_choice="auto",
+                                reasoning_effort="low")
+    oai.completions.create(model=MODEL, prompt="hi", max_tokens=1, best_of=1)
+
+
+def test_logit_bias_steers_the_draw(bg, oai):
+    tokenizer = bg.server.worker.tokenizer
+    target = tokenizer.encode(" zebra")[0]
+    done = oai.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0,
+                                  logit_bias={str(target): 100})
+    assert done.choices[0].text == tokenizer.decode([target] * 3)
+    chat = oai.chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logit_bias={str(target): 100, "999999999": -100})  # no such token: no effect
+    assert chat.choices[0].message.content == tokenizer.decode([target] * 2)
+
+
+def test_tokenize_honours_add_special_and_parse_special(bg):
+    tokenizer = bg.server.worker.tokenizer
+
+    def tokenize(**body):
+        response = requests.post(bg.url + "/tokenize", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    text = "<｜User｜>hi"
+    as_is = tokenize(content=text)
+    assert as_is == tokenizer.encode(text) and len(as_is) == 2  # the control token and "hi"
+    plain = tokenize(content=text, parse_special=False)
+    assert tokenizer.id_of("<｜User｜>") not in plain and tokenizer.decode(plain) == text
+    assert tokenize(content=text, add_special=True) == [tokenizer.bos_id] + as_is
+
+
+def test_a_stop_string_ends_the_content_never_the_reasoning(bg, oai):
+    blank_line = bg.server.worker.tokenizer.encode("\n\n")
+    assert len(blank_line) == 1
+    request = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stop=["\n\n"],
+                   logit_bias={str(blank_line[0]): 100})  # every token a blank line
+    thought = oai.chat.completions.create(model=MODEL, **request)
+    assert thought.choices[0].finish_reason == "length"
+    assert thought.choices[0].message.model_extra["reasoning_content"] == "\n\n" * 4
+    direct = oai.chat.completions.create(model="deepseek-chat", **request)
+    assert direct.choices[0].finish_reason == "stop" and direct.choices[0].message.content == ""
+    assert direct.usage.completion_tokens == 1

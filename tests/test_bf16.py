@@ -14,7 +14,8 @@ import mlx.core as mx
 
 import ds4_mlx
 from ds4_mlx.models.deepseek_v4 import keeps_float32
-from ds4_mlx.testing import gguf_metadata, random_gguf_tensors, tiny_args, write_gguf
+from ds4_mlx.demo import random_gguf_tensors
+from ds4_mlx.tools.testing import gguf_metadata, tiny_args, write_gguf
 
 N_TOKENS = 300
 
@@ -57,7 +58,7 @@ def test_bf16_routed_tiny_configs(tiny_gguf):
 
 
 def test_cast_keeps_the_float32_parameters():
-    from ds4_mlx.bench import random_model
+    from ds4_mlx.tools.random_model import random_model
     from mlx.utils import tree_flatten
 
     model = random_model(tiny_args(0)).cast(mx.bfloat16)

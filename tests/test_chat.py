@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from ds4_mlx.chat import (ContentDelta, OutputParser, ReasoningDelta, ToolCall, render,
+from ds4_mlx.chat import (ContentDelta, MalformedBlock, OutputParser, Sampled, ReasoningDelta, ToolCall, render,
                           render_next_user_turn, render_tool_calls)
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
@@ -118,11 +118,22 @@ def test_tool_context_keeps_old_reasoning_even_without_tools():
         f"{A}<think>r2</think>a1{E}{U}q2{A}<think>")
 
 
-def test_exact_dsml_replay_and_attribute_escaping():
+def test_a_sampled_answer_is_rendered_as_its_ids_while_the_message_says_the_same():
+    calls = [{"function": {"name": "f", "arguments": '{"x": 1}'}}]
+    sampled = Sampled("a\n\n<RAW BLOCK>", [7, 8, 9], thinking=False, reasoning="", content="a",
+                      calls=[("f", {"x": 1})])
     messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": "", "dsml": "<RAW>",
-                 "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
-    assert render(messages, thinking=False) == f"{B}{U}q{A}</think><RAW>{E}"
+                {"role": "assistant", "content": "a", "tool_calls": calls, "sampled": sampled}]
+    prompt = render(messages, thinking=False)
+    assert prompt == f"{B}{U}q{A}</think>a\n\n<RAW BLOCK>{E}" and not prompt.replay_notes
+    assert prompt.sampled_spans == ((len(f"{B}{U}q{A}</think>"), len(prompt) - len(E), (7, 8, 9)),)
+    edited = render([messages[0], {**messages[1], "content": "b"}], thinking=False)
+    assert "<RAW BLOCK>" not in edited and not edited.sampled_spans and "edited" in edited.replay_notes[0]
+    thought = Sampled("r</think>a", [5], thinking=True, reasoning="r", content="a", calls=[])
+    later = [messages[0], {"role": "assistant", "content": "a", "reasoning_content": "r", "sampled": thought},
+             {"role": "user", "content": "more"}]
+    assert "drops an earlier turn's reasoning" in render(later).replay_notes[0]
+    assert render(later[:2]).sampled_spans  # the last turn keeps its reasoning: its ids
     block = render_tool_calls([{"function": {"name": 'a"<b>&', "arguments": '{"k\\"": 1.5}'}}])
     assert '<｜DSML｜invoke name="a&quot;&lt;b&gt;&amp;">' in block
     assert '<｜DSML｜parameter name="k&quot;" string="false">1.5</｜DSML｜parameter>' in block
@@ -219,12 +230,16 @@ MALFORMED = [
 
 
 @pytest.mark.parametrize("block", MALFORMED)
-def test_malformed_dsml_stays_text(block):
+def test_malformed_dsml_is_left_out_of_the_content(block):
     text = "Before.\n\n" + block + " after"
     for cuts in all_cuttings(text, seed=2):
         events = parse(text, cuts, thinking=False, tools=True)
-        assert all(isinstance(e, ContentDelta) for e in events)
-        assert "".join(e.text for e in events) == text
+        if block.startswith("<｜DSML｜"):  # markup: never shown; one never closed takes the rest with it
+            closed = "</｜DSML｜tool_calls>" in block
+            assert events == [ContentDelta("Before."), MalformedBlock("\n\n" + block + ("" if closed else " after"))] \
+                + ([ContentDelta(" after")] if closed else [])
+        else:  # a bare <tool_calls> in prose stays text
+            assert events == [ContentDelta(text)]
 
 
 def test_random_marker_soup_never_raises_and_keeps_all_text():
@@ -236,10 +251,12 @@ def test_random_marker_soup_never_raises_and_keeps_all_text():
         cuts = sorted(rng.sample(range(1, len(text)), min(5, len(text) - 1)))
         parse(text, cuts, thinking=True, tools=True)
         events = parse(text, cuts, thinking=False, tools=True)
-        rebuilt = "".join(e.text if isinstance(e, ContentDelta) else
+        # in order: content, each tool-call block once, and the markup left out: the whole text
+        rebuilt = "".join(e.text if isinstance(e, (ContentDelta, MalformedBlock)) else
                           e.dsml if not (i and isinstance(events[i - 1], ToolCall)) else ""
                           for i, e in enumerate(events))
         assert rebuilt == text
+        assert "<｜DSML｜tool_calls>" not in "".join(e.text for e in events if isinstance(e, ContentDelta))
 
 
 def test_prompt_token_counts_match_the_official_api():

@@ -1,16 +1,17 @@
-"""Constrained decoding over the real tokenizer: the reasoning is free but cannot stop, a forced opening is
-written token by token, then only what the JSON grammar allows, then EOS. Driven by random logits, so
-that only the constraint can make the answer valid."""
+"""Constrained decoding over the real tokenizer: the reasoning is free but cannot stop, then only what the
+grammar (JSON, or a DSML tool call whose parameters follow the tools' schemas) allows, then EOS. Driven by
+random logits, so that only the constraint can make the answer valid."""
 
 import json
 
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.chat import THINK_END
-from ds4_mlx.constrain import OutputConstraint, json_grammar
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.chat import THINK_END, TOOL_CALLS_START, parse_tool_block
+from ds4_mlx.constrain import OutputConstraint, json_grammar, tool_call_grammar
+from ds4_mlx.demo import load_for_cli
 
+OPENING = f"\n\n{TOOL_CALLS_START}\n"
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["x", "y"]}},
           "required": ["ok", "tag"], "additionalProperties": False}
 
@@ -52,20 +53,28 @@ def test_json_schema_after_the_reasoning(tokenizer):
     assert set(value) == {"ok", "tag"} and isinstance(value["ok"], bool) and value["tag"] in ("x", "y")
 
 
-def test_a_forced_opening_names_one_of_the_tools_then_is_free(tokenizer):
-    openings = [f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n'
-                for name in ("get_weather", "get_time")]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+              "type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "days": {"enum": [1, 2, 3]},
+                                               "note": {"const": "a</｜DSML｜parameter>b"}},
+              "required": ["unit"]}}},
+         {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {
+              "ok": {"type": "boolean"}}, "required": ["ok"]}}}]
+
+
+def test_a_forced_tool_call_parses_and_follows_the_schemas(tokenizer):
     for seed in range(3):
-        constraint = OutputConstraint(tokenizer, thinking=False, forced=tuple(openings))
-        key, ids = mx.random.key(seed), []
-        while constraint.forced:
-            key, draw = mx.random.split(key)
-            token = int(mx.argmax(constraint.mask(mx.random.normal((tokenizer.vocab_size,), key=draw))).item())
-            constraint.advance(token)
-            ids.append(token)
-        assert tokenizer.decode(ids) in openings
-    logits = mx.random.normal((tokenizer.vocab_size,))
-    assert mx.array_equal(constraint.mask(logits), logits)  # free again
+        constraint = OutputConstraint(tokenizer, thinking=False, grammar=tool_call_grammar(TOOLS, repeat=True))
+        text = run(constraint, tokenizer, seed=seed)
+        assert text.startswith(OPENING)
+        calls = parse_tool_block(text[len(OPENING):-len("</｜DSML｜tool_calls>")], "｜DSML｜")
+        for name, arguments in calls:
+            if name == "get_weather":
+                assert arguments["unit"] in ("C", "F") and arguments.get("days", 1) in (1, 2, 3)
+                assert arguments.get("note", "a</｜DSML｜parameter>b") == "a</｜DSML｜parameter>b"
+            else:
+                assert name == "ping" and isinstance(arguments["ok"], bool)
+    one = OutputConstraint(tokenizer, thinking=False, grammar=tool_call_grammar(TOOLS[1:], repeat=False))
+    assert run(one, tokenizer).count("invoke name=") == 1
 
 
 def test_a_bad_schema_is_a_value_error():

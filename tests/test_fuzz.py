@@ -10,11 +10,12 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings, strategies as st
 from schemathesis import GenerationMode
 
-from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, ToolCall
-from ds4_mlx.generate import load_for_cli, stream_generate
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.chat import ContentDelta, MalformedBlock, OutputParser, ReasoningDelta, ToolCall
+from ds4_mlx.generate import stream_generate
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.openapi import openapi_spec
 from ds4_mlx.server.protocol import ServerInfo
+from ds4_mlx.tools.testing import demo_server
 
 MODEL = "deepseek-v4-flash"
 CTX = 512
@@ -33,8 +34,7 @@ def short_generate(session, tokenizer, prompt_ids, *, max_tokens, **kwargs):
 
 @pytest.fixture(scope="module")
 def url():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1,
-                          budget_bytes=2**32, generate=short_generate)
+    server = demo_server(ctx=CTX, generate=short_generate)
     with BackgroundServer(server) as bg:
         yield bg.url
         assert bg.server.worker._thread.is_alive()  # the worker survived all of it
@@ -176,5 +176,6 @@ def test_the_output_parser_does_not_depend_on_where_the_stream_is_cut(text, cuts
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     whole = events_of(args, [text])
     assert events_of(args, pieces) == whole
-    shown = "".join(e.text if isinstance(e, (ContentDelta, ReasoningDelta)) else e.dsml for e in whole)
-    assert len(shown) <= len(text) and all(isinstance(e, (ContentDelta, ReasoningDelta, ToolCall)) for e in whole)
+    shown = "".join(e.text if isinstance(e, (ContentDelta, ReasoningDelta, MalformedBlock)) else e.dsml for e in whole)
+    assert len(shown) <= len(text) and all(isinstance(e, (ContentDelta, ReasoningDelta, ToolCall, MalformedBlock))
+                                           for e in whole)

@@ -3,10 +3,9 @@
 import re
 
 import mlx.core as mx
-import pytest
 
 from ds4_mlx import SyncInterrupted
-from ds4_mlx.generate import (Sampler, SamplingParams, filter_logits,
+from ds4_mlx.generate import (AnswerStops, Sampler, SamplingParams, filter_logits,
                               stream_generate)
 
 VOCAB = 16
@@ -17,7 +16,8 @@ class ByteTokenizer:
     """Token i decodes to PIECES[i] (bytes), so a character can be split across tokens."""
 
     PIECES = {0: b"<s>", 1: b"</s>", 2: b"ab", 3: b"ST", 4: b"OP", 5: b"cd", 6: "é".encode()[:1],
-              7: "é".encode()[1:], 8: b" ", 9: b"S", 10: b"x"}
+              7: "é".encode()[1:], 8: b" ", 9: b"S", 10: b"x", 11: b"</think>", 12: b"\n\n",
+              13: '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'.encode()}
     eos_id = EOS
 
     def decode(self, ids):
@@ -113,6 +113,17 @@ def test_greedy_and_seeded_sampling():
     assert {sampler(logits) for _ in range(50)} <= top2
 
 
+def test_a_tiny_temperature_is_greedy_and_a_logit_bias_steers_the_draw():
+    logits = mx.random.normal((1000,), key=mx.random.key(0))
+    best = int(mx.argmax(logits).item())
+    for temperature in (1e-45, 1e-6):  # dividing by it gives inf and NaN: drawing from that is garbage
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=2))
+        assert [sampler(logits) for _ in range(5)] == [best] * 5
+    biased = Sampler(SamplingParams(temperature=0, logit_bias={7: 100.0, best: -100.0, 5000: 100.0}))
+    assert biased(logits) == 7  # 5000 is past the vocabulary: no token, no effect
+    assert Sampler(SamplingParams(seed=3, logit_bias={best: -100.0}))(logits) != best
+
+
 # ---------------------------------------------------------------- stream_generate
 
 
@@ -144,6 +155,21 @@ def test_stop_string_inside_one_token_keeps_earlier_tokens():
     check_contract(session, chunks)
 
 
+def test_answer_stop_strings_skip_the_reasoning_and_tool_calls():
+    # "\n\n" in the reasoning, and the blank line that opens a tool-call block, are not the answer's content
+    stops = AnswerStops(["\n\n"], thinking=True, tools=True)
+    session, chunks = run([2, 12, 5, 11, 2, 12, 13, 5, 12, 2, EOS], stop_strings=stops)
+    assert "".join(c.text for c in chunks) == "ab\n\ncd</think>ab\n\n" + ByteTokenizer.PIECES[13].decode() + "cd"
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stats.output_ids == [2, 12, 5, 11, 2, 12, 13, 5]
+    check_contract(session, chunks)
+    # a stop string the parser held back (whitespace that might open a tool call) is found at the end
+    session, chunks = run([11, 5, 12, EOS], stop_strings=stops)
+    assert "".join(c.text for c in chunks) == "</think>cd" and chunks[-1].stats.output_ids == [11, 5]
+    check_contract(session, chunks)
+    session, chunks = run([2, 12, 5, 11, 2, EOS], stop_strings=["\n\n"])  # plain: the whole text
+    assert "".join(c.text for c in chunks) == "ab" and chunks[-1].stats.output_ids == [2]
+
+
 def test_split_character_never_emits_broken_utf8():
     session, chunks = run([2, 6, 7, 8, 6, 7, EOS])
     assert [c.text for c in chunks] == ["ab", "", "é", " ", "", "é", ""]
@@ -169,6 +195,13 @@ def test_abort_between_tokens_and_during_prefill():
     assert [(c.text, c.token, c.finish_reason) for c in chunks] == [
         ("ab", 2, None), ("cd", 5, None), ("", None, "abort")]
     check_contract(session, chunks)
+    # asked while a token is computed (Ctrl+C in the REPL): that token is neither shown nor kept
+    session = ScriptedSession([2, 5, 2, 5])
+    stream = stream_generate(session, ByteTokenizer(), PROMPT, max_tokens=100, sampling=GREEDY,
+                             should_abort=lambda: len(session.tokens) > len(PROMPT) + 1)  # once "cd" is fed
+    chunks = list(stream)
+    assert [(c.text, c.token, c.finish_reason) for c in chunks] == [("ab", 2, None), ("", None, "abort")]
+    check_contract(session, chunks)
     seen = []
     session, chunks = run([2], on_prefill=lambda done, total: seen.append(done) or done == 2)
     assert seen == [1, 2] and session.tokens == PROMPT[:2]
@@ -176,14 +209,6 @@ def test_abort_between_tokens_and_during_prefill():
 
 
 # ---------------------------------------------------------------- with the real Session
-
-
-@pytest.fixture(scope="module")
-def demo():
-    import ds4_mlx
-    from ds4_mlx.demo import demo_model_path
-
-    return ds4_mlx.load(demo_model_path())
 
 
 def test_follow_up_reuses_the_whole_cache(demo):
@@ -248,3 +273,41 @@ def test_generate_command_shows_reasoning_only_when_asked(demo):
     out, err = _generate_cli("-n", "24", "--show-reasoning")
     assert out == "" and reasoning in err
     assert err.splitlines()[-1].startswith("[length: prompt 10 tokens")  # not glued to the reasoning
+
+
+def test_answer_stops_on_random_marker_soup():
+    """What is let through never holds a stop string in its content; a stop is reported exactly where one
+    begins in the content; text cut anywhere gives the same result."""
+    import random
+
+    from ds4_mlx.chat import ContentDelta, OutputParser
+    from ds4_mlx.generate import StopStringWatcher
+
+    def content(text, thinking, tools):
+        parser = OutputParser(thinking=thinking, tools=tools)
+        return "".join(e.text for e in parser.feed(text) + parser.finish() if isinstance(e, ContentDelta))
+
+    rng = random.Random(4)
+    pieces = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", '<｜DSML｜invoke name="f">', "</｜DSML｜invoke>",
+              "</think>", "\n\n", "\n", " ", "ab", "x", "S", "TOP"]
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 25)))
+        thinking, tools = rng.random() < 0.5, rng.random() < 0.5
+        stops = AnswerStops(rng.choice([["\n\n"], ["STOP"], ["x\n", "b "]]), thinking=thinking, tools=tools)
+        results = set()
+        for _ in range(3):
+            watcher, released, start = StopStringWatcher(stops), "", 0
+            for cut in sorted(rng.sample(range(len(text) + 1), min(4, len(text) + 1))) + [len(text)]:
+                released += watcher.add(text[start:cut])
+                start = cut
+                if watcher.stop_at is not None:
+                    break
+            released += watcher.flush()
+            results.add((released, watcher.stop_at))
+            assert text.startswith(released)
+            assert not any(s in content(released, thinking, tools) for s in stops)
+            if watcher.stop_at is None:
+                assert released == text
+            else:
+                assert released == text[:watcher.stop_at] and any(text.startswith(s, watcher.stop_at) for s in stops)
+        assert len(results) == 1, (text, results)

@@ -3,6 +3,8 @@ the GPU backend that runs it (Metal or CUDA; skipped where MLX has no GPU, as on
 run is in docs/PERFORMANCE.md), and the per-backend choices of `deepseek_v4` (attention, expert
 products) against each other, on any device."""
 
+import os
+
 import mlx.core as mx
 import pytest
 
@@ -104,8 +106,8 @@ def test_attention_paths_agree(monkeypatch, T, K):
 def test_expert_paths_agree(monkeypatch, dtype):
     """The per-expert loop (rows rounded up to 16 in half precision) and sorted gather_qmm give the same
     routed outputs (4-bit experts)."""
-    from ds4_mlx.bench import random_model
-    from ds4_mlx.testing import tiny_args
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
 
     model = random_model(tiny_args(0, num_hash_layers=0), expert_bits=4, dtype=dtype)
     moe = model.layers[0].ffn
@@ -129,29 +131,12 @@ def test_expert_paths_agree(monkeypatch, dtype):
     assert float(mx.abs(regathered - moe._experts(x, chosen)).max()) < tolerance * float(mx.abs(regathered).max())
 
 
-def test_grouped_output_projection_float_and_quantized():
-    """`each` (row j through map j) as a batched product, and through gather_qmm when quantized."""
-    from ds4_mlx.models.deepseek_v4 import SwitchLinear
-
-    k1, k2 = mx.random.split(mx.random.key(3))
-    linear = SwitchLinear(4, 64, 32)
-    linear.weight = mx.random.normal(linear.weight.shape, key=k1)
-    x = mx.random.normal((5, 4, 64), key=k2)
-    want = mx.stack([x[:, j] @ linear.weight[j].T for j in range(4)], axis=1)
-    assert float(mx.abs(linear.each(x) - want).max()) < 1e-4
-    quantized = linear.to_quantized(group_size=32, bits=8)
-    quantized.weight, quantized.scales, quantized.biases = mx.quantize(linear.weight, 32, 8)
-    dequantized = mx.dequantize(quantized.weight, quantized.scales, quantized.biases, 32, 8)
-    want = mx.stack([x[:, j] @ dequantized[j].T for j in range(4)], axis=1)
-    assert float(mx.abs(quantized.each(x) - want).max()) < 1e-3
-
-
 def test_compiled_parts_see_new_parameters():
     """The compiled projections and MoE read the module's parameters at every call, not at tracing."""
     from mlx.utils import tree_flatten
 
-    from ds4_mlx.bench import random_model
-    from ds4_mlx.testing import tiny_args
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
 
     args = tiny_args(0)
     model, other = random_model(args, seed=0), random_model(args, seed=1)
@@ -167,9 +152,9 @@ def test_compiled_parts_see_new_parameters():
 def test_indexer_tiles_do_not_change_the_logits(monkeypatch):
     import numpy as np
 
-    from ds4_mlx.bench import random_model
+    from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.models import deepseek_v4 as dv
-    from ds4_mlx.testing import tiny_args
+    from ds4_mlx.tools.testing import tiny_args
 
     model = random_model(tiny_args(0), seed=0)
     ids = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, 300)), dtype=mx.int32)
@@ -226,3 +211,164 @@ def test_routed_experts_kernel_reads_whole_word_formats_only():
     assert not kernels._fits(quantized_experts(4, 64, 128, 3, 64, mx.float16, keys[0]), rows=2)
     for bits, key in zip((2, 4, 8), keys[1:]):
         assert kernels._fits(quantized_experts(4, 64, 128, bits, 64, mx.float16, key), rows=2)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+def test_kernels_pass_their_self_checks():
+    """On a GPU every kernel with a launch there passes its self-check (else the tests above would
+    compare the definition with itself)."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        kind = kernels.backend()
+        for kernel in (kernels.HC_MIX, kernels.DECODE_ATTENTION, kernels.HC_PROJECT, kernels.ROUTED_EXPERTS,
+                       *kernels.GGUF_ROWS.values(), *kernels.GGUF_DEQUANTIZE.values()):
+            if kind in kernel.launches:
+                assert kernel.backend() == kind, kernel.name
+    finally:
+        mx.set_default_device(previous)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the self-check and the switch, on any device: a fake backend whose hc_mix launch is injected
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """A backend named "fake" for the default device; kernels start unchecked and switched on."""
+    monkeypatch.setattr(kernels, "backend", lambda: "fake")
+    monkeypatch.setattr(kernels.HC_MIX, "verdicts", {})
+    monkeypatch.setattr(kernels, "_enabled", True)
+    return lambda launch: monkeypatch.setitem(kernels.HC_MIX.launches, "fake", launch)
+
+
+def _tiny_logits(model, n=12):
+    ids = mx.array([[(7 * i) % model.args.vocab_size for i in range(n)]], dtype=mx.int32)
+    cache = model.make_cache()
+    outs = [model(ids[:, :n - 4], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(n - 4, n)]
+    return mx.concatenate(outs, axis=1)  # a prefill, then decoded tokens (compiled graphs)
+
+
+def _plain_logits(model):
+    kernels.use_kernels(False)
+    try:
+        return _tiny_logits(model)
+    finally:
+        kernels.use_kernels(True)
+
+
+def test_a_wrong_kernel_turns_itself_off(fake_backend, capsys):
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
+
+    def wrong(mix, scale, base, streams, iters, eps):
+        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+        return x + 1.0, post, comb
+
+    fake_backend(wrong)
+    model = random_model(tiny_args(0))
+    got = _tiny_logits(model)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "custom kernel hc_mix disagrees" in err and "fake" in err
+    assert kernels.HC_MIX.verdicts == {"fake": False}
+    assert mx.array_equal(got, _plain_logits(model)).item()
+    _tiny_logits(model)
+    assert capsys.readouterr().err == ""  # checked once a process and backend
+
+
+def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):
+    """A kernel right on its self-check's sizes but wrong at the model's: on, it changes the answer,
+    compiled decode graphs included; switched off, every graph runs the definition again."""
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
+
+    def wrong_when_wide(mix, scale, base, streams, iters, eps):
+        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+        return (x + 1.0 if streams.shape[-1] > 64 else x), post, comb
+
+    fake_backend(wrong_when_wide)
+    args = tiny_args(0, hidden_size=128)
+    plain = _plain_logits(random_model(args))  # a model of its own: its own compiled graphs
+    model = random_model(args)
+    with_kernel = _tiny_logits(model)  # compiles the decode graphs with the kernel in them
+    assert kernels.HC_MIX.verdicts == {"fake": True} and capsys.readouterr().err == ""
+    assert not mx.allclose(with_kernel[:, -1], plain[:, -1]).item()
+    assert mx.array_equal(_plain_logits(model), plain).item()
+
+
+def test_the_switch_keeps_the_algorithm(monkeypatch):
+    """Switching kernels off swaps kernels for their definitions only: the per-backend choices stay."""
+    from ds4_mlx.models import deepseek_v4 as dv
+
+    monkeypatch.delenv("DS4_MLX_EXPERT_PATH", raising=False)
+    monkeypatch.delenv("DS4_MLX_ATTENTION", raising=False)
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(dv, "backend", lambda: "cuda")
+    on = (dv.expert_path(), dv.attention_path(16))
+    kernels.use_kernels(False)
+    try:
+        assert (dv.expert_path(), dv.attention_path(16)) == on == ("loop", "matmul")
+    finally:
+        kernels.use_kernels(True)
+
+
+def test_no_kernels_flag(monkeypatch, tmp_path, capsys):
+    from ds4_mlx import cli
+
+    monkeypatch.setattr(kernels, "_enabled", True)
+    monkeypatch.setenv("DS4_MLX_KERNELS", "1")
+    assert cli.main(["--no-kernels", "convert", str(tmp_path / "none.gguf"), str(tmp_path / "out"), "--quiet"]) == 1
+    assert "no such file" in capsys.readouterr().err
+    assert not kernels._enabled and os.environ["DS4_MLX_KERNELS"] == "0"
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
+@pytest.mark.parametrize("pairs,out,inp", [(6, 2048, 4096), (12, 4096, 2048), (3, 8, 256)])
+def test_gguf_rows_kernel_matches_gguf(codec, pairs, out, inp):
+    """The kernel for routed experts kept in GGUF blocks against the `gguf` package's dequantization."""
+    import numpy as np
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.models import gguf_blocks
+
+    w = gguf_blocks.random_blocks(codec, (16, out, gguf_blocks.row_bytes(codec, inp)), seed=pairs)
+    x = mx.random.normal((pairs, inp), key=mx.random.key(out))
+    indices = mx.random.randint(0, 16, (pairs,), key=mx.random.key(inp)).astype(mx.uint32)
+    got = on_cuda(kernels.gguf_rows, x, w, indices, codec)
+    values = gguf.quants.dequantize(np.array(w), T[codec.upper()])  # [16, out, inp]
+    want = np.einsum("pi,poi->po", np.array(x, np.float64), values[np.array(indices)].astype(np.float64))
+    assert got.shape == (pairs, out) and got.dtype == mx.float32
+    assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_gguf_rows_definition_matches_gguf():
+    """The kernel's definition, on any device, against the `gguf` package (the CUDA test's oracle too)."""
+    import numpy as np
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    for codec in ("iq2_xxs", "q2_k"):
+        x, w, indices, _ = kernels._gguf_rows_sample(codec)
+        values = gguf.quants.dequantize(np.array(w), T[codec.upper()])
+        want = np.einsum("pi,poi->po", np.array(x, np.float64), values[np.array(indices)].astype(np.float64))
+        got = np.array(kernels.gguf_rows_reference(x, w, indices, codec))
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        assert kernels.gguf_rows(x, w, indices, codec) is None  # no kernel on the CPU: the caller's own path
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
+def test_gguf_dequantize_kernel_matches_gguf(codec):
+    import numpy as np
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.models import gguf_blocks
+
+    w = gguf_blocks.random_blocks(codec, (3, 2048, gguf_blocks.row_bytes(codec, 4096)), seed=9)
+    got = on_cuda(kernels.gguf_dequantize, w, codec)
+    assert got.dtype == mx.float32
+    want = gguf.quants.dequantize(np.array(w), T[codec.upper()])
+    assert np.abs(np.array(got) - want).max() <= 1e-6 * np.abs(want).max()  # a fused multiply-add at most

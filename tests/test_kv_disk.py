@@ -14,12 +14,15 @@ from openai import OpenAI
 from ds4_mlx.cache import state as state_module
 from ds4_mlx.cache.store import INDEX, DiskStore, FolderInUse
 from ds4_mlx.chat import render
-from ds4_mlx.generate import SamplingParams, load_for_cli
+from ds4_mlx.demo import load_for_cli
+from ds4_mlx.generate import SamplingParams
 from ds4_mlx.repl import Conversation
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.session import Session
-from test_server_sessions import MODEL, long_conversation, request_lines
+from ds4_mlx.tools.testing import demo_server, long_conversation, request_lines
 from test_session import assert_exact, model_for
+
+MODEL = "deepseek-v4-flash"
 
 
 def folder_bytes(path):
@@ -41,8 +44,7 @@ def random_tokens(model, n, seed):
 
 def serve(disk_dir=None):
     disk = DiskStore(disk_dir, 64) if disk_dir else None
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=1,
-                          budget_bytes=2**32, disk=disk)
+    server = demo_server(ctx=8192, disk=disk)
     return BackgroundServer(server)
 
 
@@ -74,8 +76,7 @@ def test_a_slot_a_fork_takes_over_is_saved_first(tmp_path):
     """A side request forked from a long conversation into the slot of another one: that other
     conversation is what gets saved, not the snapshot that replaces it."""
     disk = DiskStore(tmp_path, 64, min_tokens=64)
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=2,
-                          budget_bytes=2**32, disk=disk)
+    server = demo_server(ctx=8192, sessions=2, disk=disk)
     system = {"role": "system", "content": "Rules: " + " ".join(f"rule{i}" for i in range(130))}
     long_turn = [system, {"role": "user", "content": " ".join(f"fact{i}" for i in range(220))}]
     other = [{"role": "user", "content": " ".join(f"other{i}" for i in range(40))}]
@@ -143,7 +144,7 @@ def test_truncated_file_is_deleted_and_never_used(tmp_path, caplog):
     path = tmp_path / entry.name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     session = Session(model)
-    assert store.restore(session, tokens + [1], 0) == 0
+    assert store.load_longer_prefix(session, tokens + [1], 0) == 0
     assert session.tokens == [] and not path.exists() and entry.name not in store.entries
     assert any(r.levelno == logging.WARNING and entry.name in r.getMessage() for r in caplog.records)
     assert_exact(session, session.sync(tokens + [1]))  # the request goes on, cold
@@ -156,7 +157,7 @@ def test_a_file_of_another_model_config_is_never_loaded(tmp_path):
         entry = store.save(filled(model_for(0), tokens), "evict")
         session = Session(other)
         assert store.find(other, tokens) is None
-        assert store.restore(session, tokens, 0) == 0 and session.tokens == []
+        assert store.load_longer_prefix(session, tokens, 0) == 0 and session.tokens == []
         assert not (tmp_path / entry.name).exists()  # deleted as foreign
     # and a foreign file put in the folder by hand is refused at load time too
     entry = DiskStore(tmp_path / "a", 16, min_tokens=64).save(filled(model_for(3), tokens[:200]), "evict")
@@ -177,7 +178,7 @@ def test_hit_extends_and_rewinds_exactly_and_survives_a_reopen(tmp_path):
         found = store.find(model, prompt)
         assert found is not None and found[1] == (400 if len(prompt) > 400 else 256)
         session = Session(model, checkpoint_every=64, max_chunk=32)
-        assert store.restore(session, prompt, 0) == found[1]
+        assert store.load_longer_prefix(session, prompt, 0) == found[1]
         logits = session.sync(prompt)
         assert session.last_sync["replayed"] + session.last_sync["computed"] <= 128 + 3
         assert_exact(session, logits)
@@ -203,7 +204,7 @@ def test_budget_holds_at_every_moment_and_the_shared_prefix_survives(tmp_path, m
     for i in range(12):  # requests that start with the shared prefix
         clock[0] += 60
         prompt = system + random_tokens(model, 50, 50 + i)
-        assert store.restore(Session(model, checkpoint_every=64, max_chunk=32), prompt, 0) == len(system)
+        assert store.load_longer_prefix(Session(model, checkpoint_every=64, max_chunk=32), prompt, 0) == len(system)
     written = 0
     for i in range(12):  # then long one-off conversations, all more recent than the prefix's last use
         clock[0] += 60

@@ -2,14 +2,13 @@
 one server on the demo model. No errors, and every completed answer equals the same request sent alone
 to a fresh server."""
 
-from ds4_mlx.generate import load_for_cli
-from ds4_mlx.server.build import BackgroundServer, build_server
-from ds4_mlx.server.load_bench import conversations, lone_answers, run_clients, summary
+from ds4_mlx.server.build import BackgroundServer
+from ds4_mlx.tools.bench_load import conversations, lone_answers, run_clients, summary
+from ds4_mlx.tools.testing import demo_server
 
 
 def background_server(sessions):
-    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=4096,
-                          sessions=sessions, budget_bytes=2**32)
+    server = demo_server(sessions=sessions)
     return BackgroundServer(server)
 
 
@@ -32,14 +31,12 @@ def test_hostile_attacks_are_answered_and_bounded(monkeypatch):
     """`bench load --hostile`'s attacks at a small scale: each is answered as designed, /health never fails."""
     import os
 
-    from ds4_mlx.server import load_bench
+    from ds4_mlx.tools import bench_load as load_bench
 
     monkeypatch.setattr(load_bench, "SLOW_CONNECTIONS", 20)
     monkeypatch.setattr(load_bench, "SLOW_SECONDS", 60.0)  # a bound: the server closes them after 1 s
     monkeypatch.setattr(load_bench, "ABORTED_REQUESTS", 5)
-    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=4096, sessions=1,
-                          budget_bytes=2**32, idle_timeout_s=1.0)
-    with BackgroundServer(server) as bg:
+    with BackgroundServer(demo_server(idle_timeout_s=1.0)) as bg:
         hostile = load_bench.Hostile(bg.url, os.getpid())
         hostile.start()
         for thread in hostile.threads[1:]:  # the attacks end by themselves; then the prober stops

@@ -1,6 +1,6 @@
 """The MLX model against transformers' DeepseekV4 (fp32, every ds4 simulation off).
 
-A random transformers tiny model is written to GGUF in ds4 names (`ds4_mlx.testing`), loaded with
+A random transformers tiny model is written to GGUF in ds4 names (`ds4_mlx.tools.testing`), loaded with
 `ds4_mlx.load(..., quant_sim=False)`, and both must give the same logits over 300 tokens: enough for
 the sliding window ring to wrap many times, several HCA rows, and more CSA rows than the indexer keeps.
 """
@@ -83,14 +83,18 @@ def test_configs_exercise_every_path(tiny_gguf, reference):
     assert logits.std(axis=-1).min() > 0.3
 
 
+def assert_close_to_oracle(got, expected):
+    diff = np.abs(got - expected)
+    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+
+
 def test_logits_match_transformers(tiny_gguf, reference):
     path, _, _ = tiny_gguf
     ids, expected, _ = reference
     model = load(path, quant_sim=False)
     got = np.array(model(mx.array(ids[None], dtype=mx.int32))[0])
     assert got.shape == expected.shape
-    diff = np.abs(got - expected)
-    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+    assert_close_to_oracle(got, expected)
 
 
 def test_chunked_cache_matches_transformers(tiny_gguf, reference):
@@ -105,8 +109,7 @@ def test_chunked_cache_matches_transformers(tiny_gguf, reference):
         outs.append(np.array(model(mx.array(ids[None, start:end], dtype=mx.int32), cache=cache)[0]))
         start = end
     got = np.concatenate(outs)
-    diff = np.abs(got - expected)
-    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+    assert_close_to_oracle(got, expected)
 
 
 def test_chunk_longer_than_the_rings_matches_transformers(tiny_gguf, reference):
@@ -118,8 +121,7 @@ def test_chunk_longer_than_the_rings_matches_transformers(tiny_gguf, reference):
     assert max(r.capacity for c in cache for r in c.rings()) < 150
     got = np.concatenate([np.array(model(mx.array(ids[None, i : i + 150], dtype=mx.int32), cache=cache)[0])
                           for i in range(0, len(ids), 150)])
-    diff = np.abs(got - expected)
-    assert diff.max() <= ATOL, f"max |diff| {diff.max():.2e} first at token {int(np.argmax(diff.max(-1) > ATOL))}"
+    assert_close_to_oracle(got, expected)
 
 
 def relative_rms(a, b):
@@ -130,7 +132,8 @@ def test_quant_sim_changes_logits_a_little(tmp_path):
     """FP8 KV + F16 rows (quant_sim=True) against plain float, on a config without discrete choices
     (all MoE layers hash-routed, indexer top-k above the row count), so the effect stays continuous.
     Measured on seeds 0-5: relative RMS 0.029-0.046 (the ~3 % rounding noise of E4M3), max |diff| <= 0.55."""
-    from ds4_mlx.testing import gguf_metadata, random_gguf_tensors, tiny_args, write_gguf
+    from ds4_mlx.demo import random_gguf_tensors
+    from ds4_mlx.tools.testing import gguf_metadata, tiny_args, write_gguf
 
     args = tiny_args(0, num_hash_layers=6, index_topk=512)
     path = write_gguf(tmp_path / "continuous.gguf", gguf_metadata(args), random_gguf_tensors(args, seed=0))

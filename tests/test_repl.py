@@ -11,14 +11,6 @@ from ds4_mlx.generate import SamplingParams
 from ds4_mlx.repl import Conversation
 
 
-@pytest.fixture(scope="module")
-def demo():
-    import ds4_mlx
-    from ds4_mlx.demo import demo_model_path
-
-    return ds4_mlx.load(demo_model_path())
-
-
 def test_five_turns_compute_only_the_new_turn(demo):
     from ds4_mlx import Session
 
@@ -76,3 +68,19 @@ def test_terminal_program(tmp_path, demo):
     finally:
         if child.isalive():
             child.terminate(force=True)
+
+
+def test_a_resumed_conversation_counts_and_saves_all_its_turns(tmp_path, demo):
+    from ds4_mlx import Session
+    from ds4_mlx.cache.store import DiskStore
+
+    model, tokenizer = demo
+    first = Conversation(Session(model), tokenizer, sampling=SamplingParams(seed=2), max_tokens=5,
+                         system="Be brief.", disk=DiskStore(tmp_path, 64, min_tokens=16))
+    for turn, question in enumerate(["Hello!", "Say <｜User｜> plainly.", "Thanks.", "Bye."]):
+        first.thinking = turn == 3  # the last answer keeps its reasoning
+        list(first.ask(question))
+    resumed = Conversation(Session(model), tokenizer, disk=DiskStore(tmp_path, 64, min_tokens=16))
+    assert resumed.resume()
+    assert resumed.turns == 4 and resumed.transcript == first.transcript
+    assert resumed.saved_messages() == first.saved_messages()

@@ -21,14 +21,6 @@ class Screen:
         return text
 
 
-@pytest.fixture(scope="module")
-def demo():
-    import ds4_mlx
-    from ds4_mlx.demo import demo_model_path
-
-    return ds4_mlx.load(demo_model_path())
-
-
 def conversation(demo, **kw):
     from ds4_mlx import Session
 

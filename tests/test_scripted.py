@@ -1,14 +1,12 @@
-"""The scripted model served from a JSON script (`python -m ds4_mlx.scripted`), through the OpenAI SDK:
+"""The scripted model served from a JSON script (`python -m ds4_mlx.tools.scripted`), through the OpenAI SDK:
 a request with tools gets the turn numbered by its tool results, one without tools the side answer."""
 
 import json
-import socket
 import subprocess
-import sys
-import time
 
 import openai
-import requests
+
+from ds4_mlx.tools.testing import serve_process
 
 TOOL = {"type": "function", "function": {"name": "Bash", "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}}}}
@@ -18,22 +16,11 @@ def test_a_script_file_drives_a_tool_loop(tmp_path):
     script = {"turns": [{"reasoning": "Look first.", "calls": [["Bash", {"command": "ls"}]]},
                         {"text": "There is one file."}], "side": "A title"}
     (tmp_path / "script.json").write_text(json.dumps(script))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "ds4_mlx.scripted", str(tmp_path / "script.json"),
-                                "--port", str(port), "--ctx", "4096", "--sessions", "1"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process, url = serve_process(str(tmp_path / "script.json"), "--ctx", "4096", "--sessions", "1",
+                                 command=("-m", "ds4_mlx.tools.scripted"), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["status"] == "ok":
-                    break  # "loading" first: the port is bound before the model loads
-            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout):  # not listening yet, or busy
-                pass
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
         messages = [{"role": "user", "content": "What is here?"}]
         first = client.chat.completions.create(model="deepseek-v4-flash", messages=messages, tools=[TOOL])
         message = first.choices[0].message

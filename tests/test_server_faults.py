@@ -10,11 +10,11 @@ import pytest
 import requests
 from openai import OpenAI
 
-from ds4_mlx.bench import random_model
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.session import Session
-from ds4_mlx.testing import tiny_args
+from ds4_mlx.tools.random_model import random_model
+from ds4_mlx.tools.testing import answer_text, cold_answer, cold_logits, tiny_args
 
 MODEL = "deepseek-v4-flash"
 
@@ -44,15 +44,11 @@ class FailingLayer:
         return self.layer(streams, ids, cache, quant_sim)
 
 
-def cold_logits(model, tokens):
-    return Session(model, rewind_slack=0, checkpoint_every=10**9, max_chunk=37).sync(tokens)
-
-
 def assert_consistent_and_exact(session, logits_after=None):
     assert all(c.pos == len(session.tokens) for c in session.cache)
     logits = logits_after if logits_after is not None else session.sync(session.tokens + [7])
     tokens = session.tokens
-    assert float(mx.abs(logits - cold_logits(session.model, tokens)).max()) <= 1e-4
+    assert float(mx.abs(logits - cold_logits(session.model, tokens, max_chunk=37)).max()) <= 1e-4
 
 
 @pytest.mark.parametrize("mode", ["after", "inside"])
@@ -120,15 +116,6 @@ def served_with_failing_layer(mode="after"):
         yield bg, holder["failing"]
 
 
-def cold_answer(messages, max_tokens):
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=1, budget_bytes=2**32)
-    with BackgroundServer(server) as bg:
-        client = OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
-        done = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens)
-        message = done.choices[0].message
-        return (getattr(message, "reasoning_content", None) or "") + (message.content or "")
-
-
 def long_messages():
     return [{"role": "user", "content": "Count: " + " ".join(f"n{i}" for i in range(300))}]
 
@@ -159,7 +146,5 @@ def test_the_server_answers_500_in_the_api_shape_and_the_next_request_is_exact()
         assert all(c.pos == len(slot.tokens) for c in slot.session.cache)
 
         done = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)
-        message = done.choices[0].message
-        warm = (getattr(message, "reasoning_content", None) or "") + (message.content or "")
         assert done.usage.prompt_tokens_details.cached_tokens > 0  # the computed prefix was kept
-    assert warm == cold_answer(messages, 12)
+    assert answer_text(done) == cold_answer(model=MODEL, messages=messages, temperature=0, max_tokens=12)

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import anthropic
 import openai
@@ -16,21 +15,17 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from ds4_mlx.generate import load_for_cli
+from ds4_mlx.demo import load_for_cli
 from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.server.middleware import Access
+from ds4_mlx.tools.testing import demo_server, wait_healthy
 
 KEY = "secret-key"
 ORIGIN = "http://localhost:5173"
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
-@pytest.fixture(scope="module")
-def bg():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=4096, sessions=1,
-                          budget_bytes=2**32, access=Access(api_keys=(KEY,), cors_origins=(ORIGIN,)))
-    with BackgroundServer(server) as bg:
-        yield bg
+SERVER_OPTIONS = {"access": Access(api_keys=(KEY,), cors_origins=(ORIGIN,))}  # the `bg` fixture's
 
 
 def test_api_key_bearer_and_x_api_key(bg):
@@ -130,10 +125,7 @@ def test_served_while_loading():
         assert message.status_code == 503 and message.json()["type"] == "error"
         assert 'ds4_mlx_ready 0.0' in requests.get(bg.url + "/metrics").text
         release.set()
-        deadline = time.monotonic() + 60
-        while requests.get(bg.url + "/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_healthy(bg.url)
         assert requests.post(bg.url + "/v1/chat/completions",
                              json={"messages": HELLO, "max_tokens": 1}).status_code == 200
 
@@ -217,9 +209,7 @@ def test_log_line_says_hit_partial_hit_or_miss_in_words():
 
 def test_max_tokens_caps_every_request():
     """`serve --max-tokens 2`: a request asking for more (or for nothing) stops at 2, as length."""
-    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=4096, sessions=1,
-                          budget_bytes=2**32, max_tokens=2)
-    with BackgroundServer(server) as bg:
+    with BackgroundServer(demo_server(max_tokens=2)) as bg:
         oai = openai.OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
         for asked in ({"max_tokens": 10}, {}):
             done = oai.chat.completions.create(model="deepseek-chat", messages=HELLO, temperature=0, **asked)

@@ -2,45 +2,18 @@
 request prefills (counted in the worker's own order of steps, not timed); a short prompt the slot already
 holds is a hit; a prompt sharing a long prefix with another conversation starts from a snapshot of it."""
 
-import contextlib
 import logging
 import threading
 
 from openai import OpenAI
 
 from ds4_mlx.chat import render
-from ds4_mlx.generate import load_for_cli, stream_generate
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.generate import stream_generate
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.slots import MIN_SHARE
+from ds4_mlx.tools.testing import answer_text, cold_answer, demo_server, request_lines, served
 
 MODEL = "deepseek-v4-flash"
-
-
-@contextlib.contextmanager
-def served(*, sessions=2, generate=None):
-    kwargs = {"generate": generate} if generate else {}
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=sessions,
-                          budget_bytes=2**32, **kwargs)
-    with BackgroundServer(server) as bg:
-        yield bg, OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
-
-
-def request_lines(caplog) -> list[dict]:
-    """The figures of the per-request log lines (the `Outcome` each record carries; the line is in words)."""
-    records = [r for r in caplog.records if r.name == "ds4_mlx.server" and hasattr(r, "outcome")]
-    return [{"slot": str(o.slot), "live": str(o.live), "prompt": str(o.prompt_tokens), "reused": str(o.reused),
-             "replayed": str(o.replayed), "computed": str(o.computed), "miss": o.miss or "-", "line": r.getMessage()}
-            for r, o in ((r, r.outcome) for r in records)]
-
-
-def answer_text(done) -> str:
-    message = done.choices[0].message
-    return (getattr(message, "reasoning_content", None) or "") + (message.content or "")
-
-
-def cold_answer(**request) -> str:
-    with served(sessions=1) as (_, client):
-        return answer_text(client.chat.completions.create(**request))
 
 
 def test_a_stream_gets_tokens_between_the_chunks_of_another_prefill():
@@ -52,7 +25,7 @@ def test_a_stream_gets_tokens_between_the_chunks_of_another_prefill():
             yield chunk
 
     long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(600))}]
-    with served(generate=recording) as (bg, client):
+    with served(ctx=8192, sessions=2, generate=recording) as (bg, client):
         tokenizer = bg.server.worker.tokenizer
         long_len = len(tokenizer.encode(render(long_prompt)))
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
@@ -79,7 +52,7 @@ def test_a_stream_gets_tokens_between_the_chunks_of_another_prefill():
 def test_a_short_prompt_the_slot_holds_is_a_hit(caplog):
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
     request = dict(model=MODEL, messages=[{"role": "user", "content": "short question"}], temperature=0)
-    with served(sessions=2) as (bg, client):
+    with served(ctx=8192, sessions=2) as (bg, client):
         first_answer = answer_text(client.chat.completions.create(**request, max_tokens=40))
         again = answer_text(client.chat.completions.create(**request, max_tokens=5))
         first, second = request_lines(caplog)
@@ -94,7 +67,7 @@ def test_a_long_shared_prefix_is_forked_into_a_free_slot_and_is_exact(caplog):
     system = {"role": "system", "content": "Rules: " + " ".join(f"rule{i}" for i in range(150))}
     long_turn = [system, {"role": "user", "content": " ".join(f"fact{i}" for i in range(250))}]
     side = [system, {"role": "user", "content": "a side question"}]
-    with served(sessions=2) as (bg, client):
+    with served(ctx=8192, sessions=2) as (bg, client):
         tokenizer = bg.server.worker.tokenizer
         client.chat.completions.create(model=MODEL, messages=long_turn, temperature=0, max_tokens=4)
         conversation = list(bg.server.worker.slots[0].tokens)
@@ -127,8 +100,7 @@ def test_a_prompt_alone_is_computed_in_long_chunks():
             yield chunk
 
     long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(600))}]
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=8192, sessions=1, budget_bytes=2**32,
-                          generate=recording, prefill_chunk=512, shared_prefill_chunk=64)
+    server = demo_server(ctx=8192, generate=recording, prefill_chunk=512, shared_prefill_chunk=64)
     with BackgroundServer(server) as bg:
         client = OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
         client.chat.completions.create(model=MODEL, messages=long_prompt, temperature=0, max_tokens=1)

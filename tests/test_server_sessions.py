@@ -7,30 +7,12 @@ import threading
 import time
 
 import requests
-from openai import OpenAI
 
 from ds4_mlx.chat import render
-from ds4_mlx.generate import load_for_cli
-from ds4_mlx.server.build import BackgroundServer, build_server
 from ds4_mlx.server.slots import MIN_SHARE, Slot, place
+from ds4_mlx.tools.testing import long_conversation, request_lines, served
 
 MODEL = "deepseek-v4-flash"
-
-
-@contextlib.contextmanager
-def served(*, sessions=2, keepalive_s=5.0, ctx=8192, budget_bytes=2**32):
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=ctx, sessions=sessions,
-                          budget_bytes=budget_bytes, keepalive_s=keepalive_s)
-    with BackgroundServer(server) as bg:
-        yield bg, OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
-
-
-def request_lines(caplog) -> list[dict]:
-    """The figures of the per-request log lines (the `Outcome` each record carries)."""
-    outcomes = [r.outcome for r in caplog.records if r.name == "ds4_mlx.server" and hasattr(r, "outcome")]
-    return [{"slot": str(o.slot), "live": str(o.live), "prompt": str(o.prompt_tokens), "common": str(o.common),
-             "reused": str(o.reused), "replayed": str(o.replayed), "computed": str(o.computed),
-             "gen": str(o.completion_tokens), "finish": o.finish_reason, "miss": o.miss or "-"} for o in outcomes]
 
 
 def streamed_text(stream) -> str:
@@ -42,16 +24,11 @@ def streamed_text(stream) -> str:
     return text
 
 
-def long_conversation(words=1020) -> list[dict]:
-    return [{"role": "system", "content": "You are a helpful assistant"},
-            {"role": "user", "content": "Summarize: " + " ".join(f"item{i}" for i in range(words))}]
-
-
 def test_abort_then_resend_computes_almost_nothing_and_matches_a_cold_server(caplog):
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
     messages = long_conversation()
     request = dict(model=MODEL, messages=messages, temperature=0, max_tokens=12)
-    with served() as (bg, client):
+    with served(ctx=8192, sessions=2) as (bg, client):
         prompt_ids = bg.server.worker.tokenizer.encode(render(messages))
         assert len(prompt_ids) >= 2000
         stream = client.chat.completions.create(**{**request, "max_tokens": 200}, stream=True)
@@ -79,7 +56,7 @@ def test_abort_then_resend_computes_almost_nothing_and_matches_a_cold_server(cap
     assert usage.prompt_tokens_details.cached_tokens >= len(prompt_ids) - 128
     assert line["miss"] == "-"
 
-    with served() as (_, cold_client):
+    with served(ctx=8192, sessions=2) as (_, cold_client):
         cold_text = streamed_text(cold_client.chat.completions.create(**request, stream=True))
     assert warm_text == cold_text and warm_text
 
@@ -89,7 +66,7 @@ def test_two_alternating_clients_keep_their_slots(caplog):
     conversations = {name: [{"role": "system", "content": f"You are assistant {name}. " + " ".join(
         f"{name}{i}" for i in range(150))}] for name in ("alpha", "beta")}
     previous_prompt, slot_of = {}, {}
-    with served(sessions=2) as (bg, client):
+    with served(ctx=8192, sessions=2) as (bg, client):
         tokenizer = bg.server.worker.tokenizer
         for turn in range(10):
             for name, messages in conversations.items():
@@ -110,7 +87,7 @@ def test_two_alternating_clients_keep_their_slots(caplog):
 
 def test_one_slot_logs_why_each_miss_happened(caplog):
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
-    with served(sessions=1) as (_, client):
+    with served(ctx=8192) as (_, client):
         for turn in range(2):
             for name in ("alpha", "beta"):
                 client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
@@ -124,11 +101,16 @@ def test_abort_during_prefill_keeps_a_prefix_and_the_resend_computes_the_rest(ca
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
     messages = long_conversation()
     body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 2, "stream": True}
-    with served(keepalive_s=0.05) as (bg, client):
+    # chunks of 256 tokens: the client leaves while the prefill has many chunks to go
+    with served(ctx=8192, sessions=2, keepalive_s=0.05, prefill_chunk=256) as (bg, client):
         prompt_ids = bg.server.worker.tokenizer.encode(render(messages))
         with requests.post(bg.url + "/v1/chat/completions", json=body, stream=True, timeout=60) as response:
-            first = next(response.iter_content(chunk_size=None))
-            assert first.startswith(b": keepalive")  # the prefill has started; the client leaves now
+            assert next(response.iter_content(chunk_size=None)).startswith(b": keepalive")
+            # a keepalive comes while the job is queued too: leave once it runs (its prefill has started)
+            deadline = time.time() + 60
+            while not any(s["busy"] for s in requests.get(bg.url + "/v1/sessions", timeout=30).json()["slots"]):
+                assert time.time() < deadline
+                time.sleep(0.01)
         deadline = time.time() + 30
         while not request_lines(caplog) and time.time() < deadline:
             time.sleep(0.05)
@@ -145,7 +127,7 @@ def test_abort_during_prefill_keeps_a_prefix_and_the_resend_computes_the_rest(ca
 
 def test_a_queued_request_whose_client_left_is_dropped(caplog):
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
-    with served(sessions=1) as (bg, client):
+    with served(ctx=8192) as (bg, client):
         running = threading.Thread(target=lambda: client.chat.completions.create(
             model=MODEL, messages=long_conversation(300), max_tokens=30, temperature=0))
         running.start()
@@ -162,7 +144,7 @@ def test_a_queued_request_whose_client_left_is_dropped(caplog):
 
 def test_sessions_beyond_the_byte_budget_are_emptied_least_recently_used_first(caplog):
     caplog.set_level(logging.INFO, logger="ds4_mlx.server")
-    with served(sessions=2, budget_bytes=1) as (bg, client):
+    with served(ctx=8192, sessions=2, budget_bytes=1) as (bg, client):
         for name in ("alpha", "beta"):
             client.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": name}])
         assert [len(s.tokens) > 0 for s in bg.server.worker.slots] == [False, True]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ds4_mlx.bench import random_model
 from ds4_mlx.cache.layers import make_caches
 from ds4_mlx.session import Session, SyncInterrupted
-from ds4_mlx.testing import tiny_args
+from ds4_mlx.tools.random_model import random_model
+from ds4_mlx.tools.testing import cold_logits, tiny_args
 
 SEEDS = [0, 3, 5]
 _models = {}
@@ -33,10 +33,6 @@ class Float32Rows:
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
-
-
-def cold_logits(model, tokens):
-    return Session(model, rewind_slack=0, checkpoint_every=10**9, max_chunk=61).sync(tokens)
 
 
 def assert_exact(session, logits):
@@ -253,19 +249,6 @@ def test_nbytes_counts_slack_and_checkpoints():
     assert large.nbytes > small.nbytes > 0
 
 
-def test_bench_memory_stand_in_holds_what_the_model_holds():
-    """`bench memory` fills sessions with a row writer instead of the model: same bytes, same checkpoints."""
-    from ds4_mlx.cache.bench import RowWriter
-
-    model = model_for(0, quant_sim=True)
-    real = Session(model, rewind_slack=40, checkpoint_every=32, max_chunk=16)
-    stand_in = Session(RowWriter(model.args, quant_sim=True), rewind_slack=40, checkpoint_every=32, max_chunk=16)
-    for s in (real, stand_in):
-        s.sync(list(range(1, 300)))
-    assert real.nbytes == stand_in.nbytes > 0
-    assert sorted(real.checkpoints) == sorted(stand_in.checkpoints)
-
-
 @pytest.mark.parametrize("quant_sim", [False, True])
 @pytest.mark.parametrize("compile_decode", ["1", "0"])
 def test_decode_steps_equal_cold_prefill(monkeypatch, quant_sim, compile_decode):
@@ -291,3 +274,44 @@ def test_decode_steps_equal_cold_prefill(monkeypatch, quant_sim, compile_decode)
         logits = session.step(t)
     assert decoded, "no step went through DecoderLayer.decode"
     assert_exact(session, logits)
+
+
+class CountingModel:
+    """The model, recording how many tokens each call runs."""
+
+    def __init__(self, model):
+        self.model, self.args, self.quant_sim, self.calls = model, model.args, model.quant_sim, []
+
+    def make_cache(self, **kwargs):
+        return self.model.make_cache(**kwargs)
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.calls.append(inputs.shape[-1])
+        return self.model(inputs, *args, **kwargs)
+
+
+def test_a_deep_rewind_replays_in_chunks_between_yields():
+    """A replay runs through the same chunked loop as the new tokens: at most `max_chunk` tokens before
+    each yield (where the server checks for aborts and lets other requests run), and a stop keeps a
+    prefix of the prompt."""
+    model = CountingModel(model_for(0))
+    rng = np.random.default_rng(10)
+    prompt = rng.integers(0, model.args.vocab_size, 300).tolist()
+    session = Session(model, rewind_slack=0, frontier_horizon=0, checkpoint_every=10**6, max_chunk=16)
+    session.sync(prompt)
+    second = prompt[:279] + [1, 2]
+    model.calls.clear()
+    steps = session.sync_steps(second)
+    done, total = next(steps)
+    assert model.calls == [16] and (done, total) == (16, 281)
+    assert session.last_sync == {"reused": 0, "replayed": 16, "computed": 0}
+    steps.close()  # stopped between chunks: the session holds a prefix of the prompt
+    assert session.tokens == second[:16]
+    logits = session.sync(second)
+    assert max(model.calls) <= 16 and session.last_sync == {"reused": 16, "replayed": 0, "computed": 265}
+    assert_exact(session, logits)
+    session.sync(prompt)
+    model.calls.clear()
+    for done, total in session.sync_steps(second):
+        assert sum(model.calls) == done
+    assert session.last_sync == {"reused": 0, "replayed": 279, "computed": 2}

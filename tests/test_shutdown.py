@@ -4,7 +4,6 @@ and no crash; the streaming client gets a final error event and the end of the s
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,25 +12,9 @@ import time
 import pytest
 import requests
 
+from ds4_mlx.tools.testing import serve_process
+
 MODEL = "deepseek-v4-flash"
-
-
-def start_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", "4096"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except (requests.ConnectionError, requests.ReadTimeout):  # not up yet, or busy loading
-            time.sleep(0.2)
-    process.kill()
-    raise AssertionError("the server did not start: " + process.communicate()[0])
 
 
 def stop(process, sig) -> tuple[int, str]:
@@ -46,7 +29,7 @@ def stop(process, sig) -> tuple[int, str]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_streaming_ends_the_stream_and_the_process_cleanly(sig):
-    process, url = start_server()
+    process, url = serve_process("--ctx", "4096")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 100000,
             "temperature": 0, "stream": True}
     plain = {}
@@ -79,7 +62,7 @@ def test_a_signal_while_streaming_ends_the_stream_and_the_process_cleanly(sig):
 
 
 def test_a_signal_while_idle_ends_the_process_cleanly():
-    process, url = start_server()
+    process, url = serve_process("--ctx", "4096")
     requests.post(url + "/v1/chat/completions", timeout=60,
                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     code, output = stop(process, signal.SIGINT)

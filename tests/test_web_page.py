@@ -14,8 +14,9 @@ import pytest
 import requests
 from openai import OpenAI
 
-from ds4_mlx.generate import GenerationChunk, load_for_cli, stream_generate
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.generate import GenerationChunk, stream_generate
+from ds4_mlx.server.build import BackgroundServer
+from ds4_mlx.tools.testing import demo_server
 from ds4_mlx.server.middleware import Access
 
 MODEL = "deepseek-v4-flash"
@@ -44,8 +45,7 @@ def generate_with_markup(session, tokenizer, prompt_ids, **kwargs):
 
 @pytest.fixture(scope="module")
 def server():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=2,
-                          budget_bytes=2**32, generate=generate_with_markup)
+    server = demo_server(sessions=2, generate=generate_with_markup)
     with BackgroundServer(server) as bg:
         yield bg
 
@@ -224,9 +224,7 @@ def test_model_output_markup_is_shown_as_text(page, capsys):
 
 def test_with_an_api_key_the_page_asks_for_it_once_and_keeps_it_for_the_tab(browser):
     key = "page-key"
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=4096, sessions=1,
-                          budget_bytes=2**32, access=Access(api_keys=(key,)))
-    with BackgroundServer(server) as bg:
+    with BackgroundServer(demo_server(access=Access(api_keys=(key,)))) as bg:
         context = browser.new_context()
         page = context.new_page()
         asked = []

@@ -1,4 +1,5 @@
-"""Per-layer caches (`layers`), saving sessions (`state`) and the disk store (`store`)."""
+"""The cache geometry (`geometry`), per-layer caches (`layers`), saving sessions (`state`) and the disk
+store (`store`)."""
 
 
 def add_disk_arguments(parser):

@@ -15,49 +15,86 @@ are float32 in the reference and stay so. Without `quant_sim` every row stays fl
 Arrays are only ever replaced (`mx.slice_update` and rebinding), never written through a shared
 handle, so holding the old arrays is a valid snapshot and writing after a snapshot copies on write.
 
-State protocol (as mlx-lm's caches): `state` is the named arrays position `pos` needs, in position
+State protocol: `state` is the named arrays position `pos` needs, in position
 order; `meta_state` a dict of counters; `load_state(state, meta_state)` rebuilds the cache from them.
 """
 
-import math
-
 import mlx.core as mx
+
+from ds4_mlx.cache.geometry import (block_of, compressor_reach, frontier_needs, in_block, lane_every as lcm_lane,
+                                    ring_slot, rows_done, rows_visible, window_reach)
 
 RING_NAMES = ("raw", "frontier", "index_frontier")
 BUFFER_NAMES = ("rows", "index_rows")
 
 
 class TokenRing:
-    def __init__(self, capacity, width, dtype=mx.float32):
+    """One row per position for the last `capacity` positions: position p in slot `ring_slot(p, capacity)`.
+
+    A chunk longer than the ring keeps only its last `capacity` rows. Lanes (`lane_every`) need the
+    `lane_rows` positions before each multiple of `lane_every`; where a chunk drops such rows, `log`
+    copies them aside first (`dropped_lanes`, until the next chunk), so a lane is taken from rows that
+    still hold its positions."""
+
+    def __init__(self, capacity, width, dtype=mx.float32, *, lane_every=None, lane_rows=0):
         self.capacity, self.width, self.dtype = capacity, width, dtype
+        self.lane_every, self.lane_rows = (lane_every, lane_rows) if lane_rows else (None, 0)
         self.rows = None
         self.floor = 0  # the oldest position whose row is still held
+        self.dropped_lanes = {}  # lane position -> its rows, copied from the last chunk before it dropped them
 
     def write(self, start, rows):
         """Store rows for positions start, start + 1, ... (at most `capacity` of them)."""
         n = rows.shape[0]
-        assert n <= self.capacity, "chunk larger than the ring"
+        if n > self.capacity:
+            raise ValueError(f"{n} rows for a ring of {self.capacity}: a chunk goes through `log`")
         if n == 0:
             return
         if self.rows is None:
             self.rows = mx.zeros((self.capacity, self.width), self.dtype)
         rows = rows.astype(self.dtype)
-        slot = start % self.capacity
+        slot = ring_slot(start, self.capacity)
         first = min(n, self.capacity - slot)
         self.rows = mx.slice_update(self.rows, rows[:first], mx.array([slot]), axes=(0,))
         if first < n:
             self.rows = mx.slice_update(self.rows, rows[first:], mx.array([0]), axes=(0,))
 
+    def log(self, start, rows):
+        """Store a chunk's rows (positions start, start + 1, ...): the ring keeps the last `capacity`;
+        the lanes' rows among those it drops are copied aside first."""
+        n, kept = rows.shape[0], min(rows.shape[0], self.capacity)
+        self.dropped_lanes = {}
+        every, need = self.lane_every, self.lane_rows
+        lanes = range(start - start % every + every, start + n - kept + need, every) if every and n > kept else ()
+        if lanes:  # one gather for all of them (a lane's rows before the chunk are still in the ring)
+            spans = [(q, max(q - need, start)) for q in lanes]
+            picked = rows[mx.array([p - start for q, first in spans for p in range(first, q)])].astype(self.dtype)
+            at = 0
+            for q, first in spans:
+                mine, at = picked[at : at + q - first], at + q - first
+                before = self.copy(q - need, first)
+                if before is not None:  # else the ring had lost them before this chunk: no lane there
+                    self.dropped_lanes[q] = mx.concatenate([before, mine]) if before.shape[0] else mine
+        self.write(start + n - kept, rows[n - kept :])
+
     def gather(self, positions):
         """Rows at the given positions (an int array of any shape; negative positions give junk rows
         that the caller masks)."""
-        return self.rows[positions % self.capacity]
+        return self.rows[ring_slot(positions, self.capacity)]
 
     def read(self, start, stop):
         """Rows of positions [start, stop), in order (the caller checked they are held)."""
         if stop <= start or self.rows is None:
             return mx.zeros((0, self.width), self.dtype)
         return self.gather(mx.arange(start, stop))
+
+    def copy(self, start, stop):
+        """A copy of the rows of positions [start, stop): from the ring while it holds them, else the
+        rows the last chunk set aside for a lane at `stop`; None when neither has them."""
+        if start >= min(self.floor, stop):
+            return self.read(start, stop)
+        kept = self.dropped_lanes.get(stop)
+        return kept if kept is not None and kept.shape[0] == stop - start else None
 
     def passed(self, pos):
         """The ring has been written up to `pos`: rows older than one capacity are gone."""
@@ -118,19 +155,20 @@ class LayerCache:
     """
 
     def __init__(self, *, window, head_dim, ratio=0, comp_width=0, index_dim=0, index_width=0,
-                 history=0, frontier_history=None, row_dtype=mx.float32):
+                 history=0, frontier_history=None, row_dtype=mx.float32, lane_every=None):
         self.window, self.ratio, self.pos = window, ratio, 0
-        self.overlap = ratio == 4
         frontier_history = history if frontier_history is None else min(frontier_history, history)
         # a chunk reads rows back to p0 - reach from the rings and its own rows from itself (the model's
         # log_and_read), so the rings hold the reach and the rewind history, whatever the chunk length
-        raw_reach = window - 1
-        frontier_reach = (2 * ratio if self.overlap else ratio) - 1
-        self.raw = TokenRing(raw_reach + history, head_dim, row_dtype)
-        frontier_capacity = frontier_reach + frontier_history
-        self.frontier = TokenRing(frontier_capacity, 2 * comp_width) if ratio else None
+        self.raw = TokenRing(window_reach(window) + history, head_dim, row_dtype)
+        # the positions before p that a decoded token at p reads from the rings
+        self.reach = max(window_reach(window), compressor_reach(ratio) if ratio else 0)
+        if ratio:  # lanes restore the compressor rows from copies, the raw rows from the ring
+            lanes = {"lane_every": lane_every, "lane_rows": frontier_needs(lane_every, ratio) if lane_every else 0}
+            frontier_capacity = compressor_reach(ratio) + frontier_history
+        self.frontier = TokenRing(frontier_capacity, 2 * comp_width, **lanes) if ratio else None
         self.rows = RowBuffer(head_dim, row_dtype) if ratio else None
-        self.index_frontier = TokenRing(frontier_capacity, 2 * index_width) if index_dim else None
+        self.index_frontier = TokenRing(frontier_capacity, 2 * index_width, **lanes) if index_dim else None
         self.index_rows = RowBuffer(index_dim, row_dtype) if index_dim else None
         # the rings and buffers this layer kind has, by name, listed once (a decoded token asks often)
         self._named_rings = tuple((n, r) for n, r in zip(RING_NAMES, (self.raw, self.frontier, self.index_frontier))
@@ -146,8 +184,10 @@ class LayerCache:
         return self._buffers
 
     def arrays(self):
-        """The arrays a step writes (its rings' and buffers' rows): what to evaluate with the logits."""
-        return [x.rows for x in self.rings() + self.buffers()]
+        """The arrays a step writes (its rings' and buffers' rows, the lane rows a chunk set aside): what to
+        evaluate with the logits (set-aside rows evaluated later would hold the whole chunk until then)."""
+        return [x.rows for x in self.rings() + self.buffers()] + [
+            rows for ring in self.rings() for rows in ring.dropped_lanes.values()]
 
     def decode_arrays(self):
         """The arrays one decoded token reads and writes, by name: the rings' rows, and the buffers' with
@@ -158,12 +198,14 @@ class LayerCache:
 
     def decode_slots(self):
         """Where a decoded token at `pos` writes and reads, as ints (computed here once, not in every
-        layer's graph): its slot in each ring, its offset in its block, the buffer row its block fills,
-        and the rows visible after it."""
+        layer's graph): its slot in each ring, the slot of its window's first row, its offset in its
+        block, the buffer row its block fills, and the compressed rows visible to it."""
         p, m = self.pos, self.ratio
-        slots = {"pos": p, "raw": p % self.raw.capacity}
+        slots = {"pos": p, "raw": ring_slot(p, self.raw.capacity),
+                 "window": ring_slot(p - window_reach(self.window), self.raw.capacity),
+                 "visible": rows_visible(p, m) if m else 0}
         if m:
-            slots.update(frontier=p % self.frontier.capacity, in_block=p % m, row=p // m, visible=(p + 1) // m)
+            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=in_block(p, m), row=block_of(p, m))
         return slots
 
     def decoded(self, arrays):
@@ -171,7 +213,7 @@ class LayerCache:
         for name, x in self.named_rings() + self.named_buffers():
             x.rows = arrays[name]
         for b in self.buffers():
-            b.count = (self.pos + 1) // self.ratio
+            b.count = rows_done(self.pos + 1, self.ratio)
         self.advance(1)
 
     def advance(self, n):
@@ -182,10 +224,9 @@ class LayerCache:
     def ring_needs(self, p):
         """For each ring, how many positions before p it must hold for the state at p: the window
         for raw rows; for compressor rows the open block (and the previous one, with overlap)."""
-        needs = [min(self.window - 1, p)]
+        needs = [min(window_reach(self.window), p)]
         if self.ratio:
-            frontier = min(p % self.ratio + (self.ratio if self.overlap else 0), p)
-            needs += [frontier] * (len(self.rings()) - 1)
+            needs += [frontier_needs(p, self.ratio)] * (len(self.rings()) - 1)
         return needs
 
     def can_trim(self, p):
@@ -195,24 +236,29 @@ class LayerCache:
         """Go back to position p exactly (caller checked `can_trim`)."""
         self.pos = p
         for b in self.buffers():
-            b.count = p // self.ratio
+            b.count = rows_done(p, self.ratio)
+        self._forget_dropped_lanes()
 
     # Checkpoints and snapshots ---------------------------------------------------------------
     def checkpoint(self, p=None, *, raw=True):
-        """Copy what position p (default `pos`, at most one chunk back) needs from the rings: a few
-        rows; without `raw`, only the compressor rows (a lane: the raw ring must still hold p's window
-        when it is restored). Compressed rows are not copied: they stay valid while the live history
-        passes through p."""
+        """Copy what position p (default `pos`) needs from the rings: a few rows; without `raw`, only
+        the compressor rows (a lane: the raw ring must still hold p's window when it is restored).
+        Compressed rows are not copied: they stay valid while the live history passes through p.
+        None when a ring no longer holds a row p needs (nor set it aside: `TokenRing.log`)."""
         p = self.pos if p is None else p
-        rows = [ring.read(p - n, p) if raw or ring is not self.raw else None
+        rows = [ring.copy(p - n, p) if raw or ring is not self.raw else None
                 for ring, n in zip(self.rings(), self.ring_needs(p))]
+        if any(r is None for ring, r in zip(self.rings(), rows) if raw or ring is not self.raw):
+            return None
         mx.eval([r for r in rows if r is not None])
         return {"pos": p, "rows": rows}
 
     def can_restore(self, cp):
+        """Every row the state at the checkpoint's position needs is in it, or (raw rows of a lane)
+        still held by the ring."""
         p = cp["pos"]
         return p <= self.pos and all(
-            rows is not None or p - n >= ring.floor
+            p - n >= ring.floor if rows is None else rows.shape == (n, ring.width)
             for ring, rows, n in zip(self.rings(), cp["rows"], self.ring_needs(p)))
 
     def restore_checkpoint(self, cp):
@@ -233,6 +279,12 @@ class LayerCache:
             ring.rows, ring.floor = rows, floor
         for buf, (rows, count) in zip(self.buffers(), buffers):
             buf.rows, buf.count = rows, count
+        self._forget_dropped_lanes()
+
+    def _forget_dropped_lanes(self):
+        """Rows a chunk set aside belong to that chunk's history: gone once the cache moves elsewhere."""
+        for ring in self.rings():
+            ring.dropped_lanes = {}
 
     # State protocol --------------------------------------------------------------------------
     def named_rings(self):
@@ -273,11 +325,11 @@ class LayerCache:
             if rows.ndim != 2 or rows.shape[1] != ring.width or not n <= rows.shape[0]:
                 raise ValueError(f"{name}: rows of shape {rows.shape} for position {p}")
             rows = rows[-ring.capacity:]
-            ring.rows, ring.floor = None, p - rows.shape[0]
+            ring.rows, ring.floor, ring.dropped_lanes = None, p - rows.shape[0], {}
             ring.write(p - rows.shape[0], rows)
         for name, buf in self.named_buffers():
             rows = state[name]
-            if rows.ndim != 2 or rows.shape[1] != buf.width or rows.shape[0] != p // self.ratio:
+            if rows.ndim != 2 or rows.shape[1] != buf.width or rows.shape[0] != rows_done(p, self.ratio):
                 raise ValueError(f"{name}: rows of shape {rows.shape} for position {p}")
             buf.set(rows)
         self.pos = p
@@ -289,19 +341,19 @@ class LayerCache:
 
 def make_caches(args, *, history=0, frontier_history=None, row_dtype=mx.float32):
     """The per-layer caches of a V4 model (`ModelArgs`)."""
+    ratios = args.compress_ratios[: args.num_hidden_layers]
+    lanes = lcm_lane(ratios)
     caches = []
-    for ratio in args.compress_ratios[: args.num_hidden_layers]:
+    for ratio in ratios:
         csa = ratio == 4
         caches.append(LayerCache(
             window=args.sliding_window, head_dim=args.head_dim, ratio=ratio,
             comp_width=args.head_dim * (2 if csa else 1) if ratio else 0,
             index_dim=args.index_head_dim if csa else 0, index_width=2 * args.index_head_dim if csa else 0,
-            history=history, frontier_history=frontier_history, row_dtype=row_dtype))
+            history=history, frontier_history=frontier_history, row_dtype=row_dtype, lane_every=lanes))
     return caches
 
 
 def lane_every(caches):
-    """Positions that are multiples of every compression ratio (128 in V4 Flash): there the compressor
-    state is only the overlap lane of the ratio-4 layers, a few rows."""
-    ratios = [c.ratio for c in caches if c.ratio]
-    return math.lcm(*ratios) if ratios else None
+    """The lane spacing of a model's caches (`geometry.lane_every`)."""
+    return lcm_lane([c.ratio for c in caches])

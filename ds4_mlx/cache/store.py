@@ -175,7 +175,7 @@ class DiskStore:
                  f"load={(time.perf_counter() - t) * 1000:.0f} ms file={entry.name}")
         return True
 
-    def restore(self, session, prompt, shared, namespace: str = "") -> int:
+    def load_longer_prefix(self, session, prompt, shared, namespace: str = "") -> int:
         """Before serving `prompt` of `namespace` from `session`, which shares `shared` tokens with it:
         load the stored file with a longer shared prefix, if any. Returns the tokens now shared."""
         found = self.find(session.model, prompt, namespace)

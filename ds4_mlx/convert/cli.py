@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from ds4_mlx.convert import EXPERT_BITS, GROUP_SIZES
@@ -20,8 +21,12 @@ def register(subparsers):
     p.add_argument("out_dir", help="the folder to create")
     p.add_argument("--shard-size", type=float, default=5.0, metavar="GB", help="largest shard (default 5)")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it already exists")
+    p.add_argument("--experts", choices=("native", "affine"), default=None,
+                   help="native: routed experts in Q2_K / IQ2_XXS / Q4_K keep the file's blocks (exact, the "
+                        "file's size); affine: requantize them to MLX affine (--expert-bits). Default: native "
+                        "where the machine runs them fast (mlx-kquant installed, or a CUDA GPU), else affine")
     p.add_argument("--expert-bits", "--q-bits", type=int, choices=EXPERT_BITS, default=None,
-                   help="bits of the affine format Q2_K and IQ2_XXS tensors are requantized to (default 2; "
+                   help="affine experts: bits Q2_K and IQ2_XXS experts are requantized to (default 2; "
                         "3 or 4 cost memory and cut the added error)")
     p.add_argument("--group-size", "--q-group-size", type=int, choices=GROUP_SIZES, default=None,
                    help="group size of that format (default 64)")
@@ -32,13 +37,17 @@ def register(subparsers):
 
 
 def run(args):
-    convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet,
-            expert_bits=args.expert_bits, group_size=args.group_size, tokenizer_dir=args.tokenizer,
-            require_tokenizer=True)
+    start = time.perf_counter()
+    out = convert(args.gguf, args.out_dir, shard_gb=args.shard_size, force=args.force, progress=not args.quiet,
+                  expert_bits=args.expert_bits, group_size=args.group_size, experts=args.experts,
+                  tokenizer_dir=args.tokenizer,
+                  require_tokenizer=True)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"converted {args.gguf} to {out}: {size / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")
 
 
 def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log=None, expert_bits=None,
-            group_size=None, model=None, tokenizer_dir=None, require_tokenizer=False):
+            group_size=None, experts=None, model=None, tokenizer_dir=None, require_tokenizer=False):
     """Convert a .gguf file, or llama.cpp's split shards (any shard or their folder); raise ValueError /
     OSError with a one-line message on bad input (nothing written). `model`: an already opened GGUFModel.
     The tokenizer is `tokenizer_dir`'s tokenizer.json if given, else the file's own; with
@@ -53,8 +62,10 @@ def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: already exists (use --force to replace it)")
     if model is None:  # validates before anything is written
-        model = GGUFModel(gguf_path, expert_bits=expert_bits, group_size=group_size)
+        model = GGUFModel(gguf_path, expert_bits=expert_bits, group_size=group_size, experts=experts)
     tokenizer = _tokenizer(model, gguf_path, tokenizer_dir, require_tokenizer)
+    if model.notice:
+        (log or (lambda msg: print(f"ds4-mlx: {msg}", file=sys.stderr)))(model.notice)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
@@ -104,7 +115,7 @@ def _write(model, folder, shard_bytes, progress, log, tokenizer):
 
     names = [n for p in model.tensors for n, _, _ in p.outputs()]
     writer = ShardWriter(str(folder), shard_bytes, header_capacity(names))
-    quantization = {}
+    quantization, packed = {}, {}
     bar = tqdm(total=model.total_bytes, unit="B", unit_scale=True, desc="converting", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     say = log or (lambda msg: bar.write(msg, file=sys.stdout))
@@ -115,37 +126,24 @@ def _write(model, folder, shard_bytes, progress, log, tokenizer):
                 writer.add(plan.outputs())
                 done = 0
                 for part in tensor_chunks(files[plan.file], plan, say):
-                    if part is None:  # rare: the tensor is redone in bfloat16
+                    if part is None:  # rare: the tensor is redone with float32 scales
                         bar.update(-done)
                         done = 0
-                        for name, dtype, _ in plan.outputs():
-                            writer.retype(name, dtype)
+                        writer.replace_last(plan.outputs())
                         continue
                     r0, r1, chunk, nbytes = part
                     for name, arr in chunk.items():
                         writer.write(name, r0 * arr[0].nbytes, arr)
                     bar.update(nbytes)
                     done += nbytes
-                if plan.quantized:
-                    quantization[plan.module] = dict(plan.fmt)
+                plan.record(quantization, packed)
         writer.finish()
     finally:
         writer.abort()
         bar.close()
     config = model.args.to_dict()
     config["quantization"] = quantization
+    config["packed_floats"] = packed
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save(folder)
-
-
-def main(argv=None):
-    """`python -m ds4_mlx.convert.cli ...`: the convert sub-command alone, through ds4_mlx.cli's error handling."""
-    from ds4_mlx import cli
-
-    cli.SUBCOMMANDS = {"convert": __name__ if __name__ != "__main__" else "ds4_mlx.convert.cli"}
-    return cli.main(["convert", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,10 +6,10 @@ is row-local (a row of `ne0` values is a whole number of blocks), so a chunk of 
 own. Chunks are read with positioned reads, not through `GGUFReader`'s memmap: pages touched through a
 mapping count in the process's RSS until the kernel reclaims them, plain reads do not.
 
-Output dtypes: F32, F16 and BF16 tensors keep their type. Quantized tensors keep MLX codes with float16
-scales and biases (bfloat16 for a tensor whose values float16 would overflow or flush to zero); MXFP4
-keeps its E8M0 byte scales. Quantized tensors the model keeps in float (embedding, router...) are
-dequantized to float16 (bfloat16 likewise).
+Output dtypes: F32, F16 and BF16 tensors keep their type. Every other tensor either keeps the GGUF's
+values exactly or becomes float32: Q8_0 keeps MLX 8-bit codes with float16 scales and biases (float32
+for a tensor whose scales float16 does not hold exactly), MXFP4 its E8M0 byte scales; quantized tensors
+the model keeps in float (router, HC and compressor projections...) are dequantized to float32.
 """
 
 import hashlib
@@ -23,16 +23,25 @@ import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGMLQuantizationType as T
 
 from ds4_mlx.convert import EXPERT_BITS, GROUP_SIZES
-from ds4_mlx.models import deepseek_v4 as dsv4
+from ds4_mlx.models import deepseek_v4 as dsv4, gguf_blocks
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-EXACT_TYPES = {T.Q8_0, T.Q4_K, T.MXFP4}  # repacked into an MLX format (scales rounded to float16 for Q4_K)
+EXACT_TYPES = {T.Q8_0, T.Q4_K, T.MXFP4}  # repacked into an MLX format that holds their values exactly
 REQUANT_TYPES = {T.Q2_K, T.IQ2_XXS}  # 16-element sub-blocks / codebooks: MLX cannot hold them as is
+# routed experts of these types keep their GGUF blocks as they are (`GGUFSwitchLinear`), unless the user
+# asks for affine experts (--expert-bits) or the machine has no native path
+NATIVE_TYPES = set(gguf_blocks.CODECS)
+_ROUTED_EXPERTS = re.compile(r"\.ffn\.experts\.(gate|up|down)\.weight$")
 SUPPORTED = FLOAT_TYPES | EXACT_TYPES | REQUANT_TYPES | {T.I32}
 
 # Matrices the model keeps in float even when the file quantizes them (router, indexer weights,
-# compressor projections, embedding): small, or read in ways QuantizedLinear does not cover.
-_FLOAT_PARAMS = re.compile(r"(^embed|\.ffn\.gate|\.indexer\.proj|\.compressor\.(kv|gate))\.weight$")
+# compressor projections): small, or read in ways QuantizedLinear does not cover.
+_FLOAT_PARAMS = re.compile(r"(\.ffn\.gate|\.indexer\.proj|\.compressor\.(kv|gate))\.weight$")
+# Types whose MLX affine form holds every value exactly. The embedding stays quantized in them (its
+# rows are dequantized in float32 by `deepseek_v4.Embedding`); the other parameters the model keeps in
+# float are stored in that form too and dequantized to float32 on load (`loader.unpack_floats`), which
+# keeps a converted folder near its GGUF's size.
+EXACT_AFFINE = {T.Q8_0}
 
 CHUNK_ELEMENTS = 1 << 23  # ~32 MB of float32 per chunk: bounded memory, big enough for fast array ops
 
@@ -41,19 +50,22 @@ _KEPT = {T.F32: ("F32", np.float32), T.F16: ("F16", np.float16), T.BF16: ("BF16"
 SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 
-def keeps_quantized(path: str, ndim: int) -> bool:
-    """Whether a quantized GGUF tensor at model path `path` stays quantized (Linear or expert weights)."""
+def keeps_quantized(path: str, ndim: int, qtype) -> bool:
+    """Whether a quantized GGUF tensor at model path `path` stays quantized (Linear, expert and, in the
+    types `EXACT_AFFINE` names, embedding weights)."""
+    if path == "embed.weight":
+        return qtype in EXACT_AFFINE
     return path.endswith(".weight") and ndim in (2, 3) and not _FLOAT_PARAMS.search(path)
 
 
 class WidenScales(Exception):
-    """A chunk's scales, biases or dequantized values do not fit float16: the tensor is redone in bfloat16."""
+    """A chunk's scales or biases do not fit float16: the tensor is redone with float32 ones."""
 
 
 class TensorPlan:
     """One GGUF tensor: where it goes in the model and how it is converted."""
 
-    def __init__(self, t, path, file, requant_format):
+    def __init__(self, t, path, file, requant_format, native_experts):
         self.name, self.path, self.type, self.file = t.name, path, t.tensor_type, file
         self.shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order: [.., out, in]
         self.cols = self.shape[-1]
@@ -61,10 +73,19 @@ class TensorPlan:
         block, size = GGML_QUANT_SIZES[self.type]
         self.row_bytes = self.cols // block * size
         self.offset, self.nbytes = int(t.data_offset), int(t.n_bytes)
-        self.quantized = self.type not in FLOAT_TYPES | {T.I32} and keeps_quantized(path, len(self.shape))
-        self.half_dtype = "F16"  # of scales and biases, and of dequantized float parameters
-        self.fmt = None  # {"group_size", "bits", "mode"}
-        if self.quantized:
+        self.quantized = self.type not in FLOAT_TYPES | {T.I32} and keeps_quantized(path, len(self.shape), self.type)
+        # stored as codes: quantized in the model, or a float parameter held exactly until load
+        self.packed = self.quantized or (self.type in EXACT_AFFINE and self.cols % 32 == 0)
+        # of scales and biases: "F32" when float16 does not hold them (Q4_K's d * sc needs up to 17 bits)
+        self.scale_dtype = "F32" if self.type == T.Q4_K else "F16"
+        self.fmt = None  # {"group_size", "bits", "mode"}, or {"gguf_type"} for native blocks
+        self.native = (native_experts and self.type in NATIVE_TYPES and len(self.shape) == 3
+                       and bool(_ROUTED_EXPERTS.search(path)))
+        if self.native:
+            self.fmt = {"gguf_type": gguf_blocks.CODECS[self.type]}
+        elif self.packed and not self.quantized:
+            self.fmt = dict(_EXACT_FORMATS[self.type])
+        elif self.quantized:
             if self.type in REQUANT_TYPES:
                 bits, group = requant_format(self.type)
                 if self.cols % group:
@@ -77,16 +98,32 @@ class TensorPlan:
     def module(self):
         return self.path[: -len(".weight")]
 
+    def array_name(self, part):
+        """Name of the stored array `part` ("weight", "scales", "biases"): a quantized module's own, or
+        beside a packed float parameter's path."""
+        if part == "weight":
+            return self.path
+        return f"{self.module if self.quantized else self.path}.{part}"
+
+    def record(self, quantization: dict, packed: dict):
+        """Note this tensor's format: quantized modules in `quantization`, packed floats in `packed`."""
+        if self.quantized:
+            quantization[self.module] = dict(self.fmt)
+        elif self.packed:
+            packed[self.path] = dict(self.fmt)
+
     def outputs(self):
         """[(param name, safetensors dtype, shape)] this tensor becomes."""
         lead = self.shape[:-1]
-        if not self.quantized:
-            return [(self.path, _KEPT[self.type][0] if self.type in _KEPT else self.half_dtype, self.shape)]
+        if not self.packed:
+            return [(self.path, _KEPT[self.type][0] if self.type in _KEPT else "F32", self.shape)]
+        if self.native:
+            return [(self.path, "U8", lead + (self.row_bytes,))]
         g, b, mode = self.fmt["group_size"], self.fmt["bits"], self.fmt["mode"]
-        out = [(self.module + ".weight", "U32", lead + (self.cols * b // 32,)),
-               (self.module + ".scales", "U8" if mode == "mxfp4" else self.half_dtype, lead + (self.cols // g,))]
+        out = [(self.path, "U32", lead + (self.cols * b // 32,)),
+               (self.array_name("scales"), "U8" if mode == "mxfp4" else self.scale_dtype, lead + (self.cols // g,))]
         if mode == "affine":
-            out.append((self.module + ".biases", self.half_dtype, lead + (self.cols // g,)))
+            out.append((self.array_name("biases"), self.scale_dtype, lead + (self.cols // g,)))
         return out
 
     def chunk_rows(self):
@@ -138,10 +175,13 @@ class GGUFModel:
     raises a one-line ValueError naming the file and the problem (unreadable, wrong architecture,
     missing key, tensor or shard, unknown tensor, unsupported type).
 
-    `expert_bits` / `group_size` choose the affine format of the types that need requantizing
-    (Q2_K, IQ2_XXS); by default `requant.DEFAULT_REQUANT`."""
+    `experts`: "native" keeps routed experts of `NATIVE_TYPES` in their GGUF blocks, "affine" requantizes
+    Q2_K / IQ2_XXS ones (and repacks Q4_K ones) to MLX affine; by default native where the machine has a
+    native path (`gguf_blocks.native_available`), else affine, with `notice` saying what that costs.
+    `expert_bits` / `group_size` choose the affine format (and imply "affine"); by default
+    `requant.DEFAULT_REQUANT`."""
 
-    def __init__(self, path, *, expert_bits=None, group_size=None):
+    def __init__(self, path, *, expert_bits=None, group_size=None, experts=None):
         from ds4_mlx.convert.requant import affine_format
 
         self.files = [str(f) for f in split_files(path)]
@@ -159,6 +199,14 @@ class GGUFModel:
             raise ValueError(f"--expert-bits must be one of {', '.join(map(str, EXPERT_BITS))}, got {expert_bits}")
         if group_size is not None and group_size not in GROUP_SIZES:
             raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+
+        if experts not in (None, "native", "affine"):
+            raise ValueError(f"--experts must be native or affine, got {experts}")
+        if experts == "native" and (expert_bits or group_size):
+            raise ValueError("--expert-bits and --group-size choose affine experts: not with --experts native")
+        if experts is None:
+            experts = "affine" if expert_bits or group_size or not gguf_blocks.native_available() else "native"
+        auto_affine = experts == "affine" and not (expert_bits or group_size)
 
         def requant_format(qtype):
             return affine_format(qtype, expert_bits, group_size)
@@ -184,11 +232,20 @@ class GGUFModel:
             if t.tensor_type not in SUPPORTED:
                 raise ValueError(f"{file}: tensor {t.name} has unsupported type {t.tensor_type.name}")
             try:
-                self.tensors.append(TensorPlan(t, path_, file, requant_format))
+                self.tensors.append(TensorPlan(t, path_, file, requant_format, experts == "native"))
             except ValueError as e:
                 raise ValueError(f"{file}: {e}") from None
         self.total_bytes = sum(p.nbytes for p in self.tensors)
-        self.needs_requant = any(p.quantized and p.type in REQUANT_TYPES for p in self.tensors)
+        requantized = sorted({p.type.name for p in self.tensors
+                              if p.quantized and not p.native and p.type in REQUANT_TYPES})
+        self.needs_requant = bool(requantized)
+        self.notice = None
+        if requantized and auto_affine:
+            self.notice = (f"{' / '.join(requantized)} experts have no fast native path on this machine (it needs "
+                           "mlx-kquant: pip install 'ds4-mlx[kquant]', macOS 26.2+ on Apple Silicon; or a CUDA GPU): "
+                           "requantizing them to MLX affine 2-bit, which adds an error of about 0.3 of each expert's RMS "
+                           "(a second rounding); `--experts native` keeps the file's blocks (exact, on a slow "
+                           "reference path here)")
 
     def fingerprint(self):
         """Names this model's files by size, modification time and a hash of each header (the bytes
@@ -202,15 +259,15 @@ class GGUFModel:
             h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
         return f"{sum(os.path.getsize(f) for f in self.files)}-{h.hexdigest()[:16]}"
 
-    def iter_weights(self, quantization: dict, log=None):
-        """Yield (param path, mx.array); record each quantized module's format in `quantization`."""
+    def iter_weights(self, quantization: dict, packed: dict, log=None):
+        """Yield (array name, mx.array); record each tensor's format (`TensorPlan.record`)."""
         import mlx.core as mx
 
         with OpenFiles() as files:
             for plan in self.tensors:
                 arrays = {}
                 for part in tensor_chunks(files[plan.file], plan, log):
-                    if part is None:  # redone in bfloat16
+                    if part is None:  # redone with float32 scales
                         arrays = {}
                         continue
                     r0, r1, chunk, _ = part
@@ -218,8 +275,7 @@ class GGUFModel:
                         if name not in arrays:
                             arrays[name] = np.empty((plan.rows,) + tuple(shape[-1:]), chunk[name].dtype)
                         arrays[name][r0:r1] = chunk[name]
-                if plan.quantized:
-                    quantization[plan.module] = dict(plan.fmt)
+                plan.record(quantization, packed)
                 for name, dtype, shape in plan.outputs():
                     a = mx.array(arrays.pop(name).reshape(shape))
                     yield name, mx.view(a, mx.bfloat16) if dtype == "BF16" else a
@@ -254,33 +310,28 @@ def read_rows(f, plan, r0, r1):
     return buf.reshape(r1 - r0, plan.row_bytes)
 
 
-def to_half(x, dtype):
-    """float32 values (scales, biases, dequantized weights) -> numpy float16 for "F16", or bfloat16 bits
-    as uint16 for "BF16" (round to nearest even). Raises WidenScales where float16 would overflow or
-    flush a non-zero value to zero."""
+def to_scales(x, dtype, exact):
+    """float32 scales or biases -> numpy float16 for "F16", float32 for "F32". Raises WidenScales where
+    float16 would overflow or flush a non-zero value to zero, or, when `exact`, change any value."""
     x = np.asarray(x, np.float32)
-    if dtype == "F16":
-        with np.errstate(over="ignore"):
-            h = x.astype(np.float16)
-        if not np.isfinite(h).all() or ((h == 0) & (x != 0)).any():
-            raise WidenScales
-        return h
-    u = x.view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def half_scales(q: dict, dtype) -> dict:
-    """An affine-quantized tensor's arrays with its scales and biases `to_half`."""
-    return {k: v if k == "weight" else to_half(v, dtype) for k, v in q.items()}
+    if dtype == "F32":
+        return x
+    with np.errstate(over="ignore"):
+        h = x.astype(np.float16)
+    if exact and not np.array_equal(h.astype(np.float32), x):
+        raise WidenScales
+    if not np.isfinite(h).all() or ((h == 0) & (x != 0)).any():
+        raise WidenScales
+    return h
 
 
 def tensor_chunks(f, plan, log=None):
-    """`convert_chunks`, redone from the start in bfloat16 when float16 does not hold the tensor's
-    scales, biases or values (rare): None comes before the redo, and what came before it is void."""
+    """`convert_chunks`, redone from the start with float32 scales when float16 does not hold the
+    tensor's scales or biases (rare): None comes before the redo, and what came before it is void."""
     try:
         yield from convert_chunks(f, plan, log)
     except WidenScales:
-        plan.half_dtype = "BF16"  # holds every float32 exponent: no second redo
+        plan.scale_dtype = "F32"  # holds them all: no second redo
         yield None
         yield from convert_chunks(f, plan, log)
 
@@ -289,19 +340,22 @@ def convert_chunks(f, plan, log=None):
     """Yield (row start, row end, {param name: numpy rows}, raw bytes read) over the tensor.
 
     For Q2_K / IQ2_XXS the whole tensor's relative RMS error is reported through `log` at the end.
-    Raises WidenScales when float16 does not hold a chunk's scales, biases or dequantized values."""
+    Raises WidenScales when float16 does not hold a chunk's scales or biases."""
     from ds4_mlx.convert import requant
 
     err2 = ref2 = 0.0
     step = plan.chunk_rows()
-    if plan.type in REQUANT_TYPES and plan.quantized and requant.on_gpu():  # fewer, bigger GPU launches
+    if plan.type in REQUANT_TYPES and plan.quantized and not plan.native and requant.on_gpu():  # fewer, bigger GPU launches
         step *= 4
     for r0 in range(0, plan.rows, step):
         r1 = min(plan.rows, r0 + step)
         raw = read_rows(f, plan, r0, r1)
-        if not plan.quantized:
+        if plan.native:
+            yield r0, r1, {plan.path: raw}, raw.nbytes
+            continue
+        if not plan.packed:
             kept = raw.view(_KEPT[plan.type][1]).reshape(-1, plan.cols) if plan.type in _KEPT \
-                else to_half(to_float(raw, plan.type, plan.cols), plan.half_dtype)
+                else to_float(raw, plan.type, plan.cols)
             yield r0, r1, {plan.path: kept}, raw.nbytes
             continue
         if plan.type in REQUANT_TYPES:
@@ -309,10 +363,11 @@ def convert_chunks(f, plan, log=None):
             err2, ref2 = err2 + e2, ref2 + w2
         else:
             q = repack(raw, plan.type, plan.cols)
-        if plan.fmt["mode"] == "affine":
-            q = half_scales(q, plan.half_dtype)
-        yield r0, r1, {plan.module + "." + k: v for k, v in q.items()}, raw.nbytes
-    if plan.type in REQUANT_TYPES and plan.quantized and log is not None:
+        if plan.fmt["mode"] == "affine":  # repacked types keep their values exactly
+            exact = plan.type in EXACT_TYPES
+            q = {k: v if k == "weight" else to_scales(v, plan.scale_dtype, exact) for k, v in q.items()}
+        yield r0, r1, {plan.array_name(k): v for k, v in q.items()}, raw.nbytes
+    if plan.type in REQUANT_TYPES and plan.quantized and not plan.native and log is not None:
         log(f"{plan.module}: {plan.type.name} -> affine {plan.fmt['bits']}-bit g{plan.fmt['group_size']}, "
             f"relative RMS error {math.sqrt(err2 / max(ref2, 1e-30)):.4f}")
 

@@ -6,8 +6,9 @@ rows are dequantized to float32, exactly as the `gguf` package does, then refitt
 
 import numpy as np
 import mlx.core as mx
-import gguf.quants
 from gguf import GGMLQuantizationType as T
+
+from ds4_mlx.models import gguf_blocks
 
 # Affine format a requantized type gets unless the user asks for more: (bits, group size). Both stay
 # at or below the GGUF's own bits a weight (Q2_K 2.625, IQ2_XXS 2.0625 + fp16 scale and bias per group),
@@ -20,51 +21,10 @@ def affine_format(qtype, expert_bits=None, group_size=None) -> tuple:
     bits, group = DEFAULT_REQUANT[qtype]
     return expert_bits or bits, group_size or group
 
-_GRID = None
-
-
-def _iq2xxs_tables():
-    global _GRID
-    if _GRID is None:
-        gguf.quants.IQ2_XXS.init_grid()
-        grid = mx.array(gguf.quants.IQ2_XXS.grid.reshape(256, 8).astype(np.float32))
-        ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, np.uint8)
-        bits = (ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1
-        _GRID = grid, mx.array(np.where(bits == 0, 1.0, -1.0).astype(np.float32))  # [128, 8]
-    return _GRID
-
-
-def _f16(b):
-    """uint8 [..., 2] -> float32 [...]."""
-    return mx.view(b, mx.float16)[..., 0].astype(mx.float32)
-
 
 def dequantize(raw, qtype, cols):
-    """uint8 rows (numpy or mx) [rows, row bytes] -> float32 mx [rows, cols], the same values
-    `gguf.quants.dequantize` gives (same operations in the same order)."""
-    raw = mx.array(raw)
-    rows = raw.shape[0]
-    if qtype == T.Q2_K:  # scales[16] (low nibble sc, high nibble m), qs[64], d, dmin
-        b = raw.reshape(rows, cols // 256, 84)
-        sc, qs = b[..., :16], b[..., 16:80]
-        d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
-        dl = (d * (sc & 0xF).astype(mx.float32))[..., None]
-        ml = (dmin * (sc >> 4).astype(mx.float32))[..., None]
-        shift = mx.array([0, 2, 4, 6], mx.uint8).reshape(4, 1)
-        q = (qs.reshape(rows, -1, 2, 1, 32) >> shift) & 3  # [.., half, shift, 32]
-        q = q.reshape(rows, -1, 16, 16).astype(mx.float32)
-        return (dl * q - ml).reshape(rows, cols)
-    if qtype == T.IQ2_XXS:  # d, then 8 sub-blocks of (4 grid indices, 4 x 7 sign bits + 4-bit scale)
-        grid, signs = _iq2xxs_tables()
-        b = raw.reshape(rows, cols // 256, 66)
-        d = _f16(b[..., :2])
-        qs = mx.view(b[..., 2:], mx.uint32).reshape(rows, -1, 8, 2)
-        db = d[..., None] * (0.5 + (qs[..., 1] >> 28).astype(mx.float32)) * 0.25
-        s = (qs[..., 1:2] >> mx.array([0, 7, 14, 21], mx.uint32)) & 0x7F  # [.., 8, 4]
-        idx = mx.view(qs[..., 0], mx.uint8).reshape(rows, -1, 8, 4)
-        vals = db[..., None, None] * grid[idx.astype(mx.uint32)] * signs[s]
-        return vals.reshape(rows, cols)
-    raise ValueError(f"no MLX dequantizer for {qtype.name}")
+    """uint8 rows (numpy or mx) [rows, row bytes] -> float32 mx [rows, cols], the `gguf` package's values."""
+    return gguf_blocks.dequantize(raw, gguf_blocks.CODECS[qtype]).reshape(-1, cols)
 
 
 _ITERS = 4

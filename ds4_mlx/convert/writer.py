@@ -26,18 +26,27 @@ class ShardWriter:
         sizes = [int(ITEMSIZE[d] * np.prod(s, dtype=np.int64)) for _, d, s in arrays]
         if self.f is None or (self.pos > 0 and self.pos + sum(sizes) > self.max):
             self._open()
+        self._last = (self.pos, [name for name, _, _ in arrays])
+        self._reserve(arrays)
+
+    def _reserve(self, arrays):
         header = self.shards[-1][1]
-        for (name, dtype, shape), n in zip(arrays, sizes):
+        for name, dtype, shape in arrays:
+            n = int(ITEMSIZE[dtype] * np.prod(shape, dtype=np.int64))
             header[name] = {"dtype": dtype, "shape": [int(x) for x in shape],
                             "data_offsets": [self.pos, self.pos + n]}
             self.where[name] = (self.f, 8 + self.cap + self.pos)
             self.pos += n
 
-    def retype(self, name, dtype):
-        """Change a reserved array's dtype to another of the same size (float16 -> bfloat16 scales)."""
-        entry = self.shards[-1][1][name]
-        assert ITEMSIZE[entry["dtype"]] == ITEMSIZE[dtype]
-        entry["dtype"] = dtype
+    def replace_last(self, arrays):
+        """Reserve the last tensor's arrays again, in place, with new dtypes (float16 -> float32 scales)."""
+        start, names = self._last
+        header = self.shards[-1][1]
+        for name in names:
+            del header[name]
+        self.pos = start
+        self.f.truncate(8 + self.cap + start)
+        self._reserve(arrays)
 
     def write(self, name, byte_offset, array):
         f, base = self.where[name]

@@ -1,8 +1,8 @@
 """DeepSeek V4 Flash in MLX.
 
-One file for the whole family, in the order of one decoder layer (reference: the architecture notes,
-sections 1.3 to 1.11): hyper-connections, attention with sinks over a sliding window plus compressed
-rows (ratio 4 with overlap and an indexer, or a heavy ratio without), the MoE, and the HC head.
+One file for the whole family, in the order of one decoder layer (docs/ARCHITECTURE.md walks through
+it): hyper-connections, attention with sinks over a sliding window plus compressed rows (ratio 4 with
+overlap and an indexer, or a heavy ratio without), the MoE, and the HC head.
 The model only does math: all per-layer state lives in `ds4_mlx.cache` objects passed in.
 """
 
@@ -17,8 +17,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ds4_mlx.cache.geometry import (closes_block, compressor_reach, frontier_start, in_block, overlaps, rows_done,
+                                    rows_visible, window_reach)
+from ds4_mlx.models import gguf_blocks, kernels
 from ds4_mlx.models.kernels import (backend, clamped_swiglu, decode_attention, hc_mix, hc_project, ring_rows,
                                     routed_experts)
+from ds4_mlx.precision import exact_float32, keeps_float32
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
 # expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
@@ -30,6 +34,25 @@ EXPERT_PATHS = {"cuda": "loop"}
 # On the H200, 4 layers at 8k: prefill 8,286 tok/s with matmul against 5,806 with sdpa, decode 188 tok/s
 # with sdpa against 176 with matmul. DS4_MLX_ATTENTION overrides both.
 ATTENTION_PATHS = {"cuda": "matmul"}
+
+
+# quantized dense products (attention projections, grouped output projection, shared experts, LM head)
+# of at least this many rows dequantize the weight into the compute dtype once a call and run a dense
+# product; fewer rows (a decoded token), and backends not listed, keep mx.quantized_matmul. Chosen per
+# backend from measurements (docs/PERFORMANCE.md); DS4_MLX_DENSE_PATH=quantized or =dequantize forces
+# one path for every product.
+DEQUANTIZE_FROM_ROWS = {"cuda": 32}
+DENSE_PATHS = ("quantized", "dequantize")
+
+
+def dequantizes(rows):
+    forced = os.environ.get("DS4_MLX_DENSE_PATH")
+    if forced:
+        if forced not in DENSE_PATHS:
+            raise ValueError(f"DS4_MLX_DENSE_PATH must be one of {', '.join(DENSE_PATHS)}, got {forced!r}")
+        return forced == "dequantize"
+    threshold = DEQUANTIZE_FROM_ROWS.get(backend())
+    return threshold is not None and rows >= threshold
 
 
 def expert_path():
@@ -58,7 +81,7 @@ class ModelArgs:
     o_groups: int = 8
     o_lora_rank: int = 1024
     sliding_window: int = 128
-    # one entry a layer: 0 = sliding window only, 4 = CSA (overlap + indexer), any other = HCA
+    # one entry a layer: 0 = sliding window only, 4 = CSA (overlap + indexer), 128 = HCA (`__post_init__`)
     compress_ratios: list = field(default_factory=lambda: [0, 0] + [4, 128] * 20 + [4])
     num_hash_layers: int = 3
     n_routed_experts: int = 256
@@ -82,6 +105,16 @@ class ModelArgs:
                                  "beta_fast": 32.0, "beta_slow": 1.0})
     max_position_embeddings: int = 1048576
     model_type: str = "deepseek_v4"
+
+    def __post_init__(self):
+        ratios = list(self.compress_ratios)
+        if len(ratios) != self.num_hidden_layers:
+            raise ValueError(f"compress_ratios has {len(ratios)} entries for {self.num_hidden_layers} layers")
+        heavy = sorted({r for r in ratios if r not in (0, 4)})
+        if any(not isinstance(r, int) or r <= 4 or r % 4 for r in heavy) or len(heavy) > 1:
+            raise ValueError(f"compress ratios {heavy} are not DeepSeek V4's: each layer's is 0 (window only), 4 "
+                             "(compressed sparse attention) or 128 (heavily compressed; tiny test models shrink it "
+                             "to another multiple of 4, one for all layers)")
 
     def layer_type(self, i):
         r = self.compress_ratios[i]
@@ -216,14 +249,6 @@ def expected_gguf_names(args: ModelArgs) -> list:
 # Numerics shared by the layers
 
 
-def keeps_float32(path: str) -> bool:
-    """The precision policy in one place: parameters whose math stays float32 under a half-precision
-    compute dtype (hyper-connection mixing and Sinkhorn, attention sinks, router scores and bias, the
-    compressor's score offsets). RMS norms accumulate in float32 in `mx.fast.rms_norm`, and attention
-    scores and softmax, compressor pooling and the residual streams are float32 in the forward itself."""
-    return bool(re.search(r"(^|\.)hc_(attn|ffn|head)\.|\.sinks$|\.ffn\.(gate\.weight|bias)$|\.ape$", path))
-
-
 def rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
 
@@ -267,8 +292,14 @@ class Rope:
         return self._full[width]
 
     def __call__(self, x, start, step=1, inverse=False):
-        """x [T, ..., D] holds positions start, start + step, ... along its first axis."""
+        """x [T, ..., D] holds positions start, start + step, ... along its first axis; or, with `start`
+        an int array [T], row t is at position start[t] (tokens of several sessions decoded together)."""
         D = x.shape[-1]
+        if isinstance(start, mx.array) and start.ndim == 1:
+            t = x.reshape(x.shape[0], -1, 1, D)  # one position per row: mx.fast.rope's per-batch offsets
+            t = mx.fast.rope(t, D, traditional=True, base=None, scale=-1.0 if inverse else 1.0, offset=start,
+                             freqs=self.full_periods(D))
+            return t.reshape(x.shape)
         t = x.reshape(x.shape[0], -1, D).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
         t = mx.fast.rope(t, D, traditional=True, base=None, scale=-step if inverse else step,
                          offset=start if step == 1 else start // step, freqs=self.full_periods(D))
@@ -372,8 +403,8 @@ _step_ints = (None, {})
 
 
 def int_array(value, step):
-    """mx.array(value), made once for all the layers computing position `step` (the cache is one tuple,
-    swapped whole: safe across threads)."""
+    """mx.array(value), made once for all the layers computing position `step` (a tuple of positions for
+    sessions stepped together; the cache is one tuple, swapped whole: safe across threads)."""
     global _step_ints
     s, made = _step_ints
     if s != step:
@@ -396,18 +427,107 @@ def _row(a, i):
 
 def compiled(module, method):
     """`module.method` through `mx.compile`, reading the module's current parameters at every call (so
-    loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. The plain
-    method when DS4_MLX_COMPILE=0."""
+    loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. Traced anew
+    when custom kernels are switched on or off. The plain method when DS4_MLX_COMPILE=0."""
     if os.environ.get("DS4_MLX_COMPILE", "1") == "0":
         return getattr(module, method)
     cache = module.__dict__.setdefault("_compiled", {})
+    if cache.get("kernels") != kernels.generation():
+        cache.clear()
+        cache["kernels"] = kernels.generation()
     if method not in cache:
         cache[method] = mx.compile(getattr(module, method), inputs=module.state)
     return cache[method]
 
 
+def dequantized(m, dtype):
+    """The weight of quantized layer `m` as `dtype` values, each rounded once: mx.dequantize computes in
+    the scales' dtype, so scales in another (float16 ones under float32 compute) are widened first."""
+    scales, biases = m.scales, m.get("biases")
+    if mx.issubdtype(scales.dtype, mx.floating) and scales.dtype != dtype:
+        scales, biases = scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32)
+    return mx.dequantize(m.weight, scales, biases, group_size=m.group_size, bits=m.bits, mode=m.mode, dtype=dtype)
+
+
+class Linear(nn.Linear):
+    """A dense layer without bias; quantized, a `QuantizedLinear`."""
+
+    def __init__(self, input_dims, output_dims):
+        super().__init__(input_dims, output_dims, bias=False)
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        return QuantizedLinear(self.weight.shape[1], self.weight.shape[0], False, group_size, bits, mode)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear`; many rows at once (a prefill chunk) go through the weight dequantized into
+    their dtype and a dense product where the backend's quantized product is slower (`dequantizes`)."""
+
+    def __call__(self, x):
+        if dequantizes(x.size // x.shape[-1]):
+            return x @ dequantized(self, x.dtype).T
+        return super().__call__(x)
+
+
+def grouped_product(x, w):
+    """x [T, groups, in] with w [groups, out, in] -> [T, groups, out], row j of every token through map j."""
+    return (x.swapaxes(0, 1) @ w.swapaxes(-1, -2)).swapaxes(0, 1)
+
+
+class GroupedLinear(nn.Module):
+    """Linear maps [groups, out, in], each token's row j through map j (the grouped output projection)."""
+
+    def __init__(self, groups, input_dims, output_dims):
+        super().__init__()
+        self.weight = mx.zeros((groups, output_dims, input_dims))
+
+    def __call__(self, x):
+        return grouped_product(x, self.weight)
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        return QuantizedGroupedLinear(*self.weight.shape, group_size, bits, mode)
+
+
+class QuantizedGroupedLinear(nn.Module):
+    def __init__(self, groups, output_dims, input_dims, group_size, bits, mode="affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        w, scales, *biases = mx.quantize(mx.zeros((groups, output_dims, input_dims)), group_size, bits, mode=mode)
+        self.weight, self.scales = w, scales
+        if biases:
+            self.biases = biases[0]
+        # the map of each row, made once: a compiled graph reads them rather than running a kernel a call
+        # (evaluated now, so they do not belong to the stream of the thread that first uses them)
+        self._maps = mx.arange(groups)
+        mx.eval(self._maps)
+        self.freeze()
+
+    def __call__(self, x):
+        if dequantizes(x.shape[0]):
+            return grouped_product(x, dequantized(self, x.dtype))
+        y = mx.gather_qmm(x[:, :, None, :], self.weight, self.scales, self.get("biases"), rhs_indices=self._maps,
+                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return y[:, :, 0, :]
+
+
+class Embedding(nn.Embedding):
+    """The token embedding. Its quantized form gives rows in float32: a Q8_0 row (int8 codes times a
+    float16 scale, up to 19 significant bits) keeps its exact values, which float16 would round."""
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        return QuantizedEmbedding(*self.weight.shape, group_size, bits, mode)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, x):
+        biases = self.get("biases")
+        return mx.dequantize(self["weight"][x], self["scales"][x].astype(mx.float32),
+                             None if biases is None else biases[x].astype(mx.float32),
+                             group_size=self.group_size, bits=self.bits, mode=self.mode, dtype=mx.float32)
+
+
 class SwitchLinear(nn.Module):
-    """A stack of linear maps [n, out, in]; each token row picks its own (experts, output groups)."""
+    """A stack of linear maps [n, out, in]; each token row picks its own (the routed experts)."""
 
     def __init__(self, n, input_dims, output_dims):
         super().__init__()
@@ -424,12 +544,10 @@ class SwitchLinear(nn.Module):
         """x [n, in] through map i alone."""
         return x @ _row(self.weight, i).T
 
-    def each(self, x):
-        """x [T, n, in]: row j of every token through map j (a batched product)."""
-        return (x.swapaxes(0, 1) @ self.weight.swapaxes(-1, -2)).swapaxes(0, 1)
-
-    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+    def to_quantized(self, group_size=None, bits=None, mode="affine", gguf_type=None, **_):
         n, out, inp = self.weight.shape
+        if gguf_type is not None:
+            return GGUFSwitchLinear(n, inp, out, gguf_type)
         return QuantizedSwitchLinear(n, inp, out, group_size, bits, mode)
 
 
@@ -441,10 +559,6 @@ class QuantizedSwitchLinear(nn.Module):
         self.weight, self.scales = w, scales
         if biases:
             self.biases = biases[0]
-        # `each`'s map indices, made once: a compiled graph reads them rather than running a kernel a call
-        # (evaluated now, so they do not belong to the stream of the thread that first uses them)
-        self._each = mx.arange(n)
-        mx.eval(self._each)
         self.freeze()
 
     # x is not cast to the scales' dtype: the compute dtype is x's. Converted scales are float16 (or
@@ -453,9 +567,6 @@ class QuantizedSwitchLinear(nn.Module):
         return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
                              mode=self.mode, sorted_indices=sorted_indices)
-
-    def each(self, x):
-        return self(x[:, :, None, :], self._each)[:, :, 0, :]
 
     def one(self, x, i):
         w, scales, biases = self._maps()[i]
@@ -478,6 +589,54 @@ class QuantizedSwitchLinear(nn.Module):
             mx.eval([v for triple in views for v in triple if v is not None])
             self.__dict__["_views"] = cached = (arrays, views)
         return cached[1]
+
+
+def gguf_dequantized(w, codec, dtype):
+    """uint8 blocks [..., rows, row bytes] -> dtype [..., rows, cols], on the current path."""
+    if gguf_blocks.path() == "kquant":
+        scales = gguf_blocks.placeholder_scales()
+        return gguf_blocks.kquant().dequantize(w, scales, codec, mx.float32).astype(dtype)
+    values = kernels.gguf_dequantize(w, codec)  # one launch on CUDA
+    return (gguf_blocks.dequantize(w, codec) if values is None else values).astype(dtype)
+
+
+def gguf_gather_product(x, w, indices, codec, sorted_indices):
+    """`mx.gather_qmm`'s contract (transposed) on GGUF blocks w [n, out, row bytes]: x [..., M, in] times
+    map indices[...] -> [..., M, out]. On CUDA, a kernel for one row a pair (`kernels.gguf_rows`); the
+    reference dequantizes each index's whole matrix: for few rows."""
+    if gguf_blocks.path() == "kquant" and x.dtype != mx.float32:
+        return gguf_blocks.kquant().gather_qmm(x, w, gguf_blocks.placeholder_scales(), codec,
+                                               rhs_indices=indices.astype(mx.uint32), transpose=True,
+                                               sorted_indices=sorted_indices)
+    if x.shape[-2] == 1:
+        lead = tuple(indices.shape)
+        rows = mx.broadcast_to(x, lead + x.shape[-2:]).reshape(-1, x.shape[-1])
+        y = kernels.gguf_rows(rows, w, indices.reshape(-1), codec)
+        if y is not None:
+            return y.astype(x.dtype).reshape(*lead, 1, -1)
+    return x @ gguf_dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
+
+
+class GGUFSwitchLinear(nn.Module):
+    """Routed experts kept in the GGUF's own blocks (uint8 [n, out, row bytes] of a `gguf_blocks.CODECS`
+    type), computed as `gguf_blocks.path()` says: no requantization, the file's exact values."""
+
+    def __init__(self, n, input_dims, output_dims, gguf_type):
+        super().__init__()
+        self.gguf_type = gguf_type
+        self.weight = mx.zeros((n, output_dims, gguf_blocks.row_bytes(gguf_type, input_dims)), mx.uint8)
+        self.freeze()
+
+    def __call__(self, x, indices, sorted_indices=False):
+        return gguf_gather_product(x, self.weight, indices, self.gguf_type, sorted_indices)
+
+    def one(self, x, i):
+        return x @ gguf_dequantized(self.weight[i], self.gguf_type, x.dtype).T
+
+    def gathers(self, dtype):
+        """Whether a big sorted batch should go through `__call__` (mlx-kquant's gather) rather than one
+        dequantize-then-product per expert (`MoE._expert_loop`)."""
+        return gguf_blocks.path() == "kquant" and dtype != mx.float32
 
 
 class HyperConnection(nn.Module):
@@ -529,11 +688,9 @@ def log_and_read(ring, p0, back, fresh):
     positions before p0 that the ring holds: the rows the chunk reads. A chunk reads its own rows from
     here, not from the ring, and the ring keeps only its last `capacity` of them, so the ring need not
     grow with the chunk. Rows are rounded to the ring's dtype either way, so chunking cannot matter."""
-    T = fresh.shape[0]
     fresh = fresh.astype(ring.dtype)
     rows = mx.concatenate([ring.gather(mx.arange(p0 - back, p0)), fresh]) if back else fresh  # read first
-    n = min(T, ring.capacity)
-    ring.write(p0 + T - n, fresh[T - n :])
+    ring.log(p0, fresh)
     return rows
 
 
@@ -553,7 +710,7 @@ class Compressor(nn.Module):
 
     def __init__(self, args: ModelArgs, ratio, head_dim):
         super().__init__()
-        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlaps(ratio)
         width = head_dim * (2 if self.overlap else 1)
         # the file's kv and gate matrices stacked, and its score offsets (ape) beside zeros for the kv half
         # (`Model.sanitize`): a logged row is one product plus one row
@@ -566,9 +723,10 @@ class Compressor(nn.Module):
         """Log this chunk's kv and score rows in `ring`, then return the `n_rows` new pooled rows
         (before norm and RoPE), starting at row `first_row`."""
         T, m = xn.shape[0], self.ratio
-        lo = max(0, (p0 // m - self.overlap) * m)  # where the open block starts (the one before it, with overlap)
+        lo = frontier_start(p0, m)  # where the open block starts (the one before it, with overlap)
         back = p0 - lo if n_rows else 0  # nothing to pool: only log
-        source = log_and_read(ring, p0, back, self.project(xn, mx.arange(p0, p0 + T) % m))  # positions p0 - back, ...
+        fresh = self.project(xn, in_block(mx.arange(p0, p0 + T), m))
+        source = log_and_read(ring, p0, back, fresh)  # positions p0 - back, ...
         if n_rows == 0:
             return None
         tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
@@ -576,14 +734,14 @@ class Compressor(nn.Module):
             return self.pool(source[tokens - lo])
         return self.pool(source[tokens - lo], source[mx.maximum(tokens - m - lo, 0)], (tokens - m >= 0)[..., None])
 
-    def decode(self, xn, slots, ring, pooling):
-        """One token (`slots`: `LayerCache.decode_slots` as arrays), on the ring's rows array: log its row
-        and, if it closes a block (`pooling`), pool that block. -> (the ring's rows, the pooled row
-        [1, head_dim] or None)."""
+    def decode(self, fresh, slots, ring, pooling):
+        """One token (`slots`: `LayerCache.decode_slots` as arrays; `fresh`: its `project` row), on the ring's
+        rows array: log its row and, if it closes a block (`pooling`), pool that block. -> (the ring's rows,
+        the pooled row [1, head_dim] or None)."""
         m = self.ratio
-        fresh = self.project(xn, slots["in_block"][None]).astype(ring.dtype)
-        reach = 2 * m - 1 if self.overlap else m - 1
-        source = mx.concatenate([ring_rows(ring, slots["pos"], reach), fresh]) if pooling else None  # read first
+        fresh = fresh.astype(ring.dtype)
+        # the block's earlier rows, read before the write below
+        source = mx.concatenate([ring_rows(ring, slots["pos"], compressor_reach(m)), fresh]) if pooling else None
         ring = write_row(ring, fresh, slots["frontier"])
         if not pooling:
             return ring, None
@@ -615,7 +773,7 @@ class Indexer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
-        self.q_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.q_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
         self.proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(args, 4, self.head_dim)
 
@@ -628,14 +786,14 @@ class Attention(nn.Module):
         self.ratio = args.compress_ratios[layer_id]
         H, nh, hd = args.hidden_size, args.num_attention_heads, args.head_dim
         self.n_heads, self.head_dim = nh, hd
-        self.q_a = nn.Linear(H, args.q_lora_rank, bias=False)
+        self.q_a = Linear(H, args.q_lora_rank)
         self.q_a_norm = nn.RMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
-        self.q_b = nn.Linear(args.q_lora_rank, nh * hd, bias=False)
-        self.kv = nn.Linear(H, hd, bias=False)
+        self.q_b = Linear(args.q_lora_rank, nh * hd)
+        self.kv = Linear(H, hd)
         self.kv_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.sinks = mx.zeros((nh,))
-        self.o_a = SwitchLinear(args.o_groups, nh * hd // args.o_groups, args.o_lora_rank)
-        self.o_b = nn.Linear(args.o_groups * args.o_lora_rank, H, bias=False)
+        self.o_a = GroupedLinear(args.o_groups, nh * hd // args.o_groups, args.o_lora_rank)
+        self.o_b = Linear(args.o_groups * args.o_lora_rank, H)
         if self.kind == SLIDING:
             self.rope = Rope(args.qk_rope_head_dim, args.rope_theta)
         else:
@@ -653,7 +811,7 @@ class Attention(nn.Module):
     def _compress(self, compressor, xn, cache, ring, buffer, quant):
         """Run a compressor over the chunk and append its finished rows to `buffer`."""
         p0, T, m = cache.pos, xn.shape[0], compressor.ratio
-        first, last = p0 // m, (p0 + T) // m
+        first, last = rows_done(p0, m), rows_done(p0 + T, m)
         pooled = compressor(xn, p0, ring, first, last - first)
         if pooled is not None:
             buffer.append(self._finish_rows(compressor, pooled, first * m, quant))
@@ -663,10 +821,10 @@ class Attention(nn.Module):
         rows = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
         return quant(self.rope(rows, start, compressor.ratio))
 
-    def _decode_compress(self, compressor, x, slots, arrays, ring, buffer, pooling, quant):
-        """`_compress` for one token, on the named `arrays`. -> the buffer's rows array (its whole
-        capacity: rows from slots["visible"] on are not valid)."""
-        arrays[ring], pooled = compressor.decode(x, slots, arrays[ring], pooling)
+    def _decode_compress(self, compressor, fresh, slots, arrays, ring, buffer, pooling, quant):
+        """`_compress` for one token (its projected row `fresh`), on the named `arrays`. -> the buffer's rows
+        array (its whole capacity: rows from slots["visible"] on are not valid)."""
+        arrays[ring], pooled = compressor.decode(fresh, slots, arrays[ring], pooling)
         if pooled is not None:
             start = slots["pos"] + 1 - compressor.ratio
             row = self._finish_rows(compressor, pooled, start, quant).astype(arrays[buffer].dtype)
@@ -678,24 +836,45 @@ class Attention(nn.Module):
         on the cache's `arrays` (`LayerCache.decode_arrays`): a pure function, so that a layer's decode
         step compiles whole. `pooling`: the token closes a compressed block; `selecting`: the indexer
         picks the rows (more than index_topk of them). -> (output [1, H], the arrays written)."""
+        pos = slots["pos"].reshape(1)
+        rows = self.decode_project(x, pos, slots["in_block"].reshape(1) if self.ratio else None, selecting, quant_sim)
+        out, arrays = self.decode_attend(rows, slots, arrays, pooling, selecting, quant_sim)
+        return self._project_out(out[None], pos), arrays
+
+    def decode_project(self, x, positions, in_blocks, selecting, quant_sim):
+        """What `decode` computes from decoded tokens alone, reading no cache, so that several sessions'
+        tokens run it together: x [T, H] at `positions` [T], `in_blocks` [T] their offsets in their
+        compressed blocks. -> rows by name, [T, ...] each (`decode_attend` takes one session's)."""
+        qr, q, kv = self._project(x, positions)
+        rows = {"q": q, "kv": self._store_kv(kv, quant_sim)}
+        if self.kind != SLIDING:
+            rows["frontier"] = self.compressor.project(x, in_blocks)
+            if self.kind == CSA:
+                rows["index_frontier"] = self.indexer.compressor.project(x, in_blocks)
+                if selecting:
+                    rows["index_q"], rows["index_w"] = self._index_query(qr, x, positions, quant_sim)
+        return rows
+
+    def decode_attend(self, rows, slots, arrays, pooling, selecting, quant_sim):
+        """The part of `decode` that reads and writes one session's cache, from its token's
+        `decode_project` rows. -> (attention output [nh, hd] with RoPE still on, the arrays written)."""
         W, pos = self.args.sliding_window, slots["pos"]
         arrays = dict(arrays)
-        qr, q, kv = self._project(x, pos)
-        fresh = self._store_kv(kv, quant_sim).astype(arrays["raw"].dtype)
+        fresh = rows["kv"].astype(arrays["raw"].dtype)
         ring = arrays["raw"]  # read before the write: it may hold just the window's other rows
         arrays["raw"] = write_row(ring, fresh, slots["raw"])
-        rows = selected = None
+        compressed = selected = None
         if self.kind != SLIDING:
-            rows = self._decode_compress(self.compressor, x, slots, arrays, "frontier", "rows", pooling,
-                                         lambda r: self._store_kv(r, quant_sim))
+            compressed = self._decode_compress(self.compressor, rows["frontier"], slots, arrays, "frontier", "rows",
+                                               pooling, lambda r: self._store_kv(r, quant_sim))
             if self.kind == CSA:
-                index_rows = self._decode_compress(self.indexer.compressor, x, slots, arrays, "index_frontier",
-                                                   "index_rows", pooling, index_rounding(quant_sim))
+                index_rows = self._decode_compress(self.indexer.compressor, rows["index_frontier"], slots, arrays,
+                                                   "index_frontier", "index_rows", pooling, index_rounding(quant_sim))
             if selecting:
                 visible = slots["visible"].reshape(1, 1)
-                selected = self._select(qr, x, pos, index_rows, visible, quant_sim)[0]
-        out = decode_attention(q[0], ring, fresh, rows, selected, pos, self.sinks, W, self.ratio)
-        return self._project_out(out[None], pos), arrays
+                selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, visible)[0]
+        return decode_attention(rows["q"][0], ring, fresh, compressed, selected, pos, self.sinks, W, self.ratio,
+                                slots), arrays
 
     def __call__(self, x, cache, quant_sim):
         args, hd = self.args, self.head_dim
@@ -706,9 +885,9 @@ class Attention(nn.Module):
 
         # raw window: the last `window` positions up to and including each query
         W = args.sliding_window
-        back = min(W - 1, p0)
+        back = min(window_reach(W), p0)
         rows = log_and_read(cache.raw, p0, back, self._store_kv(kv, quant_sim))  # positions p0 - back, ...
-        window_pos = positions[:, None] - (W - 1) + mx.arange(W)[None, :]
+        window_pos = positions[:, None] - window_reach(W) + mx.arange(W)[None, :]
         keys = [rows[mx.maximum(window_pos - (p0 - back), 0)]]
         masks = [window_pos >= 0]
 
@@ -717,7 +896,7 @@ class Attention(nn.Module):
             self._compress(self.compressor, x, cache, cache.frontier, cache.rows,
                            lambda r: self._store_kv(r, quant_sim))
             rows = cache.rows.view()
-            visible = ((positions + 1) // m)[:, None]  # rows visible to each query
+            visible = rows_visible(positions, m)[:, None]  # rows visible to each query
             C = rows.shape[0]
             selected = None
             if self.kind == CSA:
@@ -751,18 +930,27 @@ class Attention(nn.Module):
         """Attention output [T, nh, hd] (RoPE still on) -> [T, H], in the compute dtype."""
         T, G = out.shape[0], self.args.o_groups
         out = self.rope(out, start, inverse=True).astype(self.q_a_norm.weight.dtype)
-        low = self.o_a.each(out.reshape(T, G, -1))  # each head group has its own projection
+        low = self.o_a(out.reshape(T, G, -1))  # each head group has its own projection
         return self.o_b(low.reshape(T, -1))
 
     def _select(self, qr, x, p0, index_rows, visible, quant_sim):
         """Top-k compressed rows for each query, by the indexer's scores (rows at or past `visible`
         [T, 1] excluded)."""
-        idx, args = self.indexer, self.args
+        return self._top_rows(*self._index_query(qr, x, p0, quant_sim), index_rows, visible)
+
+    def _index_query(self, qr, x, start, quant_sim):
+        """The indexer's queries [T, heads, dim] and head weights [T, heads] of tokens at `start` (as `Rope`)."""
+        idx = self.indexer
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), p0).astype(mx.float32)
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), start).astype(mx.float32)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
-        w = idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5  # [T, nih]
+        return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
+
+    def _top_rows(self, qi, w, index_rows, visible):
+        """The index_topk rows of `index_rows` with the highest scores for each query (`_index_query`)."""
+        idx, args = self.indexer, self.args
+        T = qi.shape[0]
         C = index_rows.shape[0]
         # ReLU per head, weighted over heads; in tiles of rows so [T, heads, rows] stays ~256 MB
         tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
@@ -791,8 +979,7 @@ class MoE(nn.Module):
             self.bias = mx.zeros((E,))
         self.experts = {"gate": SwitchLinear(E, H, I), "up": SwitchLinear(E, H, I), "down": SwitchLinear(E, I, H)}
         shared = I * args.n_shared_experts
-        self.shared = {"gate": nn.Linear(H, shared, bias=False), "up": nn.Linear(H, shared, bias=False),
-                       "down": nn.Linear(shared, H, bias=False)}
+        self.shared = {"gate": Linear(H, shared), "up": Linear(H, shared), "down": Linear(shared, H)}
 
     def __call__(self, x, ids):
         if x.shape[0] * self.args.num_experts_per_tok < FEW_PAIRS:  # one compiled graph, no sync inside
@@ -833,7 +1020,8 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         order = mx.argsort(flat)
         xs, idx = x[order // k], flat[order]
-        if expert_path() == "loop":
+        gathers = getattr(self.experts["gate"], "gathers", lambda dtype: True)(xs.dtype)
+        if expert_path() == "loop" or not gathers:
             y = self._expert_loop(xs, idx)
         else:
             y = self._glu(xs[:, None, :], idx, True)[:, 0, :]
@@ -864,6 +1052,12 @@ class MoE(nn.Module):
         return mx.concatenate(outs)
 
 
+def steady(cache):
+    """Whether a token at the cache's position decodes through the one-token graph: its window and its
+    compressors' reach are all in the rings."""
+    return cache.pos >= cache.reach
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -875,12 +1069,8 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(args, layer_id)
 
     def __call__(self, streams, ids, cache, quant_sim):
-        # one token with a full window (and a block before the one it closes) decodes as one graph
-        if streams.shape[0] == 1 and cache.pos >= max(cache.window - 1, 2 * 4 - 1):
-            ints = cache.decode_slots()
-            pooling = bool(cache.ratio) and ints["in_block"] == cache.ratio - 1  # the token closes a block
-            selecting = self.attn.kind == CSA and ints["visible"] > self.attn.args.index_topk
-            slots = {name: int_array(value, ints["pos"]) for name, value in ints.items()}
+        if streams.shape[0] == 1 and steady(cache):  # one token decodes as one graph
+            slots, pooling, selecting = self._decode_inputs(cache)
             streams, arrays = compiled(self, "decode")(streams, ids, slots, cache.decode_arrays(), pooling,
                                                        selecting, quant_sim)
             cache.decoded(arrays)
@@ -892,6 +1082,46 @@ class DecoderLayer(nn.Module):
         streams = HyperConnection.post(out, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
+        return HyperConnection.post(out, streams, post, comb)
+
+    def _decode_inputs(self, cache, step=None):
+        """A decoded token's slots (`LayerCache.decode_slots` as arrays) and the static choices of its graph:
+        whether it closes a compressed block (`pooling`), whether the indexer picks the rows (`selecting`)."""
+        ints = cache.decode_slots()
+        pooling = bool(cache.ratio) and closes_block(ints["pos"], cache.ratio)
+        selecting = self.attn.kind == CSA and ints["visible"] > self.attn.args.index_topk
+        step = ints["pos"] if step is None else step  # what the int arrays are made once for (`int_array`)
+        return {name: int_array(value, step) for name, value in ints.items()}, pooling, selecting
+
+    def decode_batch(self, streams, ids, caches, quant_sim):
+        """One token for each of B sessions (streams [B, hc, H], ids [B], one `steady` cache each): the
+        projections, hyper-connections and experts run on the B rows together; each session's cache is
+        read and written on its own (`Attention.decode_attend`), as when it decodes alone."""
+        step = tuple(c.pos for c in caches)
+        inputs = [self._decode_inputs(c, step) for c in caches]
+        positions = int_array(step, step)
+        ratio = self.attn.ratio
+        in_blocks = mx.array([in_block(c.pos, ratio) for c in caches]) if ratio else None
+        post, comb, rows = compiled(self, "_batch_in")(streams, positions, in_blocks,
+                                                       any(i[2] for i in inputs), quant_sim)
+        outs = []
+        for b, (cache, (slots, pooling, selecting)) in enumerate(zip(caches, inputs)):
+            mine = {name: r[b : b + 1] for name, r in rows.items()}
+            out, arrays = compiled(self.attn, "decode_attend")(mine, slots, cache.decode_arrays(), pooling,
+                                                              selecting, quant_sim)
+            cache.decoded(arrays)
+            outs.append(out)
+        return compiled(self, "_batch_out")(mx.stack(outs), positions, streams, post, comb, ids)
+
+    def _batch_in(self, streams, positions, in_blocks, selecting, quant_sim):
+        x, post, comb = self.hc_attn.pre(streams)
+        x = self.attn_norm(x.astype(self.attn_norm.weight.dtype))
+        return post, comb, self.attn.decode_project(x, positions, in_blocks, selecting, quant_sim)
+
+    def _batch_out(self, out, positions, streams, post, comb, ids):
+        streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
+        x, post, comb = self.hc_ffn.pre(streams)
+        out = self.ffn(self.ffn_norm(x.astype(self.ffn_norm.weight.dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
 
     def decode(self, streams, ids, slots, arrays, pooling, selecting, quant_sim):
@@ -910,11 +1140,11 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs, quant_sim: bool = True):
         super().__init__()
         self.args, self.quant_sim = args, quant_sim
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed = Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hc_head = HyperHead(args)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size)
 
     def make_cache(self, *, history=0, frontier_history=None):
         """Per-layer caches; `history` extra positions kept so rewinds of that many tokens are free
@@ -927,6 +1157,8 @@ class Model(nn.Module):
 
     def __call__(self, inputs, cache=None, *, last_only=False):
         """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""
+        if not self.quant_sim and self.norm.weight.dtype == mx.float32:
+            exact_float32()  # the exact mode: no float32 product on TF32 (`ds4_mlx.precision`)
         ids = inputs.reshape(-1)
         T = ids.shape[0]
         if cache is None:
@@ -939,6 +1171,19 @@ class Model(nn.Module):
             streams = streams[-1:]
         x = self.norm(self.hc_head(streams).astype(self.norm.weight.dtype))
         return self.lm_head(x).astype(mx.float32)[None]
+
+    def decode_batch(self, ids, caches):
+        """One token for each of B sessions: ids int32 [B], `caches` B per-layer cache lists (one each,
+        never the same twice). -> logits [B, vocab], each row as the session's own step gives it (float
+        rounding of the batched products aside). Sessions in their first window step one by one."""
+        if len(caches) == 1 or not all(steady(layer) for c in caches for layer in c):
+            return mx.concatenate([self(ids[b : b + 1][None], c, last_only=True)[0] for b, c in enumerate(caches)])
+        B, a = len(caches), self.args
+        streams = mx.broadcast_to(self.embed(ids).astype(mx.float32)[:, None, :], (B, a.hc_mult, a.hidden_size))
+        for i, layer in enumerate(self.layers):
+            streams = layer.decode_batch(streams, ids, [c[i] for c in caches], self.quant_sim)
+        x = self.norm(self.hc_head(streams).astype(self.norm.weight.dtype))
+        return self.lm_head(x).astype(mx.float32)
 
     def cast(self, dtype):
         """Compute in `dtype` (bfloat16 or float16), but for the parameters `keeps_float32` names."""

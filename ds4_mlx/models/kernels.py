@@ -1,32 +1,92 @@
 """Fused GPU kernels for the hot paths of `deepseek_v4`, each with the plain-MLX function it replaces.
 
 The plain function is the definition: the CPU runs it, and tests/test_kernels.py checks each kernel
-against it on the backend that runs the kernel (Metal or CUDA). `use_kernels(False)` or the environment
-variable DS4_MLX_KERNELS=0 forces the plain functions everywhere (for profiling, or to rule a kernel out).
+against it on the backend that runs the kernel (Metal or CUDA). Every kernel also checks itself the
+first time a process uses it on a backend (`Kernel.backend`): small random inputs through the kernel
+and the definition, and one warning line and the definition from then on if they disagree.
+`use_kernels(False)`, `ds4-mlx --no-kernels` or DS4_MLX_KERNELS=0 run the definitions everywhere (for
+profiling, or to rule a kernel out), graphs compiled before included (`generation`). The switch only
+swaps kernels for their definitions: which algorithm runs (`backend`'s choices) stays the same.
 """
 
 import os
-from functools import lru_cache
+import sys
+from functools import lru_cache, partial
 
 import mlx.core as mx
 
+from ds4_mlx.cache.geometry import ring_slot, rows_visible, window_reach
+
 _enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
+_generation = 0
 
 
 def use_kernels(on: bool):
-    global _enabled
+    global _enabled, _generation
     _enabled = on
+    _generation += 1
+
+
+def generation() -> int:
+    """Changes whenever kernels are switched on or off: compiled graphs keyed by it are traced anew."""
+    return _generation
 
 
 def backend():
-    """'metal', 'cuda' or None (CPU, or kernels switched off) for the default device."""
-    if not _enabled or mx.default_device() != mx.gpu:
+    """'metal', 'cuda' or None (CPU) for the default device, whatever the kernel switch says."""
+    if mx.default_device() != mx.gpu:
         return None
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():
         return "cuda"
     return None
+
+
+class Kernel:
+    """A custom kernel beside its plain definition. `launches`: backend -> a function with the
+    definition's signature; `sample()`: small random inputs for the self-check; `tolerance`: the largest
+    difference from the definition allowed there, relative to the definition's largest value."""
+
+    def __init__(self, name, definition, sample, tolerance):
+        self.name, self.definition, self.sample, self.tolerance = name, definition, sample, tolerance
+        self.launches = {}
+        self.verdicts = {}  # backend -> whether the kernel passed its self-check there
+
+    def backend(self):
+        """The backend whose launch to use now, or None for the definition: kernels switched off, no
+        launch for this backend, or a failed self-check."""
+        kind = backend()
+        if not _enabled or kind not in self.launches:
+            return None
+        if kind not in self.verdicts:
+            self.verdicts[kind] = self._self_check(kind)
+        return kind if self.verdicts[kind] else None
+
+    def _self_check(self, kind):
+        try:
+            inputs = self.sample()
+            got = self.launches[kind](*inputs)
+            with mx.stream(mx.cpu):  # the definition in exact float32 (a GPU may use TF32 tensor cores)
+                want = self.definition(*inputs)
+            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+            error = bound = 0.0
+            for g, w in zip(got, want):
+                w = w.astype(mx.float32)
+                error = max(error, mx.abs(g.astype(mx.float32) - w).max().item())
+                bound = max(bound, self.tolerance * mx.abs(w).max().item())
+            if error <= bound:  # False for NaN too
+                return True
+            detail = f"max difference {error:.3g}, allowed {bound:.3g}"
+        except Exception as e:  # a kernel that does not compile or launch is off as well
+            detail = " ".join(str(e).split()) or type(e).__name__
+        print(f"ds4-mlx: warning: custom kernel {self.name} disagrees with its definition on {kind} ({detail}); "
+              "using the definition", file=sys.stderr)
+        return False
+
+
+def _random(*shape, seed=0):
+    return mx.random.normal(shape, key=mx.random.key(seed + sum(shape)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,6 +159,15 @@ _HEADS = {
 }
 
 
+def _hc_mix_sample():
+    T, hc, H = 3, 4, 64
+    return (_random(T, (2 + hc) * hc), 1 + 0.1 * _random(3), 0.1 * _random((2 + hc) * hc), _random(T, hc, H),
+            20, 1e-6)
+
+
+HC_MIX = Kernel("hc_mix", hc_mix_reference, _hc_mix_sample, 1e-4)
+
+
 @lru_cache(maxsize=None)
 def _hc_kernel(kind, eps):
     source = _HEADS[kind] + f"#define EPS {float(eps)!r}f\n#define GROUP {_GROUP}\n" + _HC_BODY
@@ -109,9 +178,13 @@ def _hc_kernel(kind, eps):
 
 def hc_mix(mix, scale, base, streams, iters, eps):
     """`hc_mix_reference`, fused into one kernel on Metal and CUDA (float32 throughout)."""
-    kind = backend()
+    kind = HC_MIX.backend()
     if kind is None:
         return hc_mix_reference(mix, scale, base, streams, iters, eps)
+    return HC_MIX.launches[kind](mix, scale, base, streams, iters, eps)
+
+
+def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps):
     T, hc, H = streams.shape
     f32 = mx.float32
     return _hc_kernel(kind, eps)(
@@ -119,6 +192,9 @@ def hc_mix(mix, scale, base, streams, iters, eps):
         template=[("HC", hc), ("ITERS", iters), ("H", H)],
         grid=(T * _GROUP, 1, 1), threadgroup=(_GROUP, 1, 1),
         output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[f32, f32, f32])
+
+
+HC_MIX.launches.update({kind: partial(_hc_mix_kernel, kind) for kind in ("metal", "cuda")})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +206,7 @@ def hc_mix(mix, scale, base, streams, iters, eps):
 
 def ring_rows(rows, pos, n):
     """From a ring's rows array, the rows of the `n` positions before `pos` (an int array)."""
-    return rows[(pos - n + mx.arange(n)) % rows.shape[0]]
+    return rows[ring_slot(pos - n + mx.arange(n), rows.shape[0])]
 
 
 def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
@@ -145,7 +221,7 @@ def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, windo
         keys.append(rows[selected])
     elif ratio:
         keys.append(rows)
-        mask = mx.concatenate([mx.ones((window,), mx.bool_), mx.arange(rows.shape[0]) < (pos + 1) // ratio])
+        mask = mx.concatenate([mx.ones((window,), mx.bool_), mx.arange(rows.shape[0]) < rows_visible(pos, ratio)])
     keys = mx.concatenate(keys).astype(f32)[None, None]  # [1, 1, K, hd]: one key head, keys are values
     out = mx.fast.scaled_dot_product_attention(q.astype(f32)[None, :, None, :], keys, keys,
                                                scale=q.shape[-1] ** -0.5, sinks=sinks.astype(f32),
@@ -158,15 +234,17 @@ def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, windo
 _ATTEND_CUDA = """
     constexpr int E = HD / 32, NW = GROUP / 32;
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int p = pos[0];
-    const int n_rows = SELECT ? K : (RATIO ? (p + 1) / RATIO : 0);
+    const int n_rows = SELECT ? K : visible[0];
     const float scale = rsqrtf((float)HD);
     float qv[E], acc[E];
     for (int e = 0; e < E; ++e) { qv[e] = q[h * HD + e * 32 + lane] * scale; acc[e] = 0.0f; }
     float m = -__int_as_float(0x7f800000), l = 0.0f;  // -infinity
     for (int j = warp; j < W + n_rows; j += NW) {
         decltype(ring) key;
-        if (j < W - 1) key = ring + ((p - (W - 1) + j) % CAP) * HD;
+        if (j < W - 1) {  // the window's rows from its first slot on, wrapping once (W - 1 <= CAP)
+            const int slot = first[0] + j;
+            key = ring + (slot < CAP ? slot : slot - CAP) * HD;
+        }
         else if (j == W - 1) key = fresh;
         else key = rows + (SELECT ? selected[j - W] : j - W) * HD;
         float k[E], s = 0.0f;
@@ -197,28 +275,48 @@ _ATTEND_GROUP = 512
 @lru_cache(maxsize=None)
 def _attend_kernel():
     return mx.fast.cuda_kernel(name="ds4_decode_attention",
-                               input_names=["q", "ring", "fresh", "rows", "selected", "pos", "sinks"],
+                               input_names=["q", "ring", "fresh", "rows", "selected", "first", "visible", "sinks"],
                                output_names=["out"], source=_ATTEND_CUDA)
 
 
-def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
+def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots=None):
     """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
-    warps' partial sums fill 32 KB of shared memory at 512)."""
+    warps' partial sums fill 32 KB of shared memory at 512). `slots`: `LayerCache.decode_slots` as
+    arrays (the window's first ring slot, the visible compressed rows), else computed from `pos`."""
     nh, hd = q.shape
-    if backend() != "cuda" or hd % 32 or hd > 512:
+    kind = DECODE_ATTENTION.backend()
+    if kind is None or hd % 32 or hd > 512:
         return decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio)
+    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots)
+
+
+def _decode_attention_sample():
+    nh, hd, capacity, n_rows = 4, 64, 16, 8
+    return (_random(nh, hd), _random(capacity, hd), _random(1, hd), _random(n_rows, hd), None,
+            mx.array(21, mx.int32), _random(nh), 8, 4)
+
+
+def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots=None):
+    nh, hd = q.shape
     f32 = mx.float32
+    if slots is None:
+        slots = {"window": ring_slot(pos - window_reach(window), ring.shape[0]),
+                 "visible": rows_visible(pos, ratio) if ratio else mx.zeros_like(pos)}
+    first, visible = slots["window"].astype(mx.int32), slots["visible"].astype(mx.int32)
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
     return _attend_kernel()(
         inputs=[q.astype(f32), ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),
-                pos[None] if selected is None else selected, pos.astype(mx.int32),
-                sinks.astype(f32)],
-        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("RATIO", ratio),
+                first[None] if selected is None else selected, first, visible, sinks.astype(f32)],
+        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[0]),
                   ("GROUP", _ATTEND_GROUP)],
         grid=(nh * _ATTEND_GROUP, 1, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
         output_shapes=[(nh, hd)], output_dtypes=[f32])[0]
+
+
+DECODE_ATTENTION = Kernel("decode_attention", decode_attention_reference, _decode_attention_sample, 1e-4)
+DECODE_ATTENTION.launches["cuda"] = _decode_attention_cuda
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,15 +364,24 @@ def _hc_project_kernel(eps):
 
 def hc_project(flat, fn, eps):
     """`hc_project_reference`, one kernel on CUDA for up to HC_PROJECT_MAX_TOKENS tokens."""
+    kind = HC_PROJECT.backend()
+    if kind is None or flat.shape[0] > HC_PROJECT_MAX_TOKENS:
+        return hc_project_reference(flat, fn, eps)
+    return HC_PROJECT.launches[kind](flat, fn, eps)
+
+
+def _hc_project_cuda(flat, fn, eps):
     T, n = flat.shape
     m = fn.shape[0]
-    if backend() != "cuda" or T > HC_PROJECT_MAX_TOKENS:
-        return hc_project_reference(flat, fn, eps)
     f32 = mx.float32
     return _hc_project_kernel(eps)(
         inputs=[flat.astype(f32), fn.astype(f32)], template=[("N", n), ("M", m), ("GROUP", _PROJECT_GROUP)],
         grid=(T * m * _PROJECT_GROUP, 1, 1), threadgroup=(_PROJECT_GROUP, 1, 1),
         output_shapes=[(T, m)], output_dtypes=[f32])[0]
+
+
+HC_PROJECT = Kernel("hc_project", hc_project_reference, lambda: (_random(2, 1024), _random(24, 1024), 1e-6), 1e-4)
+HC_PROJECT.launches["cuda"] = _hc_project_cuda
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,10 +520,27 @@ def _fits(matrix, rows):
 def routed_experts(x, chosen, weights, gate, up, down, limit):
     """`routed_experts_reference` in two kernels on CUDA; None where they do not apply (the caller then
     runs its own path)."""
-    rows = _EXPERT_ROWS
-    if backend() != "cuda" or not all(_fits(m, rows) for m in (gate, up, down)) or gate[3:] != up[3:] \
+    kind = ROUTED_EXPERTS.backend()
+    if kind is None or not all(_fits(m, _EXPERT_ROWS) for m in (gate, up, down)) or gate[3:] != up[3:] \
             or gate[1].dtype != up[1].dtype:
         return None
+    return ROUTED_EXPERTS.launches[kind](x, chosen, weights, gate, up, down, limit)
+
+
+def _routed_experts_sample():
+    E, H, I, T, k = 4, 256, 128, 2, 2
+
+    def stack(out, inp, seed):
+        w, scales, biases = mx.quantize(0.05 * _random(E, out, inp, seed=seed), group_size=64, bits=2)
+        return w, scales, biases, 64, 2
+
+    chosen = mx.array([[0, 3], [2, 0]], mx.uint32)
+    return (_random(T, H), chosen, mx.softmax(_random(T, k), axis=-1), stack(I, H, 1), stack(I, H, 2),
+            stack(H, I, 3), 10.0)
+
+
+def _routed_experts_cuda(x, chosen, weights, gate, up, down, limit):
+    rows = _EXPERT_ROWS
     (T, k), f32 = chosen.shape, mx.float32
     inner, hidden = gate[1].shape[1], down[1].shape[1]
     gate_up_kernel, down_kernel = _expert_kernels(limit)
@@ -434,3 +558,182 @@ def routed_experts(x, chosen, weights, gate, up, down, limit):
                (T, k, inner))
     return launch(down_kernel, [h, chosen, weights.astype(f32), *down[:3]], down, T * hidden // rows,
                   (T, hidden))
+
+
+ROUTED_EXPERTS = Kernel("routed_experts", routed_experts_reference, _routed_experts_sample, 1e-4)
+ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts kept in GGUF blocks (IQ2_XXS, Q2_K), for a few tokens: one warp an output row of one
+# (token, expert) pair, its lanes over the row's blocks, dequantizing as they read (the IQ2_XXS lattice
+# and sign tables come from the `gguf` package, as inputs). The product of `deepseek_v4.gguf_gather_product`.
+
+_GGUF_ROWS_CUDA = """
+    const int lane = threadIdx.x % 32, job = blockIdx.x * (GROUP / 32) + threadIdx.x / 32;
+    if (job >= PAIRS * OUT) return;
+    const int pair = job / OUT, row = job % OUT;
+    const uint8_t* r = w + ((size_t)indices[pair] * OUT + row) * (IN / 256 * BLOCK);
+    const float* xv = x + (size_t)pair * IN;
+    float acc = 0.0f;
+    if (CODEC == 0) {  // Q2_K: scales[16] (sc | m << 4), qs[64] (4 values a byte), d, dmin
+        for (int u = lane; u < IN / 256 * 64; u += 32) {
+            const uint8_t* blk = r + (u / 64) * BLOCK;
+            const int byte = u % 64, half = byte / 32, l = byte % 32;
+            const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+            const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+            const uint8_t q = blk[16 + byte];
+            for (int i = 0; i < 4; ++i) {
+                const int at = half * 128 + i * 32 + l;
+                const uint8_t sc = blk[at / 16];
+                acc += (d * (float)(sc & 0xF) * (float)((q >> (2 * i)) & 3) - dmin * (float)(sc >> 4))
+                       * xv[(u / 64) * 256 + at];
+            }
+        }
+    } else {  // IQ2_XXS: d, then 8 sub-blocks of 4 lattice indices and a word of 4 x 7 sign bits + a scale
+        for (int u = lane; u < IN / 256 * 32; u += 32) {
+            const uint8_t* blk = r + (u / 32) * BLOCK;
+            const int sub = (u % 32) / 4, g = u % 4;
+            const uint8_t* sb = blk + 2 + sub * 8;
+            const uint32_t aux = sb[4] | (sb[5] << 8) | (sb[6] << 16) | ((uint32_t)sb[7] << 24);
+            const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+            const float* point = lattice + sb[g] * 8;
+            const int signs = ksigns[(aux >> (7 * g)) & 127];
+            const float* xs = xv + (u / 32) * 256 + sub * 32 + g * 8;
+            for (int k = 0; k < 8; ++k) acc += db * point[k] * ((signs >> k) & 1 ? -1.0f : 1.0f) * xs[k];
+        }
+    }
+    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
+    if (lane == 0) y[job] = acc;
+"""
+_GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
+
+
+@lru_cache(maxsize=None)
+def _gguf_rows_kernel():
+    return mx.fast.cuda_kernel(name="ds4_gguf_expert_rows", input_names=["x", "w", "indices", "lattice", "ksigns"],
+                               output_names=["y"], source=_GGUF_ROWS_CUDA)
+
+
+def _gguf_rows_cuda(x, w, indices, codec):
+    """x [P, in] float32, w uint8 [E, out, row bytes], indices [P] -> [P, out] float32: row p through expert
+    indices[p]."""
+    from ds4_mlx.models import gguf_blocks
+
+    (pairs, inp), out = x.shape, w.shape[1]
+    grid, ksigns = gguf_blocks.iq2xxs_kernel_tables()
+    return _gguf_rows_kernel()(
+        inputs=[x.astype(mx.float32), w, indices.astype(mx.uint32), grid, ksigns],
+        template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs),
+                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("GROUP", _EXPERT_GROUP)],
+        grid=(-(-pairs * out * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
+        output_shapes=[(pairs, out)], output_dtypes=[mx.float32])[0]
+
+
+def gguf_rows_reference(x, w, indices, codec):
+    """`_gguf_rows_cuda`'s definition: each pair's expert dequantized (`gguf_blocks.dequantize`), then its
+    product, in float32."""
+    from ds4_mlx.models import gguf_blocks
+
+    weights = gguf_blocks.dequantize(w[indices], codec)  # [P, out, in]
+    return (x.astype(mx.float32)[:, None, :] @ weights.swapaxes(-1, -2))[:, 0, :]
+
+
+def _gguf_rows_sample(codec):
+    from ds4_mlx.models import gguf_blocks
+
+    w = gguf_blocks.random_blocks(codec, (3, 8, gguf_blocks.row_bytes(codec, 512)), seed=5)
+    return _random(4, 512), w, mx.array([2, 0, 1, 2], mx.uint32), codec
+
+
+GGUF_ROWS = {codec: Kernel(f"gguf_rows_{codec}", gguf_rows_reference, partial(_gguf_rows_sample, codec), 1e-4)
+             for codec in _GGUF_CODECS}
+for _kernel in GGUF_ROWS.values():
+    _kernel.launches["cuda"] = _gguf_rows_cuda
+GGUF_ROWS_MAX_PAIRS = 64  # past this a prefill chunk's dequantize-then-product reads each expert once
+
+
+def gguf_rows(x, w, indices, codec):
+    """`gguf_rows_reference`, one kernel on CUDA for up to GGUF_ROWS_MAX_PAIRS pairs; None where the kernel
+    does not apply (the caller then runs its own path)."""
+    kernel = GGUF_ROWS.get(codec)
+    if kernel is None or x.shape[0] > GGUF_ROWS_MAX_PAIRS or x.shape[1] % 256 or kernel.backend() is None:
+        return None
+    return kernel.launches[kernel.backend()](x, w, indices, codec)
+
+
+# Whole experts of a prefill chunk dequantized in one launch (one thread a byte of Q2_K codes, or a group
+# of 8 IQ2_XXS values), for the dequantize-then-product path; plain MLX takes ~20 ops a matrix.
+_GGUF_DEQUANTIZE_CUDA = """
+    const size_t u = (size_t)blockIdx.x * GROUP + threadIdx.x;
+    constexpr int UNITS = CODEC == 0 ? 64 : 32;  // per block of 256 values
+    if (u >= (size_t)ROWS * (IN / 256) * UNITS) return;
+    const size_t block = u / UNITS;
+    const uint8_t* blk = w + block * BLOCK;
+    float* out = y + block * 256;
+    if (CODEC == 0) {
+        const int byte = u % 64, half = byte / 32, l = byte % 32;
+        const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+        const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+        const uint8_t q = blk[16 + byte];
+        for (int i = 0; i < 4; ++i) {
+            const int at = half * 128 + i * 32 + l;
+            const uint8_t sc = blk[at / 16];
+            out[at] = d * (float)(sc & 0xF) * (float)((q >> (2 * i)) & 3) - dmin * (float)(sc >> 4);
+        }
+    } else {
+        const int sub = (u % 32) / 4, g = u % 4;
+        const uint8_t* sb = blk + 2 + sub * 8;
+        const uint32_t aux = sb[4] | (sb[5] << 8) | (sb[6] << 16) | ((uint32_t)sb[7] << 24);
+        const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+        const float* point = lattice + sb[g] * 8;
+        const int signs = ksigns[(aux >> (7 * g)) & 127];
+        for (int k = 0; k < 8; ++k) out[sub * 32 + g * 8 + k] = db * point[k] * ((signs >> k) & 1 ? -1.0f : 1.0f);
+    }
+"""
+
+
+@lru_cache(maxsize=None)
+def _gguf_dequantize_kernel():
+    return mx.fast.cuda_kernel(name="ds4_gguf_dequantize", input_names=["w", "lattice", "ksigns"],
+                               output_names=["y"], source=_GGUF_DEQUANTIZE_CUDA)
+
+
+def _gguf_dequantize_cuda(w, codec):
+    from ds4_mlx.models import gguf_blocks
+
+    block = gguf_blocks.row_bytes(codec, 256)
+    rows, inp = w.size // w.shape[-1], w.shape[-1] // block * 256
+    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables()
+    units = rows * (inp // 256) * (64 if codec == "q2_k" else 32)
+    return _gguf_dequantize_kernel()(
+        inputs=[w, lattice, ksigns],
+        template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("ROWS", rows), ("BLOCK", block),
+                  ("GROUP", _EXPERT_GROUP)],
+        grid=(-(-units // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
+        output_shapes=[(*w.shape[:-1], inp)], output_dtypes=[mx.float32])[0]
+
+
+def _gguf_dequantize_sample(codec):
+    from ds4_mlx.models import gguf_blocks
+
+    return gguf_blocks.random_blocks(codec, (2, 8, gguf_blocks.row_bytes(codec, 512)), seed=6), codec
+
+
+def _gguf_dequantize_definition(w, codec):
+    from ds4_mlx.models import gguf_blocks
+
+    return gguf_blocks.dequantize(w, codec)
+
+
+GGUF_DEQUANTIZE = {codec: Kernel(f"gguf_dequantize_{codec}", _gguf_dequantize_definition,
+                                 partial(_gguf_dequantize_sample, codec), 1e-6) for codec in _GGUF_CODECS}
+for _kernel in GGUF_DEQUANTIZE.values():
+    _kernel.launches["cuda"] = _gguf_dequantize_cuda
+
+
+def gguf_dequantize(w, codec):
+    """`gguf_blocks.dequantize` (float32) in one kernel on CUDA; None where it does not apply."""
+    kernel = GGUF_DEQUANTIZE.get(codec)
+    kind = None if kernel is None else kernel.backend()
+    return None if kind is None else kernel.launches[kind](w, codec)

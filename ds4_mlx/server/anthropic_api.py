@@ -15,8 +15,8 @@ import uuid
 
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
-from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
-from ds4_mlx.server.constraints import constrained, forced_tool_call
+from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, ToolCall
+from ds4_mlx.server.constraints import constrained, forced_tool_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored, number_in, positive_int, string_list
 from ds4_mlx.server.protocol import Prepared, ServerInfo
@@ -27,7 +27,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 
 # ---------------------------------------------------------------- requests
 
-TEXT_ONLY = "this model reads text only"
+TEXT_ONLY = protocol.TEXT_ONLY
 # Keys of a content block that hold no text for the model: a block of an unknown type with nothing
 # else is skipped (a newer client's marker), one that carries more is refused rather than dropped.
 META_KEYS = {"type", "cache_control", "citations", "id", "signature"}
@@ -202,7 +202,7 @@ def thinking_mode(body: dict, model: str, info: ServerInfo) -> tuple[bool, str |
     return kind != "disabled", effort, display != "omitted"
 
 
-def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *, counting=False) -> Prepared:
+def parse_messages(body: dict, info: ServerInfo, memory: AnswerMemory, *, counting=False) -> Prepared:
     note_ignored(body, BODY_FIELDS, "messages")
     model = info.model_name(body, anthropic=True)
     max_tokens = positive_int(body, "max_tokens")
@@ -212,13 +212,14 @@ def parse_messages(body: dict, info: ServerInfo, tool_memory: ToolCallMemory, *,
     choice = tool_choice(get(body, "tool_choice", dict))
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     thinking, effort, shown = thinking_mode(body, model, info)
-    text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    protocol.log_replay_notes(text, "messages")
     defaults = protocol.SamplingParams()
     sampling = protocol.SamplingParams(
         temperature=number_in(body, "temperature", 0.0, 1.0, defaults.temperature),
         top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p), top_k=get(body, "top_k", int, defaults.top_k),
         min_p=defaults.min_p)
-    sampling = constrained(sampling, thinking=text.endswith("<think>"), forced=forced_tool_call(choice, tools))
+    sampling = constrained(sampling, thinking=text.endswith("<think>"), grammar=forced_tool_grammar(choice, tools))
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False), max_tokens=max_tokens, sampling=sampling,
                     stop=string_list(body, "stop_sequences"), model=model, tool_id_prefix="toolu_",

@@ -15,7 +15,7 @@ import traceback
 from aiohttp import web
 
 from ds4_mlx.server import anthropic_api, openai_api, responses_api, webui
-from ds4_mlx.server.assembly import Answer, ToolCallMemory
+from ds4_mlx.server.assembly import Answer, AnswerMemory
 from ds4_mlx.server.connections import CappedSite
 from ds4_mlx.server.errors import APIError, context_exceeded
 from ds4_mlx.server.loading import start_in_background
@@ -54,7 +54,7 @@ class Server:
         self.body_timeout_s = body_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
-        self.tool_memory = ToolCallMemory()
+        self.answer_memory = AnswerMemory()
         self.access = access
         self.metrics = ServerMetrics(self)
         self.loaded = None  # the model load, a future once the app starts
@@ -149,7 +149,7 @@ class Server:
 
     async def chat_completions(self, request):
         body, prepared = await self._parse(request, lambda body: openai_api.parse_chat(body, self.info,
-                                                                                      self.tool_memory))
+                                                                                      self.answer_memory))
         responder = openai_api.ChatResponder(prepared, include_usage=openai_api.include_usage(body))
         return await self._generate(request, prepared, responder, "chat")
 
@@ -166,18 +166,18 @@ class Server:
 
     async def messages(self, request):
         _, prepared = await self._parse(request, lambda body: anthropic_api.parse_messages(body, self.info,
-                                                                                          self.tool_memory))
+                                                                                          self.answer_memory))
         return await self._generate(request, prepared, anthropic_api.MessagesResponder(prepared), "messages")
 
     async def count_tokens(self, request):
         _, prepared = await self._parse(request, lambda body: anthropic_api.parse_messages(
-            body, self.info, self.tool_memory, counting=True))
+            body, self.info, self.answer_memory, counting=True))
         ids = await self._tokenize(prepared.prompt_text)
         return web.json_response({"input_tokens": len(ids)})
 
     async def responses(self, request):
         body, prepared = await self._parse(request, lambda body: responses_api.parse_responses(body, self.info,
-                                                                                              self.tool_memory))
+                                                                                              self.answer_memory))
         return await self._generate(request, prepared, responses_api.ResponsesResponder(prepared, body), "responses")
 
     # -- the generation loop --------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class Server:
         job = Job(GenerationRequest(ids, max_tokens, prepared.sampling, prepared.stop, label,
                                     _namespace(request, request.get(CACHE_SALT))),
                   asyncio.get_running_loop(), client_gone=lambda: _client_gone(request))
-        answer = Answer(thinking=prepared.thinking, tools=prepared.tools, tool_memory=self.tool_memory,
+        answer = Answer(thinking=prepared.thinking, tools=prepared.tools, memory=self.answer_memory,
                         tool_id_prefix=prepared.tool_id_prefix)
         self.worker.submit(job)
         if prepared.stream:

@@ -3,25 +3,33 @@
 `Answer.feed(text)` returns the `ReasoningDelta` / `ContentDelta` / `ToolCall` events that text completes
 (from `ds4_mlx.chat.OutputParser`) and keeps the totals a non-streamed response needs; `feed_chunk` takes
 a generation chunk and adds its token's `TokenLogprob`, when asked for, as one more event. The server
-remembers the exact DSML block behind each tool call id (`ToolCallMemory`), so when a client sends the
-call back, the prompt holds the very tokens the model sampled and the live session still matches.
+remembers the tokens each answer was sampled as (`AnswerMemory`), so when a client sends the answer back
+(found by its tool call ids, or its text), the prompt holds those very tokens, never the text
+re-tokenized, and the live session still matches.
 """
 
+import json
+import logging
 import uuid
 from collections import OrderedDict
 
-from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, ToolCall
+from ds4_mlx.chat import (THINK_END, ContentDelta, MalformedBlock, OutputParser, ReasoningDelta, Sampled,
+                          ToolCall, content_text)
 from ds4_mlx.generate import TokenLogprob
 
-__all__ = ["Answer", "ToolCallMemory", "ContentDelta", "ReasoningDelta", "ToolCall", "TokenLogprob"]
+__all__ = ["Answer", "AnswerMemory", "ContentDelta", "ReasoningDelta", "ToolCall", "TokenLogprob"]
+
+log = logging.getLogger("ds4_mlx.server")
 
 
 class Answer:
-    def __init__(self, *, thinking: bool, tools: bool, tool_memory: "ToolCallMemory | None" = None,
+    def __init__(self, *, thinking: bool, tools: bool, memory: "AnswerMemory | None" = None,
                  tool_id_prefix: str = "call_"):
         self._parser = OutputParser(thinking=thinking, tools=tools,
                                     make_id=lambda: tool_id_prefix + uuid.uuid4().hex)
-        self._tool_memory = tool_memory
+        self._thinking = thinking
+        self._memory = memory
+        self._stats = None  # the generation's figures, from its last chunk
         self.reasoning = ""
         self.content = ""
         self.tool_calls: list[ToolCall] = []
@@ -31,6 +39,7 @@ class Answer:
         return self._collect(self._parser.feed(text)) if text else []
 
     def feed_chunk(self, chunk) -> list:
+        self._stats = chunk.stats or self._stats
         events = self.feed(chunk.text)
         if chunk.logprob is not None:
             self.logprobs.append(chunk.logprob)
@@ -38,7 +47,24 @@ class Answer:
         return events
 
     def finish(self) -> list:
-        return self._collect(self._parser.finish())
+        events = self._collect(self._parser.finish())
+        sampled = self.sampled() if self._memory is not None else None
+        if sampled is not None:
+            self._memory.remember(sampled, [call.id for call in self.tool_calls])
+        return events
+
+    def sampled(self) -> Sampled | None:
+        """The answer with its sampled tokens, when its parts rendered in the template's order (reasoning,
+        content, tool calls) are exactly the text sampled; else None (cut inside the reasoning or by a stop
+        string, content after a tool call, markup left out): then it is replayed from its text."""
+        if self._stats is None or self._stats.output_text is None:
+            return None
+        blocks = list(dict.fromkeys(call.dsml for call in self.tool_calls))  # each block once, in order
+        parts = (self.reasoning + THINK_END if self._thinking else "") + self.content + "".join(blocks)
+        if parts != self._stats.output_text:
+            return None
+        return Sampled(parts, self._stats.output_ids, thinking=self._thinking, reasoning=self.reasoning,
+                       content=self.content, calls=[(c.name, json.loads(c.arguments)) for c in self.tool_calls])
 
     def finish_reason(self, generation_finish: str) -> str:
         """OpenAI's finish reason: tool_calls when the answer ended on tool calls."""
@@ -54,36 +80,47 @@ class Answer:
                 self.content += event.text
             elif isinstance(event, ToolCall):
                 self.tool_calls.append(event)
-                if self._tool_memory is not None:
-                    self._tool_memory.remember(event)
+            elif isinstance(event, MalformedBlock):
+                log.warning("a tool-call block that does not parse was left out of the answer (%d characters): "
+                            "%.200r", len(event.text), event.text)
         return events
 
 
-class ToolCallMemory:
-    """Tool call id -> the DSML block it was sampled in, bounded (oldest forgotten first)."""
+class AnswerMemory:
+    """The latest answers as `Sampled` (their tokens), found by tool call id or by content, bounded (the
+    oldest forgotten first): a client sends back what it was given, so what matters is the recent past."""
 
-    def __init__(self, capacity: int = 10000):
-        self._blocks: OrderedDict[str, str] = OrderedDict()
+    def __init__(self, capacity: int = 1024):
+        self._answers: OrderedDict[int, Sampled] = OrderedDict()
+        self._keys: dict = {}  # ("call", id) or ("content", text) -> answer key
         self._capacity = capacity
+        self._next = 0
 
-    def remember(self, call: ToolCall):
-        self._blocks[call.id] = call.dsml
-        self._blocks.move_to_end(call.id)
-        while len(self._blocks) > self._capacity:
-            self._blocks.popitem(last=False)
+    def remember(self, sampled: Sampled, call_ids=()):
+        key, self._next = self._next, self._next + 1
+        self._answers[key] = sampled
+        for call_id in call_ids:
+            self._keys[("call", call_id)] = key
+        if sampled.content and not call_ids:
+            self._keys[("content", sampled.content)] = key
+        while len(self._answers) > self._capacity:
+            self._answers.popitem(last=False)
+        if len(self._keys) > 4 * self._capacity:
+            self._keys = {k: v for k, v in self._keys.items() if v in self._answers}
 
     def attach(self, messages: list[dict]) -> list[dict]:
-        """Give each assistant message whose tool calls all came from one remembered block its `dsml`."""
+        """Give each assistant message this server answered its `sampled` answer (`chat.render` decides
+        whether the message still says the same); a client cannot supply one."""
         out = []
         for message in messages:
-            if "dsml" in message:  # verbatim model text comes from this memory only, never from a client
-                message = {k: v for k, v in message.items() if k != "dsml"}
-            calls = message.get("tool_calls") or []
-            ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
-            blocks = {self._blocks.get(i) if isinstance(i, str) else None for i in ids}
-            if message.get("role") == "assistant" and calls and len(blocks) == 1 and None not in blocks:
-                block = blocks.pop()
-                if block.count("invoke name=") == len(calls):  # the client kept every call of the block
-                    message = {**message, "dsml": block}
+            message = {k: v for k, v in message.items() if k != "sampled"}
+            if message.get("role") == "assistant":
+                calls = message.get("tool_calls") or []
+                ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
+                keys = [("call", i) if isinstance(i, str) else None for i in ids] or \
+                    [("content", content_text(message.get("content")))]
+                found = {self._keys.get(k) if k else None for k in keys}
+                if len(found) == 1 and (key := found.pop()) in self._answers:
+                    message["sampled"] = self._answers[key]
             out.append(message)
         return out

@@ -18,7 +18,7 @@ from ds4_mlx.cache import add_disk_arguments
 
 
 def run_serve(args):
-    from ds4_mlx.generate import DEMO_NOTE, load_for_cli
+    from ds4_mlx.demo import DEMO_NOTE, load_for_cli
     from ds4_mlx.server.build import build_server
     from ds4_mlx.server.connections import fit_connection_cap
     from ds4_mlx.server.middleware import Access

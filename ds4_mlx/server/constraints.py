@@ -1,28 +1,31 @@
 """Request fields that shape the output, enforced while sampling (`ds4_mlx.constrain`):
 a forced tool choice (OpenAI `tool_choice: "required"` or a named function, Anthropic `any` or `tool`)
-makes the answer open a tool call naming the function, or one of the tools; `response_format`
-`json_object` / `json_schema` lets only JSON (matching the schema) be written."""
+makes the answer a whole DSML tool-call block calling that function (or any of the tools), its arguments
+following the tool's schema, so the call always parses; `response_format` `json_object` / `json_schema`
+lets only JSON (matching the schema) be written."""
 
 import dataclasses
 
-from ds4_mlx.chat import DSML, TOOL_CALLS_START, escape_attribute
-from ds4_mlx.constrain import OutputConstraint, json_grammar
+from ds4_mlx.constrain import OutputConstraint, check_grammar, json_grammar, tool_call_grammar
 from ds4_mlx.generate import SamplingParams
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get
 from ds4_mlx.server.protocol import tool_choice_name
 
 
-def forced_tool_call(choice, tools) -> tuple[str, ...]:
-    """The texts a forced tool choice lets the answer start with, one per allowed tool (none when
-    nothing is forced). `choice` and `tools` as `protocol.resolve_tool_choice` checked and returned them."""
+def forced_tool_grammar(choice, tools) -> str | None:
+    """The grammar of the answer a forced tool choice asks for (None when nothing is forced): one call of
+    the named function, or one or more calls of any of the tools. `choice` and `tools` as
+    `protocol.resolve_tool_choice` checked and returned them."""
     if not tools or choice in (None, "auto"):
-        return ()
-    if choice in ("required", "any"):
-        names = [t["function"]["name"] for t in tools]
-    else:
-        names = [tool_choice_name(choice)]
-    return tuple(f"\n\n{TOOL_CALLS_START}\n<{DSML}invoke name=\"{escape_attribute(name)}\">\n" for name in names)
+        return None
+    name = None if choice in ("required", "any") else tool_choice_name(choice)
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    try:
+        return check_grammar(tool_call_grammar(chosen, repeat=name is None))
+    except ValueError as e:
+        raise APIError(400, f"tool_choice: the tools' parameter schemas cannot be used: {e}",
+                       param="tool_choice") from None
 
 
 def response_format_grammar(body: dict, name: str = "response_format") -> str | None:
@@ -46,9 +49,9 @@ def response_format_grammar(body: dict, name: str = "response_format") -> str | 
         raise APIError(400, f"{name}: the JSON schema cannot be used: {e}", param=name) from None
 
 
-def constrained(sampling: SamplingParams, *, thinking: bool, forced: tuple[str, ...] = (), grammar: str | None = None):
-    """`sampling` with the constraint that writes one of `forced`, then follows `grammar`, after the reasoning."""
-    if not forced and grammar is None:
+def constrained(sampling: SamplingParams, *, thinking: bool, grammar: str | None):
+    """`sampling` with the constraint that the answer, after the reasoning, follows `grammar`."""
+    if grammar is None:
         return sampling
     return dataclasses.replace(sampling, constraint=lambda tokenizer: OutputConstraint(
-        tokenizer, thinking=thinking, forced=forced, grammar=grammar))
+        tokenizer, thinking=thinking, grammar=grammar))

@@ -6,8 +6,8 @@ import uuid
 
 from ds4_mlx.chat import BOS, render
 from ds4_mlx.server import protocol
-from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, TokenLogprob, ToolCall, ToolCallMemory
-from ds4_mlx.server.constraints import constrained, forced_tool_call, response_format_grammar
+from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, TokenLogprob, ToolCall
+from ds4_mlx.server.constraints import constrained, forced_tool_grammar, response_format_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
@@ -30,7 +30,12 @@ def chat_messages(messages: list) -> list[dict]:
         if role not in ROLES:
             raise APIError(422, f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}",
                            param=f"messages[{i}].role")
-        get(message, "content", (str, list))
+        content = get(message, "content", (str, list), required=role in ("user", "tool", "function"))
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(part, str) and (kind != "text" or not isinstance(part.get("text"), str)):
+                raise APIError(400, f"messages[{i}].content[{j}] is a {kind or 'non-text'} part: {protocol.TEXT_ONLY}",
+                               param=f"messages[{i}].content")
         get(message, "reasoning_content", str)
         for j, call in enumerate(get(message, "tool_calls", list, [])):
             function = call.get("function") if isinstance(call, dict) else None
@@ -43,9 +48,9 @@ def chat_messages(messages: list) -> list[dict]:
 
 CHAT_FIELDS = {"model", "messages", "n", "tools", "tool_choice", "thinking", "think", "reasoning_effort", "stream",
                "stream_options", "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-               "seed", "stop", "logprobs", "top_logprobs", "response_format"}
+               "seed", "stop", "logprobs", "top_logprobs", "response_format", "logit_bias"}
 COMPLETION_FIELDS = {"model", "prompt", "echo", "stream", "stream_options", "max_tokens", "temperature", "top_p",
-                     "top_k", "min_p", "seed", "stop", "logprobs"}
+                     "top_k", "min_p", "seed", "stop", "logprobs", "logit_bias"}
 MAX_TOP_LOGPROBS = 20
 
 
@@ -61,8 +66,9 @@ def chat_logprobs(body: dict) -> int | None:
     return top or 0
 
 
-def parse_chat(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Prepared:
+def parse_chat(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepared:
     note_ignored(body, CHAT_FIELDS, "chat")
+    protocol.refuse_unsupported(body, ("store",))
     model = info.model_name(body)
     messages = chat_messages(get(body, "messages", list, required=True))
     if not messages:
@@ -72,10 +78,11 @@ def parse_chat(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Pre
     choice = get(body, "tool_choice", (str, dict))
     tools = protocol.resolve_tool_choice(choice, protocol.function_tools(get(body, "tools", list)))
     thinking, effort = protocol.thinking_mode(body, model, info)
-    text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    protocol.log_replay_notes(text, "chat")
     sampling = dataclasses.replace(protocol.sampling(body), logprobs=chat_logprobs(body))
-    sampling = constrained(sampling, thinking=text.endswith("<think>"), forced=forced_tool_call(choice, tools),
-                           grammar=response_format_grammar(body))
+    grammar = forced_tool_grammar(choice, tools) or response_format_grammar(body)
+    sampling = constrained(sampling, thinking=text.endswith("<think>"), grammar=grammar)
     return Prepared(
         prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
         stream=get(body, "stream", bool, False),
@@ -87,6 +94,7 @@ def parse_completions(body: dict, info: ServerInfo) -> list[tuple[str, Prepared]
     """(echo, prepared) per prompt: the raw text after BOS, no chat template (a prompt that starts with
     BOS is taken as it is); echo is the prompt when `echo` asks for it, else ""."""
     note_ignored(body, COMPLETION_FIELDS, "completions")
+    protocol.refuse_unsupported(body, ("best_of", "suffix"))
     model = info.model_name(body)
     prompt = get(body, "prompt", (str, list), required=True)
     prompts = [prompt] if isinstance(prompt, str) else prompt

@@ -34,8 +34,9 @@ def openapi_spec(info) -> dict:
             "/v1/models": _get("the served model, with its context_length"),
             "/metrics": _get("Prometheus metrics: requests, prompt tokens reused and computed, prefill and decode "
                              "speed, queue, memory (text exposition format)"),
-            "/tokenize": _post("token ids of a text, as is (special-token strings become their ids)", ["content"], {
-                "content": S, "with_pieces": B}),
+            "/tokenize": _post("token ids of a text, as is (special-token strings become their ids unless "
+                               "parse_special is false; add_special puts BOS first)", ["content"], {
+                "content": S, "with_pieces": B, "add_special": B, "parse_special": B}),
             "/detokenize": _post("the text of token ids", ["tokens"], {"tokens": {"type": "array", "items": I}}),
             "/v1/sessions": {"get": {
                 "summary": "the live session slots (tokens held, bytes, idle seconds, the last request's figures) "

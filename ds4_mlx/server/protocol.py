@@ -7,13 +7,18 @@ answers through a responder with the same four methods, so the app drives all AP
 """
 
 import json
+import logging
 from dataclasses import dataclass, field
 
-from ds4_mlx.generate import SamplingParams
+from ds4_mlx.generate import AnswerStops, SamplingParams
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, number_in, positive_int, string_list
 
+log = logging.getLogger("ds4_mlx.server")
+
 THINK_MAX_MIN_CTX = 393216  # Think Max needs this much context (ds4's rule)
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's, and DeepSeek's max
+TEXT_ONLY = "this model reads text only"
 MAX_DEPTH = 64  # nesting of arrays and objects in a body; real requests use a handful
 
 
@@ -63,6 +68,10 @@ class Prepared:
     tool_id_prefix: str = "call_"
     show_reasoning: bool = True  # Anthropic's `thinking.display: omitted` sends thinking blocks without text
 
+    def __post_init__(self):
+        # stop strings end the answer's content, never its reasoning or a tool call
+        self.stop = AnswerStops(self.stop, thinking=self.thinking, tools=self.tools)
+
 
 @dataclass
 class ServerInfo:
@@ -85,6 +94,9 @@ def thinking_mode(body: dict, model: str, info: ServerInfo, *, effort: str | Non
     """(thinking, reasoning_effort for render) from `thinking` (bool or {type}), `think`, the effort,
     then the model alias (deepseek-chat answers directly); thinking is the default."""
     effort = effort if effort is not None else get(body, "reasoning_effort", str)
+    if effort is not None and effort not in EFFORTS:
+        raise APIError(422, f"reasoning_effort must be one of {', '.join(EFFORTS)}, not '{effort}'",
+                       param="reasoning_effort")
     thinking = get(body, "thinking", (bool, dict))
     if isinstance(thinking, dict):
         kind = get(thinking, "type", str, "enabled")
@@ -107,7 +119,29 @@ def sampling(body: dict) -> SamplingParams:
         top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p),
         top_k=get(body, "top_k", int, defaults.top_k),
         min_p=number_in(body, "min_p", 0.0, 1.0, defaults.min_p),
-        seed=get(body, "seed", int))
+        seed=get(body, "seed", int), logit_bias=logit_bias(body))
+
+
+def logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: {"token id": bias from -100 to 100}, as {id: bias}."""
+    value = get(body, "logit_bias", dict)
+    if not value:
+        return None
+    out = {}
+    for key, bias in value.items():
+        is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not key.isdigit() or not is_number or not -100 <= bias <= 100:
+            raise APIError(400, "'logit_bias' maps token ids to numbers from -100 to 100", param="logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+def refuse_unsupported(body: dict, names: tuple[str, ...]):
+    """A 400 for each of `names` the request sets: fields of the API this server does not implement."""
+    for name in names:
+        value = body.get(name)
+        if value not in (None, False) and not (name == "best_of" and value == 1):
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
 
 
 def max_tokens(body: dict, *names: str) -> int | None:
@@ -144,17 +178,24 @@ def tool_choice_name(choice) -> str | None:
 
 def resolve_tool_choice(choice, tools: list[dict] | None):
     """The tools to render under `tool_choice`: "none" hides them; "auto", "required" and a named
-    function keep them all (a named function must exist; `constraints.forced_tool_call` makes the
+    function keep them all (a named function must exist; `constraints.forced_tool_grammar` makes the
     answer call one)."""
-    if choice is None or not tools:
+    if choice in (None, "auto"):
         return tools
     if choice == "none":
         return None
-    if choice in ("auto", "required", "any"):
-        return tools
-    name = tool_choice_name(choice)
-    if not isinstance(name, str):
+    name = None if choice in ("required", "any") else tool_choice_name(choice)
+    if choice not in ("required", "any") and not isinstance(name, str):
         raise APIError(400, "tool_choice must be none, auto, required or a named function", param="tool_choice")
-    if name not in {t["function"]["name"] for t in tools}:
+    if not tools:
+        raise APIError(400, "tool_choice asks for a tool call, but the request has no tools", param="tool_choice")
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
         raise APIError(422, f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
     return tools
+
+
+def log_replay_notes(prompt, where: str):
+    """Log why an earlier answer is written from its text rather than the tokens it was sampled as: the
+    session recomputes the prompt from there, and the log says why instead of guessing."""
+    if prompt.replay_notes:
+        log.info(f"{where}: {'; '.join(prompt.replay_notes)}; the session recomputes from there")

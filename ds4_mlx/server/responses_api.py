@@ -12,8 +12,8 @@ import uuid
 
 from ds4_mlx.chat import render
 from ds4_mlx.server import protocol
-from ds4_mlx.server.assembly import ContentDelta, ReasoningDelta, ToolCall, ToolCallMemory
-from ds4_mlx.server.constraints import constrained, forced_tool_call, response_format_grammar
+from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, ToolCall
+from ds4_mlx.server.constraints import constrained, forced_tool_grammar, response_format_grammar
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
@@ -29,7 +29,12 @@ def _text(content, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where} must be a string or an array of content parts", param=where)
-    return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text") \
+                or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}[{j}] is a {kind or 'non-text'} part: {protocol.TEXT_ONLY}", param=where)
+    return "".join(p["text"] for p in content)
 
 
 def chat_messages(instructions: str | None, items) -> list[dict]:
@@ -90,8 +95,9 @@ BODY_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "reason
                "min_p", "seed", "text", "previous_response_id", "conversation", "metadata"}
 
 
-def parse_responses(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -> Prepared:
+def parse_responses(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepared:
     note_ignored(body, BODY_FIELDS, "responses")
+    protocol.refuse_unsupported(body, ("store",))
     model = info.model_name(body)
     for name in ("previous_response_id", "conversation"):
         if body.get(name) is not None:
@@ -102,10 +108,10 @@ def parse_responses(body: dict, info: ServerInfo, tool_memory: ToolCallMemory) -
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     effort = get(get(body, "reasoning", dict, {}), "effort", str)
     thinking, effort = protocol.thinking_mode(body, model, info, effort=effort)
-    text = render(tool_memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
-    sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"),
-                           forced=forced_tool_call(choice, tools),
-                           grammar=response_format_grammar(get(body, "text", dict, {}), "format"))
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    protocol.log_replay_notes(text, "responses")
+    grammar = forced_tool_grammar(choice, tools) or response_format_grammar(get(body, "text", dict, {}), "format")
+    sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"), grammar=grammar)
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False),
                     max_tokens=protocol.max_tokens(body, "max_output_tokens", "max_tokens"),

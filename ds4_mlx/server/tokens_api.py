@@ -1,17 +1,19 @@
 """`POST /tokenize` and `POST /detokenize`, in llama-server's shapes.
 
-    /tokenize   {"content": "text", "with_pieces": false} -> {"tokens": [ids]}
-                (with_pieces: {"tokens": [{"id": id, "piece": "text"}]})
+    /tokenize   {"content": "text", "with_pieces": false, "add_special": false, "parse_special": true}
+                -> {"tokens": [ids]} (with_pieces: {"tokens": [{"id": id, "piece": "text"}]})
     /detokenize {"tokens": [ids]} -> {"content": "text"}
 
-The text is tokenized as is: special-token strings (BOS, `<think>`, ...) become their ids and nothing is
-added, so the ids are those of the same text inside a rendered prompt.
+By default the text is tokenized as is: special-token strings (BOS, `<think>`, ...) become their ids and
+nothing is added, so the ids are those of the same text inside a rendered prompt. `parse_special: false`
+tokenizes them as plain text (as client text in a chat is); `add_special: true` puts BOS first.
 """
 
 import asyncio
 
 from aiohttp import web
 
+from ds4_mlx.chat import Client, Prompt
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field
 
@@ -20,7 +22,11 @@ def routes(server) -> list:
     async def tokenize(request):
         body = await server._body(request)
         text = field(body, "content", str, required=True)
+        if not field(body, "parse_special", bool, True):
+            text = Prompt.join([Client(text)])  # no template spans: every character is plain text
         ids = await server._tokenize(text)
+        if field(body, "add_special", bool, False):
+            ids = [server.worker.tokenizer.bos_id] + ids
         if not field(body, "with_pieces", bool, False):
             return web.json_response({"tokens": ids})
         pieces = await _off_loop(lambda: [server.worker.tokenizer.decode([i]) for i in ids])

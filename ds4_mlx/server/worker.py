@@ -331,7 +331,7 @@ class Worker:
             session.restore(placement.source.session.snapshot())
         shared = placement.common
         if self.disk is not None:
-            shared = self.disk.restore(session, request.prompt_ids, placement.common, request.namespace)
+            shared = self.disk.load_longer_prefix(session, request.prompt_ids, placement.common, request.namespace)
 
         def on_prefill(done, total):
             if self.disk is not None:

@@ -1,19 +1,24 @@
-"""Tiny DeepSeek V4 models for tests, benchmarks and the demo.
+"""Test support: tiny DeepSeek V4 models, the transformers oracle, and the demo model served.
 
 - `write_gguf` writes a `deepseek4` GGUF (ds4 tensor names, numpy-order arrays).
-- `tiny_args` / `random_gguf_tensors`: a small config keeping every layer type, and pure-numpy random weights.
+- `tiny_args`: a small config keeping every layer type (random weights: `ds4_mlx.demo.random_gguf_tensors`).
 - `hf_tiny_model` / `hf_to_gguf_tensors`: the transformers DeepseekV4 oracle (fp32) and its weights in ds4
-  names, so a GGUF written from it must give the same logits in MLX (architecture notes, section 9).
+  names, so a GGUF written from it must give the same logits in MLX.
 
-Importing this module needs neither torch nor transformers; the oracle functions import them lazily.
+- `demo_server`, `served`, `serve_process`, `wait_healthy`: the demo model served in the test process or
+  as `ds4-mlx serve`; `request_lines`, `cold_answer`, `cold_logits`: what the tests compare.
+
+Importing this module needs neither torch nor transformers nor an API client: they are imported lazily.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
 import numpy as np
 
-from ds4_mlx.models.deepseek_v4 import CSA, HCA, SLIDING, ModelArgs, _GGUF_KEYS
+from ds4_mlx.demo import distinct_experts, random_like
+from ds4_mlx.models.deepseek_v4 import CSA, HCA, ModelArgs, _GGUF_KEYS
 
 ARCH = "deepseek4"
 
@@ -164,113 +169,22 @@ def tiny_args(seed=0, **overrides) -> ModelArgs:
     return ModelArgs(**d)
 
 
+def real_geometry_args(**overrides) -> ModelArgs:
+    """V4 Flash's cache geometry (window 128, one layer of each kind: ratios 0, 4 and 128, the first
+    hash-routed) at tiny widths: rewinds and rings at the real sizes in seconds on a CPU."""
+    d = dict(vocab_size=256, hidden_size=32, num_hidden_layers=3, compress_ratios=[0, 4, 128],
+             num_attention_heads=2, head_dim=32, qk_rope_head_dim=16, q_lora_rank=16, o_groups=1, o_lora_rank=8,
+             sliding_window=128, num_hash_layers=1, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=16, index_n_heads=4, index_head_dim=16, index_topk=64)
+    d.update(overrides)
+    return ModelArgs(**d)
+
+
 def _hca_ratio(args: ModelArgs):
     ratios = {r for r in args.compress_ratios if r not in (0, 4)}
     if len(ratios) > 1:
         raise ValueError(f"transformers has one HCA ratio for all layers, got {sorted(ratios)}")
     return ratios.pop() if ratios else 128
-
-
-def _random_like(kind, shape, rng, dtype=np.float32):
-    """Random values that keep activations O(1): matrices 1/sqrt(fan_in) (SwiGLU inputs x1.5 so the clamp
-    acts), norms near 1, HC mixes O(1), non-zero sinks, position biases and router biases."""
-    n = lambda: rng.standard_normal(shape)  # noqa: E731
-    if kind == "matrix":
-        v = n() / np.sqrt(shape[-1])
-    elif kind == "swiglu_in":
-        v = 1.5 * n() / np.sqrt(shape[-1])
-    elif kind == "embed":
-        v = n()
-    elif kind == "norm":
-        v = 1.0 + 0.1 * n()
-    elif kind in ("sink", "hc_base"):
-        v = n()
-    elif kind == "ape":
-        v = 0.5 * n()
-    elif kind == "hc_scale":
-        v = rng.uniform(0.5, 1.5, shape)
-    elif kind == "router_bias":
-        v = 0.3 * n()
-    else:
-        raise ValueError(kind)
-    return v.astype(dtype)
-
-
-def _distinct_experts(rng, vocab, n_experts, top_k):
-    """tid2eid rows: top_k different experts per token id (all zeros would route every token to expert 0)."""
-    return np.argsort(rng.random((vocab, n_experts)), axis=1)[:, :top_k].astype(np.int32)
-
-
-def _gguf_kind(base):
-    if base.endswith("norm"):
-        return "norm"
-    if base.endswith("_ape"):
-        return "ape"
-    if base.endswith("_base"):
-        return "hc_base"
-    if base.endswith("_scale"):
-        return "hc_scale"
-    last = base.rsplit(".", 1)[-1]
-    return {"attn_sinks": "sink", "exp_probs_b": "router_bias", "token_embd": "embed",
-            "ffn_gate_exps": "swiglu_in", "ffn_up_exps": "swiglu_in", "ffn_gate_shexp": "swiglu_in",
-            "ffn_up_shexp": "swiglu_in"}.get(last, "matrix")
-
-
-def gguf_shapes(args: ModelArgs) -> dict:
-    """ds4 tensor name -> numpy shape (the reverse of the GGUF ne order) for a complete model."""
-    H, V, hc = args.hidden_size, args.vocab_size, args.hc_mult
-    hd, nh, ql = args.head_dim, args.num_attention_heads, args.q_lora_rank
-    E, I, k = args.n_routed_experts, args.moe_intermediate_size, args.num_experts_per_tok
-    mix = (2 + hc) * hc
-    s = {"token_embd.weight": (V, H), "output_norm.weight": (H,), "output.weight": (V, H),
-         "output_hc_fn.weight": (hc, hc * H), "output_hc_base.weight": (hc,), "output_hc_scale.weight": (1,)}
-    for i in range(args.num_hidden_layers):
-        b = f"blk.{i}."
-        s.update({
-            b + "attn_norm.weight": (H,), b + "ffn_norm.weight": (H,),
-            b + "hc_attn_fn.weight": (mix, hc * H), b + "hc_attn_base.weight": (mix,), b + "hc_attn_scale.weight": (3,),
-            b + "hc_ffn_fn.weight": (mix, hc * H), b + "hc_ffn_base.weight": (mix,), b + "hc_ffn_scale.weight": (3,),
-            b + "attn_q_a.weight": (ql, H), b + "attn_q_a_norm.weight": (ql,), b + "attn_q_b.weight": (nh * hd, ql),
-            b + "attn_kv.weight": (hd, H), b + "attn_kv_a_norm.weight": (hd,), b + "attn_sinks.weight": (nh,),
-            b + "attn_output_a.weight": (args.o_groups * args.o_lora_rank, nh * hd // args.o_groups),
-            b + "attn_output_b.weight": (H, args.o_groups * args.o_lora_rank),
-            b + "ffn_gate_inp.weight": (E, H),
-            b + "ffn_gate_exps.weight": (E, I, H), b + "ffn_up_exps.weight": (E, I, H),
-            b + "ffn_down_exps.weight": (E, H, I),
-            b + "ffn_gate_shexp.weight": (I * args.n_shared_experts, H),
-            b + "ffn_up_shexp.weight": (I * args.n_shared_experts, H),
-            b + "ffn_down_shexp.weight": (H, I * args.n_shared_experts),
-        })
-        if i < args.num_hash_layers:
-            s[b + "ffn_gate_tid2eid.weight"] = (V, k)
-        else:
-            s[b + "exp_probs_b.bias"] = (E,)
-        kind, ratio = args.layer_type(i), args.compress_ratios[i]
-        if kind != SLIDING:
-            w = (2 if kind == CSA else 1) * hd  # CSA pools two overlapping series (Ca | Cb)
-            s.update({b + "attn_compressor_kv.weight": (w, H), b + "attn_compressor_gate.weight": (w, H),
-                      b + "attn_compressor_ape.weight": (ratio, w), b + "attn_compressor_norm.weight": (hd,)})
-        if kind == CSA:
-            ih, idim = args.index_n_heads, args.index_head_dim
-            s.update({b + "indexer.attn_q_b.weight": (ih * idim, ql), b + "indexer.proj.weight": (ih, H),
-                      b + "indexer_compressor_kv.weight": (2 * idim, H),
-                      b + "indexer_compressor_gate.weight": (2 * idim, H),
-                      b + "indexer_compressor_ape.weight": (ratio, 2 * idim),
-                      b + "indexer_compressor_norm.weight": (idim,)})
-    return s
-
-
-def random_gguf_tensors(args: ModelArgs, seed=0, dtype=np.float32) -> dict:
-    """Random weights for `args` in ds4 names and numpy order (pure numpy; demo and benchmarks)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in gguf_shapes(args).items():
-        base = name.rsplit(".", 1)[0]
-        if base.endswith("ffn_gate_tid2eid"):
-            out[name] = _distinct_experts(rng, args.vocab_size, args.n_routed_experts, args.num_experts_per_tok)
-        else:
-            out[name] = _random_like(_gguf_kind(base), shape, rng, dtype)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -354,10 +268,10 @@ def hf_tiny_model(args: ModelArgs, seed=0):
     with torch.no_grad():
         for name, t in model.state_dict().items():
             if name.endswith("tid2eid"):
-                v = _distinct_experts(rng, args.vocab_size, args.n_routed_experts, args.num_experts_per_tok)
+                v = distinct_experts(rng, args.vocab_size, args.n_routed_experts, args.num_experts_per_tok)
                 t.copy_(torch.from_numpy(v.astype(np.int64)))
             elif t.is_floating_point():
-                t.copy_(torch.from_numpy(_random_like(_hf_kind(name), tuple(t.shape), rng)))
+                t.copy_(torch.from_numpy(random_like(_hf_kind(name), tuple(t.shape), rng)))
     return model
 
 
@@ -423,6 +337,111 @@ def write_tiny_gguf(path, args: ModelArgs, seed=0):
     model = hf_tiny_model(args, seed)
     write_gguf(path, gguf_metadata(args), hf_to_gguf_tensors(model))
     return Path(path), model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Servers and sessions of the tests
+
+
+DEMO_MODEL_ID = "deepseek-v4-flash"
+
+
+def demo_server(**options):
+    """`build_server` on the demo model (loaded afresh by the server); `options` override the model id,
+    a 4,096-token context, one session and a 4 GiB cache budget."""
+    from ds4_mlx.demo import load_for_cli
+    from ds4_mlx.server.build import build_server
+
+    settings = {"model_id": DEMO_MODEL_ID, "ctx": 4096, "sessions": 1, "budget_bytes": 2**32, **options}
+    return build_server(lambda: load_for_cli(None)[:2], **settings)
+
+
+@contextlib.contextmanager
+def served(**options):
+    """The demo model served in the background (`demo_server(**options)`): (server, OpenAI client)."""
+    from openai import OpenAI
+
+    from ds4_mlx.server.build import BackgroundServer
+
+    with BackgroundServer(demo_server(**options)) as bg:
+        yield bg, OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
+
+
+def answer_text(done) -> str:
+    """A chat completion's reasoning and content, as one text."""
+    message = done.choices[0].message
+    return (getattr(message, "reasoning_content", None) or "") + (message.content or "")
+
+
+def cold_answer(ctx=8192, **request) -> str:
+    """The answer to a chat completion `request` from a fresh server: what a warm one must answer too."""
+    with served(ctx=ctx) as (_, client):
+        return answer_text(client.chat.completions.create(**request))
+
+
+def long_conversation(words=1020) -> list[dict]:
+    """A system and a user message of over 2,000 tokens: a prefill of more than one 2,048-token chunk."""
+    return [{"role": "system", "content": "You are a helpful assistant"},
+            {"role": "user", "content": "Summarize: " + " ".join(f"item{i}" for i in range(words))}]
+
+
+def request_lines(caplog) -> list[dict]:
+    """The figures of the server's per-request log lines, as strings (the `Outcome` each record carries;
+    the line itself, in words, is `line`)."""
+    records = [r for r in caplog.records if r.name == "ds4_mlx.server" and hasattr(r, "outcome")]
+    return [{"slot": str(o.slot), "live": str(o.live), "prompt": str(o.prompt_tokens), "common": str(o.common),
+             "reused": str(o.reused), "replayed": str(o.replayed), "computed": str(o.computed),
+             "gen": str(o.completion_tokens), "finish": o.finish_reason, "miss": o.miss or "-", "line": r.getMessage()}
+            for r, o in ((r, r.outcome) for r in records)]
+
+
+def serve_process(*args, command=("-m", "ds4_mlx.cli", "serve"), **popen):
+    """Start `ds4-mlx serve ARGS` (or another `command`) on a free port; return (process, url) once /health
+    says ok. `popen` goes to subprocess.Popen (by default the output is collected on stdout)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
+    process = subprocess.Popen([sys.executable, *command, *args, "--port", str(port)], **popen)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process)
+    return process, url
+
+
+def wait_healthy(url, process=None, timeout_s=180):
+    """Wait until the server at `url` answers /health with "ok". A busy machine may refuse the connection
+    (not listening yet), answer "loading", or not answer in time: all of that is waiting. Raises, with the
+    process's output, when `process` exits or the time is up."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            break
+        try:
+            if requests.get(url + "/health", timeout=5).json().get("status") == "ok":
+                return
+        except (requests.ConnectionError, requests.Timeout, ValueError):
+            pass
+        time.sleep(0.2)
+    output = ""
+    if process is not None:
+        process.kill()
+        output = process.communicate()[0] or ""
+    raise AssertionError(f"the server at {url} did not become healthy: {output}")
+
+
+def cold_logits(model, tokens, max_chunk=61):
+    """The logits of `tokens` prefilled into an empty session: what every rewind must give again."""
+    from ds4_mlx.session import Session
+
+    return Session(model, rewind_slack=0, checkpoint_every=10**9, max_chunk=max_chunk).sync(tokens)
 
 
 def live_text(background_server) -> str:

@@ -12,49 +12,8 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
-
-
-def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, dtype=mx.float32):
-    """A model with random weights drawn in MLX (fast at real widths). With `expert_bits`, the routed
-    experts are random affine-quantized weights, never materialised in float (group 64 at 2 bits, as the
-    converter writes the q2 file's experts; group 32 otherwise)."""
-    model = Model(args, quant_sim=quant_sim)
-    if expert_bits:
-        group = 64 if expert_bits == 2 else 32
-        model.apply_quantization({f"layers.{i}.ffn.experts.{p}": {"group_size": group, "bits": expert_bits,
-                                                                   "mode": "affine"}
-                                  for i in range(args.num_hidden_layers) for p in ("gate", "up", "down")})
-    mx.random.seed(seed)
-    rng = np.random.default_rng(seed)
-    params = {}
-    for name, v in tree_flatten(model.parameters()):
-        if name.endswith("tid2eid"):  # distinct experts per token
-            rows = np.argsort(rng.random((v.shape[0], args.n_routed_experts)), axis=1)[:, : v.shape[1]]
-            params[name] = mx.array(rows.astype(np.int32))
-        elif v.dtype == mx.uint32:  # packed quantized codes
-            params[name] = mx.random.randint(0, 2**31, v.shape).astype(mx.uint32)
-        elif name.endswith(".scales"):
-            params[name] = mx.full(v.shape, 2.0 / (2**expert_bits) / np.sqrt(v.shape[-1] * group), dtype)
-        elif name.endswith(".biases"):
-            params[name] = mx.full(v.shape, -1.0 / np.sqrt(v.shape[-1] * group), dtype)
-        elif name.endswith("norm.weight"):
-            params[name] = (1 + 0.1 * mx.random.normal(v.shape)).astype(dtype)
-        elif v.ndim >= 2:
-            params[name] = (mx.random.normal(v.shape) / np.sqrt(v.shape[-1])).astype(dtype)
-        else:  # sinks, biases, HC base/scale
-            params[name] = (0.5 * mx.random.normal(v.shape)).astype(dtype)
-    model.update(tree_unflatten(list(params.items())))
-    mx.eval(model.parameters())
-    return model
-
-
-def real_args(layers=2, **overrides):
-    """V4 Flash widths with a few layers: a CSA and an HCA layer first, as the real model's layers 2 and 3."""
-    ratios = ([4, 128] * layers)[:layers]
-    return ModelArgs(num_hidden_layers=layers, compress_ratios=ratios, num_hash_layers=0, **overrides)
+from ds4_mlx.tools.random_model import expert_bits, like_option, model_from_flags
 
 
 class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,8 +26,8 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def register(subparsers):
     p = subparsers.add_parser("bench", help="speed and memory benchmarks",
                               description="Speed and memory benchmarks. Each prints a table of its figures, "
-                                          "or with --json one JSON object on the last line. On a CPU, model "
-                                          "and rewind use the tiny test model unless --preset real.")
+                                          "or with --json one JSON object on the last line. On a CPU, model, "
+                                          "rewind and speed use the tiny test model unless --preset real.")
     sub = p.add_subparsers(dest="bench", required=True)
     for name, fn, extra in BENCHES:
         q = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__,
@@ -80,14 +39,15 @@ def register(subparsers):
 
 
 def _run(fn, args):
-    from ds4_mlx.bench_report import format_figures
+    from ds4_mlx.tools.bench_report import format_figures
 
     if args.device:
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
     on_cpu = mx.default_device() == mx.cpu
     if getattr(args, "preset", "") is None:  # the model benches: real widths take hours on a CPU
         args.preset = "tiny" if on_cpu else "real"
-    if getattr(args, "contexts", "") is None:  # a 32k prefill takes minutes on a CPU even for the tiny model
+    # the model benches' contexts: a 32k prefill takes minutes on a CPU even for the tiny model
+    if hasattr(args, "preset") and getattr(args, "contexts", "") is None:
         args.contexts = "2048,8192" if on_cpu else "2048,8192,32768"
     figures = fn(args)
     figures["device"] = str(mx.default_device())
@@ -101,31 +61,14 @@ def _timed(fn):
     return time.perf_counter() - t, out
 
 
-def build_model(a):
-    """The bench's model: the tiny test model, or real widths with random quantized experts, `--layers`
-    of [CSA, HCA, ...] or with `--full` the real model's 43 layers and layer kinds; cast to `--dtype`."""
-    if a.preset == "tiny":
-        from ds4_mlx.testing import tiny_args
-
-        model = random_model(tiny_args(), seed=0)
-    else:
-        overrides = {"n_routed_experts": a.experts} if getattr(a, "experts", None) else {}
-        args = ModelArgs(**overrides) if a.full else real_args(a.layers, **overrides)
-        model = random_model(args, seed=0, expert_bits=a.expert_bits or None,
-                             dtype=mx.bfloat16 if a.dtype == "bfloat16" else mx.float32)
-    if a.dtype != "float32":
-        model.cast(getattr(mx, a.dtype))
-    return model
-
-
 def _model_for(a, *, prefill_tokens: int, decode_steps: int):
-    """`build_model`; real widths on a CPU first time a short prefill and two decode steps and say how
+    """`model_from_flags`; real widths on a CPU first time a short prefill and two decode steps and say how
     long `prefill_tokens` and `decode_steps` will take (a lower bound: attention grows with context)."""
     on_cpu = mx.default_device() == mx.cpu and a.preset != "tiny"
     if on_cpu:
         print("real V4 Flash widths on a CPU: building the model and timing a few tokens to estimate the run...",
               file=sys.stderr, flush=True)
-    model = build_model(a)
+    model = model_from_flags(a)
     if on_cpu:
         per_token, per_step = _time_tokens(model)
         estimate = prefill_tokens * per_token + decode_steps * per_step
@@ -163,7 +106,9 @@ def _model_options(q):
     q.add_argument("--full", action="store_true", help="all 43 layers of the real model (--expert-bits 2 "
                    "--dtype bfloat16 fits one 141 GB GPU)")
     q.add_argument("--experts", type=int, default=None, help="routed experts at real widths (default: 256)")
-    q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
+    q.add_argument("--expert-bits", type=int, default=None,
+                   help="random affine-quantized experts; 0: float (default: 4)")
+    like_option(q)
     q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="compute dtype (float32 keeps the exact mode)")
 
@@ -190,7 +135,7 @@ def bench_model(a):
         decode.append(1 / statistics.median(steps))
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts,
-               "expert_bits": a.expert_bits if a.preset == "real" else 0, "prompt": a.prompt,
+               "expert_bits": expert_bits(a), "like": a.like, "prompt": a.prompt,
                "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
     return figures
 
@@ -236,7 +181,7 @@ def bench_rewind(a):
               f"max |logit diff| {row['max_logit_diff']:.2e}, session {row['session_mb']:.0f} MB, "
               f"peak {row['peak_gib']:.1f} GiB",
               file=sys.stderr, flush=True)  # progress: the table (or JSON) on stdout comes at the end
-    return {"layers": model.args.num_hidden_layers, "expert_bits": a.expert_bits if a.preset == "real" else 0,
+    return {"layers": model.args.num_hidden_layers, "expert_bits": expert_bits(a), "like": a.like,
             "dtype": a.dtype, "generated": a.generated, "results": rows}
 
 
@@ -251,13 +196,15 @@ def _bench_rewind_options(q):
 
 def bench_convert(a):
     """Converter: the published q2/q4 files' converted size, error and speed; a synthetic GGUF's peak RSS and MB/s."""
-    from ds4_mlx.convert.bench import run
+    from ds4_mlx.tools.bench_convert import run
 
     return run(size_gb=a.size_gb, rows=a.rows, expert_bits=a.expert_bits, group_size=a.group_size)
 
 
 def _bench_convert_options(q):
-    q.add_argument("--size-gb", type=float, default=4.0, help="synthetic file to convert (0: none)")
+    q.add_argument("--size-gb", type=float, default=5.3,
+                   help="synthetic file to convert: at least this many GB, in whole layers at real widths (the "
+                        "smallest, one layer with the embeddings and head, is 5.3 GB); 0: none")
     q.add_argument("--rows", type=int, default=2048, help="rows of each real-width tensor measured")
     q.add_argument("--expert-bits", type=int, default=None)
     q.add_argument("--group-size", type=int, default=None)
@@ -265,41 +212,116 @@ def _bench_convert_options(q):
 
 def bench_speed(a):
     """Prefill and decode tok/s at real widths, against the roofline and transformers."""
-    from ds4_mlx.bench_speed import bench_speed as run
+    from ds4_mlx.tools.bench_speed import bench_speed as run
 
     return run(a)
 
 
 def _bench_speed_options(q):
-    from ds4_mlx.bench_speed import options
+    from ds4_mlx.tools.bench_speed import options
 
     options(q)
 
 
+def bench_dense(a):
+    """Quantized dense products at prefill sizes: quantized_matmul against dequantize + dense product."""
+    from ds4_mlx.tools.bench_speed import dense_products
+
+    return dense_products(a)
+
+
+def _bench_dense_options(q):
+    from ds4_mlx.tools.bench_speed import dense_options
+
+    dense_options(q)
+
+
 def bench_memory(a):
     """Session memory at real widths (43 layers) at several context lengths, no forward pass."""
-    from ds4_mlx.cache.bench import bench_memory as run
+    from ds4_mlx.tools.bench_memory import bench_memory as run
 
     return run(a)
 
 
 def _bench_memory_options(q):
-    from ds4_mlx.cache.bench import memory_options
+    from ds4_mlx.tools.bench_memory import memory_options
 
     memory_options(q)
 
 
+def bench_parity(a):
+    """Logits against transformers (float32) on the same random weights: exact mode, fast defaults, bfloat16."""
+    from ds4_mlx.tools.bench_parity import bench_parity as run
+
+    return run(a)
+
+
+def _bench_parity_options(q):
+    from ds4_mlx.tools.bench_parity import parity_options
+
+    parity_options(q)
+
+
 def bench_load(a):
     """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
-    from ds4_mlx.server.load_bench import bench_load as run
+    from ds4_mlx.tools.bench_load import bench_load as run
 
     return run(a)
 
 
 def _bench_load_options(q):
-    from ds4_mlx.server.load_bench import bench_load_options
+    from ds4_mlx.tools.bench_load import bench_load_options
 
     bench_load_options(q)
+
+
+def bench_batch(a):
+    """Aggregate and per-stream decode tok/s of 1, 2, 4, 8 sessions decoded in one forward."""
+    from ds4_mlx.session import Session, step_together
+
+    counts = [int(n) for n in a.streams.split(",")]
+    context = a.context or (512 if a.preset == "tiny" else 8192)
+    model = _model_for(a, prefill_tokens=context, decode_steps=sum(counts) * a.decode)
+    prompt = np.random.default_rng(0).integers(0, model.args.vocab_size, context).tolist()
+    first = Session(model)
+    first.sync(prompt)
+    rows = []
+    for n in counts:
+        sessions = []
+        for b in range(n):  # forks of one prefill, each a few tokens shorter: their blocks close at other steps
+            s = Session(model)
+            s.restore(first.snapshot())
+            s.trim(context - 1 - b % 4)
+            sessions.append(s)
+        tokens = mx.array([s.tokens[-1] for s in sessions], dtype=mx.int32)
+        steps = []
+        for i in range(a.decode + 2):  # two warm-up steps build the graphs
+            start = time.perf_counter()
+            logits = step_together(sessions, tokens)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+            for s in sessions:  # the server reads every id before its next step
+                s.settle()
+            steps.append(time.perf_counter() - start)
+        step_s = statistics.median(steps[2:])
+        rows.append({"streams": n, "aggregate_tok_s": n / step_s, "per_stream_tok_s": 1 / step_s,
+                     "step_ms": step_s * 1000})
+        print(f"{n} streams: {n / step_s:.1f} tok/s together, {1 / step_s:.1f} each ({step_s * 1000:.2f} ms a step)",
+              file=sys.stderr, flush=True)
+        del sessions
+        mx.clear_cache()
+    one = rows[0]["aggregate_tok_s"] if counts[0] == 1 else None
+    for row in rows:
+        row["speedup"] = row["aggregate_tok_s"] / one if one else None
+    return {"preset": a.preset, "layers": model.args.num_hidden_layers, "dtype": a.dtype,
+            "expert_bits": expert_bits(a), "like": a.like, "context": context, "results": rows}
+
+
+def _bench_batch_options(q):
+    _model_options(q)
+    q.add_argument("--streams", default="1,2,4,8", help="stream counts, comma-separated")
+    q.add_argument("--context", type=int, default=None, help="tokens each stream holds (default: 512 for the "
+                   "tiny model, 8192 at real widths)")
+    q.add_argument("--decode", type=int, default=16, help="decode steps timed (their median is reported)")
 
 
 BENCHES = [
@@ -307,6 +329,9 @@ BENCHES = [
     ("rewind", bench_rewind, _bench_rewind_options),
     ("convert", bench_convert, _bench_convert_options),
     ("speed", bench_speed, _bench_speed_options),
+    ("dense", bench_dense, _bench_dense_options),
     ("memory", bench_memory, _bench_memory_options),
     ("load", bench_load, _bench_load_options),
+    ("parity", bench_parity, _bench_parity_options),
+    ("batch", bench_batch, _bench_batch_options),
 ]

@@ -14,7 +14,7 @@ reasoning is written only when the prompt asks for thinking.
     model = ScriptedModel([Turn(calls=[("Bash", {"command": "ls"})]), Turn(text="Done.")])
     server = build_server(demo_loader, ..., generate=model.generate)
 
-`python -m ds4_mlx.scripted SCRIPT.json` serves the demo model with a script (a JSON object with
+`python -m ds4_mlx.tools.scripted SCRIPT.json` serves the demo model with a script (a JSON object with
 `turns`: [{reasoning, text, calls: [[name, arguments]]}] and optionally `side`).
 """
 
@@ -94,10 +94,9 @@ def load_script(path) -> ScriptedModel:
 def main(argv=None):
     from aiohttp import web
 
-    from ds4_mlx.generate import load_for_cli
-    from ds4_mlx.server.build import build_server
+    from ds4_mlx.tools.testing import demo_server
 
-    p = argparse.ArgumentParser(prog="python -m ds4_mlx.scripted", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ds4_mlx.tools.scripted", description=__doc__.split("\n\n")[0])
     p.add_argument("script", help="a JSON file: {turns: [{reasoning, text, calls}], side}")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -105,8 +104,7 @@ def main(argv=None):
     p.add_argument("--sessions", type=int, default=2)
     args = p.parse_args(argv)
     model = load_script(args.script)
-    server = build_server(lambda: load_for_cli(None)[:2], model_id="deepseek-v4-flash", ctx=args.ctx,
-                          sessions=args.sessions, budget_bytes=2**33, generate=model.generate)
+    server = demo_server(ctx=args.ctx, sessions=args.sessions, budget_bytes=2**33, generate=model.generate)
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None)
 
 

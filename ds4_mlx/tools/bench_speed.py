@@ -11,6 +11,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.cache.geometry import rows_done
+
 # HBM bandwidth used for the roofline: H200 141 GB HBM3e, 4.8 TB/s (NVIDIA's figure)
 BANDWIDTH = {"cuda": 4.8e12}
 
@@ -47,10 +49,10 @@ def _cache_bytes_read(model, context):
         ratio = args.compress_ratios[i]
         rows = args.sliding_window
         if ratio == 4:
-            rows += min(args.index_topk, context // 4)
-            total += (context // 4) * args.index_head_dim * 4
+            rows += min(args.index_topk, rows_done(context, 4))
+            total += rows_done(context, 4) * args.index_head_dim * 4
         elif ratio:
-            rows += context // ratio
+            rows += rows_done(context, ratio)
         total += rows * args.head_dim * 4
     return total
 
@@ -129,6 +131,9 @@ def _timed_parts(times, detail=False):
         wrap(dv, "ring_rows", "attn.ring_gather")
         wrap(dv, "attend", "attn.attend")
         wrap(dv, "decode_attention", "attn.attend")
+        # quantized dense products wherever they are (attention, shared experts, head), dequantizing included
+        wrap(dv.QuantizedLinear, "__call__", "dense.quantized")
+        wrap(dv.QuantizedGroupedLinear, "__call__", "dense.quantized")
     try:
         yield
     finally:
@@ -170,6 +175,88 @@ def profile(model, context, chunk, rng):
     return out
 
 
+# ---------------------------------------------------------------------------------------------- dense
+
+
+def dense_products(a):
+    """Milliseconds of each quantized dense product of a layer (and the head) at several row counts,
+    through mx.quantized_matmul and through the weight dequantized once plus a dense product (the two
+    paths of `QuantizedLinear`), the dequantization alone, and the dense product of a kept dequantized
+    copy (what keeping one would save): where `DEQUANTIZE_FROM_ROWS` should sit."""
+    from ds4_mlx.models import deepseek_v4 as dv
+
+    args = _bench_args(a)
+    dtype = getattr(mx, a.dtype)
+    H, nh, hd, G = args.hidden_size, args.num_attention_heads, args.head_dim, args.o_groups
+    shapes = {"q_a": (H, args.q_lora_rank), "q_b": (args.q_lora_rank, nh * hd), "kv": (H, hd),
+              "o_a": (G, nh * hd // G, args.o_lora_rank), "o_b": (G * args.o_lora_rank, H),
+              "shared_up": (H, args.moe_intermediate_size), "shared_down": (args.moe_intermediate_size, H),
+              "lm_head": (H, args.vocab_size)}
+    fmt = {"group_size": a.group_size, "bits": a.bits, "mode": "affine"}
+    rows_list = [int(r) for r in a.rows.split(",")]
+    results, crossover = [], {}
+    forced = os.environ.get("DS4_MLX_DENSE_PATH")
+    try:
+        for name, shape in shapes.items():
+            dense = dv.GroupedLinear(*shape) if len(shape) == 3 else dv.Linear(*shape)
+            dense.weight = (mx.random.normal(dense.weight.shape) / np.sqrt(dense.weight.shape[-1])).astype(dtype)
+            layer = dense.to_quantized(**fmt)
+            layer.weight, layer.scales, layer.biases = mx.quantize(dense.weight, **fmt)
+            kept = dv.dequantized(layer, dtype)
+            mx.eval(layer.parameters(), kept)
+            del dense
+            width = shape[-2] if len(shape) == 3 else shape[0]
+            for rows in rows_list:
+                x = mx.random.normal((rows, G, width) if len(shape) == 3 else (rows, width)).astype(dtype)
+                row = {"product": name, "rows": rows}
+                for path in dv.DENSE_PATHS:
+                    os.environ["DS4_MLX_DENSE_PATH"] = path
+                    row[f"{path}_ms"] = _median_ms(lambda: layer(x), a.repeats)
+                row["dequantize_weight_ms"] = _median_ms(lambda: dv.dequantized(layer, dtype), a.repeats)
+                row["kept_copy_ms"] = _median_ms(lambda: dv.grouped_product(x, kept) if len(shape) == 3
+                                                 else x @ kept.T, a.repeats)
+                results.append(row)
+                if row["dequantize_ms"] < row["quantized_ms"] and name not in crossover:
+                    crossover[name] = rows
+                print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                      flush=True)
+    finally:
+        if forced is None:
+            os.environ.pop("DS4_MLX_DENSE_PATH", None)
+        else:
+            os.environ["DS4_MLX_DENSE_PATH"] = forced
+    return {"preset": a.preset, "dtype": a.dtype, "format": f"affine {a.bits}-bit g{a.group_size}",
+            "dequantize_faster_from_rows": ", ".join(f"{k} {v}" for k, v in crossover.items()) or "never",
+            "results": results}
+
+
+def _bench_args(a):
+    from ds4_mlx.tools.random_model import real_args
+    from ds4_mlx.tools.testing import tiny_args
+
+    return tiny_args() if a.preset == "tiny" else real_args(1)
+
+
+def _median_ms(fn, repeats):
+    mx.eval(fn())  # warm-up: kernel compilation
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def dense_options(q):
+    q.add_argument("--preset", choices=["real", "tiny"], default=None,
+                   help="real: V4 Flash widths; tiny: the test model's (default: tiny on a CPU, real on a GPU)")
+    q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="compute dtype")
+    q.add_argument("--rows", default="1,8,16,32,64,128,512,2048", help="row counts, comma-separated")
+    q.add_argument("--bits", type=int, default=8)
+    q.add_argument("--group-size", type=int, default=32)
+    q.add_argument("--repeats", type=int, default=5, help="timed calls a case (their median is reported)")
+
+
 # ---------------------------------------------------------------------------------------------- peer
 
 
@@ -178,7 +265,7 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
     the GPU: prefill tok/s (one forward) and decode tok/s (median step after warm-up)."""
     import torch
 
-    from ds4_mlx.testing import hf_config
+    from ds4_mlx.tools.testing import hf_config
     from transformers import DeepseekV4ForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,10 +319,10 @@ def peer_transformers(model_args, contexts, decode_steps, rng):
 
 def bench_speed(a):
     """Prefill/decode tok/s at real widths against the roofline (and transformers with --peer)."""
-    from ds4_mlx.bench import build_model
+    from ds4_mlx.tools.random_model import expert_bits, model_from_flags
     from ds4_mlx.models.kernels import backend
 
-    model = build_model(a)
+    model = model_from_flags(a)
     rng = np.random.default_rng(0)
     contexts = [int(c) for c in a.contexts.split(",")]
     if a.preset == "tiny":
@@ -253,7 +340,8 @@ def bench_speed(a):
               f"{row['decode_tok_s']:6.1f} tok/s ({row['decode_ms']:.2f} ms), peak {row['peak_gib']:.1f} GiB"
               + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
-               "experts": model.args.n_routed_experts, "expert_bits": a.expert_bits if a.preset == "real" else 0,
+               "experts": model.args.n_routed_experts, "expert_bits": expert_bits(a), "like": a.like,
+               "expert_format": a.expert_format if a.preset == "real" else "affine",
                "dtype": a.dtype,
                "chunk": a.chunk, "backend": backend() or "cpu", "bandwidth_bytes_s": bandwidth,
                "weight_bytes_per_token": weights, "results": rows}
@@ -281,11 +369,20 @@ def bench_speed(a):
 
 
 def options(q):
-    q.add_argument("--preset", choices=["real", "tiny"], default="real",
-                   help="real: V4 Flash widths, [CSA, HCA] layers with random quantized experts")
+    from ds4_mlx.tools.random_model import like_option
+
+    q.add_argument("--preset", choices=["real", "tiny"], default=None,
+                   help="real: V4 Flash widths, [CSA, HCA] layers with random quantized experts; tiny: the test "
+                        "model (default: tiny on a CPU, where real widths need tens of GB and hours)")
     q.add_argument("--layers", type=int, default=4)
     q.add_argument("--full", action="store_true", help="all 43 layers of the real model")
-    q.add_argument("--expert-bits", type=int, default=4, help="random affine-quantized experts; 0: float")
+    q.add_argument("--expert-bits", type=int, default=None,
+                   help="random affine-quantized experts; 0: float (default: 4)")
+    like_option(q)
+    q.add_argument("--expert-format", choices=["affine", "q2"], default="affine",
+                   help="q2: the published q2 file's experts kept native (random valid IQ2_XXS gate/up, Q2_K "
+                        "down blocks) instead of affine --expert-bits ones (real preset; --like q2 keeps them "
+                        "native where the converter does)")
     q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="compute dtype (float32 keeps the exact mode)")
     q.add_argument("--contexts", default="2048,8192,32768")
@@ -309,7 +406,8 @@ def plot(figures, png_path, before=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [(f"ds4-mlx ({figures['dtype']}, {figures['expert_bits']}-bit experts)", figures["results"], "o-")]
+    layout = f"{figures['like']} layout" if figures.get("like") else f"{figures['expert_bits']}-bit experts"
+    series = [(f"ds4-mlx ({figures['dtype']}, {layout})", figures["results"], "o-")]
     if "peer" in figures:
         series.append(("transformers eager (bf16, dense experts)", [r for r in figures["peer"]["results"]
                                                                      if "error" not in r], "s--"))
@@ -330,7 +428,7 @@ def plot(figures, png_path, before=None):
     fig.savefig(png_path, dpi=120)
 
 
-if __name__ == "__main__":  # python -m ds4_mlx.bench_speed FIGURES.json OUT.png [BEFORE.json]
+if __name__ == "__main__":  # python -m ds4_mlx.tools.bench_speed FIGURES.json OUT.png [BEFORE.json]
     import json
     import sys
 

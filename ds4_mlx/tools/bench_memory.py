@@ -1,14 +1,16 @@
 """`ds4-mlx bench memory`: what a session holds at real V4 Flash widths.
 
 A real-width 43-layer session is filled by writing rows straight into its caches (no forward pass):
-the `RowWriter` below stands in for the model, so the session chunks, checkpoints and thins exactly as
-with the real model, and `session.nbytes` is what a real prefill of that many tokens would hold.
+the `RowWriter` below stands in for the model, writing a chunk's rows as the model does (`TokenRing.log`,
+compressed rows as blocks complete), so the session chunks, checkpoints and thins exactly as with the
+real model, and `session.nbytes` is what a real prefill of that many tokens would hold.
 """
 
 import gc
 
 import mlx.core as mx
 
+from ds4_mlx.cache.geometry import rows_done
 from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
 
 
@@ -36,9 +38,9 @@ class RowWriter:
         for c in cache:
             p0 = c.pos
             for ring in c.rings():
-                ring.write(p0, self._block(T, ring.width, ring.dtype))
+                ring.log(p0, self._block(T, ring.width, ring.dtype))
             for buf in c.buffers():
-                buf.append(self._block((p0 + T) // c.ratio - p0 // c.ratio, buf.width, buf.dtype))
+                buf.append(self._block(rows_done(p0 + T, c.ratio) - rows_done(p0, c.ratio), buf.width, buf.dtype))
             c.advance(T)
         return self._logits
 
@@ -55,6 +57,8 @@ def bench_memory(a):
     from ds4_mlx.cache.state import export_session, file_size_bound
     from ds4_mlx.session import Session
 
+    if a.contexts is None:  # 1M tokens of real-width rows take ~8 GB: a CPU here is a test or CI machine
+        a.contexts = "4096,8192" if mx.default_device() == mx.cpu else "32768,131072,1048576"
     contexts = sorted(int(c) for c in a.contexts.split(","))
     writer = RowWriter(ModelArgs(), quant_sim=not a.float32)
     session = Session(writer, **({} if a.rewind_slack is None else {"rewind_slack": a.rewind_slack}))
@@ -81,6 +85,8 @@ def bench_memory(a):
 
 
 def memory_options(q):
-    q.add_argument("--contexts", default="32768,131072,1048576", help="context lengths, comma separated")
+    q.add_argument("--contexts", default=None,
+                   help="context lengths, comma separated (default: 32768,131072,1048576 on a GPU, 4096,8192 "
+                        "on a CPU)")
     q.add_argument("--rewind-slack", type=int, default=None, help="the session's slack (default: Session's)")
     q.add_argument("--float32", action="store_true", help="a quant_sim=False session (float32 rows)")

@@ -39,7 +39,7 @@ def _plan(size_gb):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
     from ds4_mlx.models.deepseek_v4 import ModelArgs
-    from ds4_mlx.testing import gguf_shapes
+    from ds4_mlx.demo import gguf_shapes
 
     layers = 1
     while True:
@@ -79,7 +79,7 @@ def write_synthetic_gguf(path, size_gb=4.0, seed=0):
     """Write the synthetic file tensor by tensor (bounded memory). Returns (bytes, largest tensor bytes)."""
     from gguf import GGML_QUANT_SIZES, GGUFWriter, GGMLQuantizationType as T
 
-    from ds4_mlx.testing import _add_metadata, gguf_metadata
+    from ds4_mlx.tools.testing import _add_metadata, gguf_metadata
 
     args, plan, nbytes = _plan(size_gb)
     rng = np.random.default_rng(seed)
@@ -150,7 +150,7 @@ def bench_convert(size_gb=4.0, workdir=None) -> dict:
 # the published q2 / q4 files: converted size projected from real-width tensors, error, speed
 
 PUBLISHED = {"q2": ("IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K")}  # routed experts' (gate/up, down) types
-RATIO_TARGETS = {"q2": 1.15, "q4": 1.12}  # converted size / GGUF size
+RATIO_TARGETS = {"q2": 1.02, "q4": 1.02}  # converted size / GGUF size, native experts
 
 
 def published_weights(variant):
@@ -158,7 +158,7 @@ def published_weights(variant):
     from gguf import GGMLQuantizationType as T
 
     from ds4_mlx.models.deepseek_v4 import ModelArgs
-    from ds4_mlx.testing import gguf_shapes
+    from ds4_mlx.demo import gguf_shapes
 
     experts = tuple(T[n] for n in PUBLISHED[variant])
     counts = {}
@@ -207,7 +207,9 @@ def measure_types(rows=2048, cols=4096, seed=0, expert_bits=None, group_size=Non
             q = requant.convert_rows(raw, qtype, cols, bits, group)[0]
         else:
             q = G.repack(raw, qtype, cols)
-        q = G.half_scales(q, "F16")
+        exact = qtype in G.EXACT_TYPES  # stored as the converter does: Q4_K's scales in float32
+        q = {k: v if k == "weight" else G.to_scales(v, "F32" if qtype == T.Q4_K else "F16", exact)
+             for k, v in q.items()}
         seconds = time.perf_counter() - t0
         got = np.array(mx.dequantize(mx.array(q["weight"]), mx.array(q["scales"]).astype(mx.float32),
                                      mx.array(q["biases"]).astype(mx.float32), group_size=group, bits=bits))
@@ -219,11 +221,13 @@ def measure_types(rows=2048, cols=4096, seed=0, expert_bits=None, group_size=Non
     return out
 
 
-def project_published(per_type):
+def project_published(per_type, native=True):
     """{variant: (GGUF bytes, converted bytes, seconds to convert the quantized weights)} of the published
-    files from `measure_types`' figures (reading the file aside)."""
+    files from `measure_types`' figures (reading the file aside). `native`: routed experts keep their
+    GGUF blocks (their types appear nowhere else in these files), else the affine figures."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+    from ds4_mlx.convert.gguf import NATIVE_TYPES
     from ds4_mlx.convert.writer import ITEMSIZE  # float tensors are kept as they are
 
     out = {}
@@ -232,6 +236,9 @@ def project_published(per_type):
         for t, n in published_weights(variant).items():
             block, size = GGML_QUANT_SIZES[T[t]]
             src += n * size / block
+            if native and T[t] in NATIVE_TYPES:  # copied as they are
+                dst += n * size / block
+                continue
             dst += n * (ITEMSIZE[t] if t in ITEMSIZE else per_type[t]["bytes_per_weight"])
             seconds += n / per_type[t]["weights_per_s"] if t in per_type else 0
         out[variant] = (src, dst, seconds)
@@ -239,7 +246,9 @@ def project_published(per_type):
 
 
 def bench_published(rows=2048, expert_bits=None, group_size=None) -> dict:
-    """`q2_gib`, `q4_gib` (converted), their GGUF sizes and ratios, per-type figures, and the device."""
+    """`q2_gib`, `q4_gib` (converted with native experts), their GGUF sizes and ratios, the affine
+    alternative (`q2_affine_gib`...: experts requantized or repacked to MLX affine), per-type figures,
+    and the device."""
     import mlx.core as mx
 
     per_type = measure_types(rows=rows, expert_bits=expert_bits, group_size=group_size)
@@ -249,6 +258,10 @@ def bench_published(rows=2048, expert_bits=None, group_size=None) -> dict:
         result[f"{variant}_gib"] = round(dst / 2**30, 2)
         result[f"{variant}_ratio"] = round(dst / src, 4)
         result[f"{variant}_convert_min"] = round(seconds / 60, 1)
+    for variant, (src, dst, seconds) in project_published(per_type, native=False).items():
+        result[f"{variant}_affine_gib"] = round(dst / 2**30, 2)
+        result[f"{variant}_affine_ratio"] = round(dst / src, 4)
+        result[f"{variant}_affine_convert_min"] = round(seconds / 60, 1)
     result["types"] = {t: {k: (round(v, 5) if isinstance(v, float) else v) for k, v in f.items()}
                        for t, f in per_type.items()}
     result["device"] = str(mx.default_device())
@@ -262,7 +275,7 @@ def run(size_gb=4.0, rows=2048, expert_bits=None, group_size=None) -> dict:
     figures = {}
     for key, value in bench_published(rows=rows, expert_bits=expert_bits, group_size=group_size).items():
         figures[key] = [{"type": t, **f} for t, f in value.items()] if key == "types" else value  # a table's rows
-        if key.endswith("_ratio"):
+        if key.endswith("_ratio") and key.removesuffix("_ratio") in RATIO_TARGETS:
             figures[key + "_target"] = RATIO_TARGETS[key.removesuffix("_ratio")]
     if size_gb > 0:
         figures.update(bench_convert(size_gb))
