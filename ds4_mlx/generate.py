@@ -268,13 +268,24 @@ class GenerationChunk:
     prefill: Optional[tuple] = None  # (done, total) prompt tokens, on the chunks of `yield_prefill`
 
 
+@dataclass
+class DecodeStep:
+    """Yielded instead of stepping the session by a `stream_generate(..., together=True)`: the caller
+    steps `session` with `token` (a lazy draw), together with other streams' steps (`step_together`), and
+    sends back the logits."""
+
+    session: object
+    token: mx.array
+
+
 def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,
                     sampling: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
                     stop_ids: Optional[Sequence[int]] = None,
                     should_abort: Optional[Callable[[], bool]] = None,
                     on_prefill: Optional[Callable[[int, int], object]] = None,
                     yield_prefill: bool = False,
-                    sampler: Optional[Callable[[mx.array], int]] = None) -> Iterator[GenerationChunk]:
+                    sampler: Optional[Callable[[mx.array], int]] = None,
+                    together: bool = False) -> Iterator[GenerationChunk]:
     """Generate from `prompt_ids` with `session`, yielding a `GenerationChunk` per sampled token.
 
     The session is synced to `prompt_ids` (reusing its longest common prefix), then tokens are
@@ -284,6 +295,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     `yield_prefill`: also yield a chunk with `prefill=(done, total)` (no token, no text) after each
     prefill chunk, so that a caller serving several requests can interleave them chunk by chunk.
     `sampler(logits) -> token id` replaces the draw from `sampling` (a scripted model's tokens).
+    `together`: yield a `DecodeStep` before each decoded token and take the step's logits from `send`, so
+    that a caller serving several streams decodes them in one forward.
     Runs on the calling thread; nothing here is shared, so one generator per session at a time.
     See the module docstring for what `session.tokens` holds afterwards."""
     stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
@@ -375,7 +388,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         if should_abort():
             yield finish(FINISH_ABORT)
             return
-        logits = session.step_async(drawn)
+        logits = (yield DecodeStep(session, drawn)) if together else session.step_async(drawn)
         token = session.settle()
         if should_abort():  # asked while this token was computed: it is neither shown nor kept
             session.trim(len(session.tokens) - 1)

@@ -16,9 +16,10 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
                  rewind_slack: int = 4096, checkpoint_every: int = 2048, prefill_chunk: int = 2048,
                  shared_prefill_chunk: int = 256,
                  keepalive_s: float = 5.0,
-                 generate=partial(stream_generate, yield_prefill=True), max_tokens: int | None = None,
+                 generate=partial(stream_generate, yield_prefill=True, together=True), batch: int = 1,
+                 max_tokens: int | None = None,
                  access: Access = Access(), disk=None, max_body_bytes: int | None = None, **limits) -> Server:
-    """`max_tokens` caps every request's output (a request asking for more stops there, as `length`);
+    """`batch`: how many streams decode in one forward at most (`Worker`); `max_tokens` caps every request's output (a request asking for more stops there, as `length`);
     `max_body_bytes` refuses longer request bodies (default: `body_limit(ctx)`); `limits` are the
     connection limits of `Server`."""
     from ds4_mlx import Session
@@ -26,7 +27,7 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
                     session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every),
                     generate=generate, disk=disk, prefill_chunk=prefill_chunk,
-                    shared_prefill_chunk=shared_prefill_chunk)
+                    shared_prefill_chunk=shared_prefill_chunk, batch=batch)
     return Server(worker, ServerInfo(model_id=model_id, ctx=ctx, max_tokens=max_tokens), keepalive_s=keepalive_s,
                   access=access, max_body_bytes=max_body_bytes or body_limit(ctx), **limits)
 

@@ -30,8 +30,8 @@ def run_serve(args):
         raise ValueError("--sessions must be at least 1 and --ctx at least 2")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
-    if args.prefill_chunk < 1 or args.shared_prefill_chunk < 1:
-        raise ValueError("--prefill-chunk and --shared-prefill-chunk must be at least 1")
+    if args.prefill_chunk < 1 or args.shared_prefill_chunk < 1 or args.batch < 1:
+        raise ValueError("--prefill-chunk, --shared-prefill-chunk and --batch must be at least 1")
     if args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1")
     if args.max_body_mb is not None and args.max_body_mb <= 0:
@@ -51,7 +51,8 @@ def run_serve(args):
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
                           checkpoint_every=args.checkpoint_every, prefill_chunk=args.prefill_chunk,
-                          shared_prefill_chunk=args.shared_prefill_chunk, max_tokens=args.max_tokens,
+                          shared_prefill_chunk=args.shared_prefill_chunk, batch=args.batch,
+                          max_tokens=args.max_tokens,
                           disk=disk_store_from_args(args),
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
                           max_connections=fit_connection_cap(args.max_connections),
@@ -166,6 +167,9 @@ def register(subparsers):
     p.add_argument("--shared-prefill-chunk", type=int, default=256,
                    help="prompt tokens computed a turn while other streams run; each of them waits about one "
                         "chunk for its next token (default %(default)s)")
+    p.add_argument("--batch", "--batched-session", type=int, default=4,
+                   help="streams decoded together in one forward at most (ds4's --batched-session); each "
+                        "still samples, stops and aborts on its own (default %(default)s)")
     p.add_argument("--max-tokens", type=int, help="most tokens any request may generate (default: the "
                    "context); a request asking for more stops there with finish reason length")
     p.add_argument("--max-body-mb", type=float, help="refuse request bodies longer than this (default: 4, or "

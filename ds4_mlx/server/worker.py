@@ -25,7 +25,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from ds4_mlx.generate import RATE_MIN_TOKENS, GenerationStats, SamplingParams
+from ds4_mlx.generate import RATE_MIN_TOKENS, DecodeStep, GenerationStats, SamplingParams
 from ds4_mlx.server.slots import Placement, Slot, place
 from ds4_mlx.session import common_prefix
 
@@ -129,12 +129,14 @@ class _Running:
     placement: Placement
     chunks: object  # the iterator from stream_generate
     started: bool = False  # the prefill is over and the first chunk came
+    step: DecodeStep | None = None  # its next token, waiting for the turn's batched forward
     from_disk: int = 0  # prompt tokens the disk store restored
 
 
 class Worker:
     def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate, disk=None,
-                 prefill_chunk: int = 2048, shared_prefill_chunk: int = 256, stuck_after_s: float = 600.0):
+                 prefill_chunk: int = 2048, shared_prefill_chunk: int = 256, stuck_after_s: float = 600.0,
+                 batch: int = 1):
         """`load()` returns (model, tokenizer) and runs on the worker thread, which owns the model from
         then on (MLX arrays belong to the thread that made them); `session_factory(model)` makes a
         Session; `generate` is `ds4_mlx.generate.stream_generate`; `disk` a `ds4_mlx.cache.store.DiskStore`
@@ -142,7 +144,11 @@ class Worker:
         request that no slot serves well looks there for its longest prefix. A prompt is computed
         `prefill_chunk` tokens a turn while it is the only job running (long chunks prefill faster),
         `shared_prefill_chunk` while other streams run (each waits about one chunk for its next token).
-        A turn (one chunk or token of each running job) longer than `stuck_after_s` is reported by `health()`."""
+        A turn (one chunk or token of each running job) longer than `stuck_after_s` is reported by `health()`.
+        Streams decoding in the same turn take their tokens in one forward, `batch` at most (`DecodeStep`)."""
+        if batch < 1:
+            raise ValueError("batch must be at least 1")
+        self.batch = batch
         self.disk = disk
         self.prefill_chunk, self.shared_prefill_chunk = prefill_chunk, shared_prefill_chunk
         self._load = load
@@ -261,15 +267,19 @@ class Worker:
             for job, placement in admitted:
                 self._start_guarded(job, placement)
             for run in list(self._running):
-                try:
-                    self._advance(run)
-                except Exception:  # noqa: BLE001 - one job's bookkeeping failed; the worker must live on
-                    log.error(f"{run.job.request.label} failed:\n{traceback.format_exc()}")
-                    if run in self._running:
-                        self._running.remove(run)
-                        run.placement.slot.busy = False
-                    run.job.emit("done", None)
+                self._guarded(run, self._advance, run)
+            self._decode_together()
             self.turn_started = None
+
+    def _guarded(self, run: _Running, work, *args):
+        try:
+            work(*args)
+        except Exception:  # noqa: BLE001 - one job's bookkeeping failed; the worker must live on
+            log.error(f"{run.job.request.label} failed:\n{traceback.format_exc()}")
+            if run in self._running:
+                self._running.remove(run)
+                run.placement.slot.busy = False
+            run.job.emit("done", None)
 
     def _release(self):
         """Free the model and the sessions on this thread, which made them: arrays freed by another
@@ -345,14 +355,50 @@ class Worker:
         return _Running(job, placement, iter(chunks), from_disk=shared if shared > placement.common else 0)
 
     def _advance(self, run: _Running):
+        """The job's turn: one prefill chunk, or the draw of its next token (then it waits in `run.step`
+        for `_decode_together`)."""
         alone = len(self._running) == 1
         run.placement.slot.session.max_chunk = self.prefill_chunk if alone else self.shared_prefill_chunk
+        self._take(run, next, run.chunks)
+
+    def _decode_together(self):
+        """The turn's decoded tokens: the streams waiting in `run.step` step together, `batch` at a time
+        (`step_together`), and each stream takes its logits."""
+        import mlx.core as mx
+
+        from ds4_mlx.session import step_together
+
+        waiting = [run for run in self._running if run.step is not None]
+        for i in range(0, len(waiting), self.batch):
+            group = waiting[i : i + self.batch]
+            steps = [run.step for run in group]
+            for run in group:
+                run.step = None
+            try:
+                tokens = mx.concatenate([s.token.reshape(1) for s in steps])
+                logits = step_together([s.session for s in steps], tokens)
+            except Exception as e:  # noqa: BLE001 - these jobs fail (their sessions are back at their tokens)
+                for run in group:
+                    self._guarded(run, self._fail, run, e)  # still in the except block: its traceback
+                continue
+            for b, run in enumerate(group):
+                self._guarded(run, self._take, run, run.chunks.send, logits[b])
+
+    def _fail(self, run: _Running, error: Exception):
+        log.error(f"{run.job.request.label} failed:\n{traceback.format_exc()}")
+        run.job.emit("error", f"generation failed: {type(error).__name__}: {error}")
+        self._finish(run, None)
+
+    def _take(self, run: _Running, pull, arg):
+        """Take the job's next item, `pull(arg)`: a prefill chunk, a `DecodeStep` to wait with, or a token's
+        chunk for the client."""
         try:
-            chunk = next(run.chunks)
+            chunk = pull(arg)
         except Exception as e:  # noqa: BLE001 - this job fails, the server goes on
-            log.error(f"{run.job.request.label} failed:\n{traceback.format_exc()}")
-            run.job.emit("error", f"generation failed: {type(e).__name__}: {e}")
-            self._finish(run, None)
+            self._fail(run, e)
+            return
+        if isinstance(chunk, DecodeStep):
+            run.step = chunk
             return
         if chunk.prefill is not None:
             return  # one prefill chunk done: the next job's turn
@@ -413,3 +459,4 @@ class Worker:
             log.info(f"slot={slot.index} emptied to stay within the session budget ({freed / 2**20:.1f} MiB freed)")
         if total > self.budget_bytes:
             log.warning(f"sessions hold {total / 2**20:.1f} MiB, over the {self.budget_bytes / 2**20:.1f} MiB budget")
+
