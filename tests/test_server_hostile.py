@@ -7,6 +7,7 @@ import logging
 import re
 import socket
 import threading
+import time
 
 import pytest
 import requests
@@ -252,6 +253,15 @@ def test_a_dead_worker_fails_requests_and_health_says_so(monkeypatch):
             assert r.status_code == 500 and "worker failed" in r.json()["error"]["message"], r.text
         health = requests.get(bg.url + "/health", timeout=60)
         assert health.status_code == 503 and health.json()["error"] == "the worker thread died"
+
+
+def test_a_stuck_worker_is_a_503_on_health(bg, monkeypatch):
+    worker = bg.server.worker  # idle: nothing resets the mark of its running turn while the test holds it
+    monkeypatch.setattr(worker, "turn_started", time.monotonic() - worker.stuck_after_s - 1)
+    health = requests.get(bg.url + "/health", timeout=60)
+    assert health.status_code == 503 and "one turn of the worker has run for over" in health.json()["error"]
+    monkeypatch.undo()
+    assert requests.get(bg.url + "/health", timeout=60).status_code == 200
 
 
 def test_a_dead_worker_ends_serve_with_status_1(monkeypatch):

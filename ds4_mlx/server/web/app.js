@@ -308,7 +308,7 @@ function renderSlots(slots) {
     const last = slot.last_request;
     const theirs = slot.tokens === null; // another tenant's slot: the server says only whether it is busy
     const cells = {
-      slot: slot.slot, state: slot.busy ? "busy" : "idle", tokens: theirs ? "another key's" : slot.tokens,
+      slot: slot.slot, state: slot.busy ? "busy" : "idle", tokens: theirs ? "another tenant's" : slot.tokens,
       bytes: theirs ? "" : formatBytes(slot.bytes), "last-use": slot.busy ? "now" : formatAgo(slot.idle_seconds),
       reused: last ? last.reused_tokens : "", replayed: last ? last.replayed_tokens : "",
       computed: last ? last.computed_tokens : "",
