@@ -205,13 +205,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(sessions: int, ctx: int):
+def _serve(sessions: int, ctx: int, batch: int):
     """`ds4-mlx serve` on the demo model in a child process; (url, process) once it answers."""
     import requests
 
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", str(ctx),
-                                "--sessions", str(sessions)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "--sessions", str(sessions), "--batch", str(batch)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -240,7 +241,7 @@ def bench_load(a) -> dict:
     """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
     require_openai()
     convs = conversations(a.conversations)
-    url, process = _serve(a.sessions, a.ctx)
+    url, process = _serve(a.sessions, a.ctx, a.batch)
     hostile = None
     try:
         if a.hostile:
@@ -256,10 +257,10 @@ def bench_load(a) -> dict:
     peak_rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
     def fresh():
-        url, process = _serve(1, a.ctx)
+        url, process = _serve(1, a.ctx, 1)  # each request alone: the reference answers
         return url, lambda: _stop(process)
 
-    figures = {"clients": a.clients, "minutes": a.minutes, "sessions": a.sessions,
+    figures = {"clients": a.clients, "minutes": a.minutes, "sessions": a.sessions, "batch": a.batch,
                **summary(records, lone_answers(convs, fresh)), "peak_rss_mb": peak_rss_mb, "server_exit_code": code,
                **({"hostile": hostile.figures()} if hostile is not None else {})}
     print(f"{figures['requests']} requests from {a.clients} clients in {a.minutes:g} min "
@@ -424,6 +425,7 @@ def bench_load_options(q):
     q.add_argument("--minutes", type=float, default=1.0)
     q.add_argument("--clients", type=int, default=8)
     q.add_argument("--sessions", type=int, default=4, help="the server's live sessions")
+    q.add_argument("--batch", type=int, default=4, help="the server's --batch: streams decoded in one forward")
     q.add_argument("--conversations", type=int, default=16)
     q.add_argument("--abort-rate", type=float, default=0.3)
     q.add_argument("--ctx", type=int, default=8192)
