@@ -285,6 +285,7 @@ def bench_batch(a):
     prompt = np.random.default_rng(0).integers(0, model.args.vocab_size, context).tolist()
     first = Session(model)
     first.sync(prompt)
+    mx.clear_cache()  # decode from an empty buffer cache, as stream_generate does after a prefill
     rows = []
     for n in counts:
         sessions = []
