@@ -12,12 +12,13 @@ import time
 import pytest
 import requests
 
-from ds4_mlx.generate import load_for_cli
 from ds4_mlx.server import openai_api
-from ds4_mlx.server.build import BackgroundServer, build_server
+from ds4_mlx.demo import load_for_cli
+from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.middleware import Access
 from ds4_mlx.server.slots import Slot, place
 from ds4_mlx.server.worker import GenerationRequest, Job
+from ds4_mlx.tools.testing import demo_server
 
 MODEL = "deepseek-v4-flash"
 CTX = 4096
@@ -26,7 +27,7 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def bg():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=2, budget_bytes=2**32)
+    server = demo_server(ctx=CTX, sessions=2)
     with BackgroundServer(server) as bg:
         yield bg
 
@@ -81,7 +82,7 @@ def test_parsing_runs_off_the_event_loop(bg, monkeypatch):
 
 
 def small_server(**limits) -> BackgroundServer:
-    return BackgroundServer(build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1,
+    return BackgroundServer(demo_server(ctx=CTX, sessions=1,
                                          budget_bytes=2**32, **limits))
 
 
@@ -147,7 +148,7 @@ def test_origin_and_host_matrix(bg_hosts, host, origin, status):
 
 @pytest.fixture(scope="module")
 def bg_hosts():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
+    server = demo_server(ctx=CTX, sessions=1,
                           access=Access(allowed_hosts=("models.lan",)))
     with BackgroundServer(server) as bg:
         yield bg
@@ -165,7 +166,7 @@ def test_json_apis_refuse_bodies_a_browser_sends_without_a_preflight(bg):
 
 
 def test_a_key_that_is_not_utf8_is_a_401():
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
+    server = demo_server(ctx=CTX, sessions=1,
                           access=Access(api_keys=("secret",)))
     with BackgroundServer(server) as bg, socket.create_connection(("127.0.0.1", bg.port)) as sock:
         for path, shape in [("/v1/models", "error"), ("/v1/messages", "type")]:
@@ -204,7 +205,7 @@ class FailingDisk:
 
 def test_a_failing_disk_fails_that_request_alone_in_the_api_shape():
     disk = FailingDisk()
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
+    server = demo_server(ctx=CTX, sessions=1,
                           disk=disk)
     with BackgroundServer(server) as bg:
         body = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
@@ -221,7 +222,7 @@ def test_a_failing_disk_fails_that_request_alone_in_the_api_shape():
 def test_disk_work_is_not_done_under_the_lock_submit_takes(caplog):
     disk = FailingDisk()
     disk.fail = False
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32,
+    server = demo_server(ctx=CTX, sessions=1,
                           disk=disk)
     with BackgroundServer(server) as bg:
         slow = threading.Thread(target=chat, args=(bg, {"model": MODEL, "messages": HELLO, "max_tokens": 1}))
@@ -239,7 +240,7 @@ def test_disk_work_is_not_done_under_the_lock_submit_takes(caplog):
 
 
 def dying_server(monkeypatch):
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=1, budget_bytes=2**32)
+    server = demo_server(ctx=CTX, sessions=1)
     monkeypatch.setattr(server.worker, "_admissible", lambda: 1 / 0)  # a bug in the worker's own loop
     return server
 
@@ -339,7 +340,7 @@ def usage_of(bg, messages, headers, **extra):
 def test_a_tenant_reuses_and_learns_about_only_its_own_prefixes(by):
     tenants = ("victim", "attacker", "other")
     access = Access(api_keys=tuple(f"key-{t}" for t in tenants)) if by == "api_key" else Access()
-    server = build_server(lambda: load_for_cli(None)[:2], model_id=MODEL, ctx=CTX, sessions=3, budget_bytes=2**32,
+    server = demo_server(ctx=CTX, sessions=3,
                           access=access)
 
     def headers(tenant):
