@@ -30,6 +30,9 @@ SERVER_OPTIONS = {"access": Access(api_keys=(KEY,), cors_origins=(ORIGIN,))}  # 
 
 def test_api_key_bearer_and_x_api_key(bg):
     assert requests.get(bg.url + "/health").status_code == 200  # health checks carry no key
+    # nor does the web page, which holds no data and asks for the key; no path through its files reaches the API
+    assert requests.get(bg.url + "/").status_code == requests.get(bg.url + "/web/app.js").status_code == 200
+    assert requests.get(bg.url + "/web/../v1/sessions").status_code in (401, 404)
     no_key = requests.get(bg.url + "/v1/models")
     assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "missing_api_key"
     with pytest.raises(openai.AuthenticationError):

@@ -187,6 +187,9 @@ def test_chat_streams_stops_and_the_next_message_reuses_the_session(page, capsys
                                     .some(cell => Number(cell.textContent) > 300)""")
     assert page.locator("#chart rect.reused").count() >= 2
     save_screenshot(page, capsys, "web-chat.png")
+    page.set_viewport_size({"width": 1280, "height": 800})  # a laptop's window: the table fits its panel
+    assert page.evaluate("() => { const s = document.querySelector('#sessions'); return s.scrollWidth <= s.clientWidth; }")
+    page.set_viewport_size({"width": 1400, "height": 900})
 
     send(page, "Think first, then answer.", thinking=True, max_tokens=5)
     page.wait_for_selector('.turn.assistant[data-state="done"] >> nth=1')

@@ -20,7 +20,10 @@ from aiohttp import web
 
 from ds4_mlx.server.errors import APIError
 
-PUBLIC_PATHS = {"/health"}  # answered without the API key: health checks carry no credentials
+# answered without the API key: health checks carry no credentials, and the web page and its files hold no
+# data (the page asks for the key, then sends it with every API request it makes)
+PUBLIC_PATHS = {"/health", "/"}
+PUBLIC_PREFIX = "/web/"
 WITHOUT_MODEL_PATHS = {"/metrics", "/openapi.json"}  # answered while the model loads
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version"
@@ -125,7 +128,7 @@ def _api_key(keys: tuple[str, ...]):
 
     @web.middleware
     async def api_key(request: web.Request, handler):
-        if request.path not in PUBLIC_PATHS:
+        if request.path not in PUBLIC_PATHS and not request.path.startswith(PUBLIC_PREFIX):
             given = request.headers.get("x-api-key")
             authorization = request.headers.get("Authorization", "")
             if given is None and authorization[:7].lower() == "bearer ":
