@@ -97,31 +97,33 @@ def test_logits_match_transformers(tiny_gguf, reference):
     assert_close_to_oracle(got, expected)
 
 
+def logits_in_chunks(model, cache, ids, sizes):
+    """The logits of `ids` fed through `cache` in chunks of `sizes` tokens (the last one cut to fit)."""
+    outs, start = [], 0
+    for n in sizes:
+        if start >= len(ids):
+            break
+        outs.append(np.array(model(mx.array(ids[None, start : start + n], dtype=mx.int32), cache=cache)[0]))
+        start += n
+    return np.concatenate(outs)
+
+
 def test_chunked_cache_matches_transformers(tiny_gguf, reference):
     path, _, args = tiny_gguf
     ids, expected, _ = reference
     model = load(path, quant_sim=False)
-    cache = model.make_cache()
-    rng = np.random.default_rng(len(ids) + args.hidden_size)
-    outs, start = [], 0
-    while start < len(ids):
-        end = min(len(ids), start + int(rng.integers(1, 65)))
-        outs.append(np.array(model(mx.array(ids[None, start:end], dtype=mx.int32), cache=cache)[0]))
-        start = end
-    got = np.concatenate(outs)
-    assert_close_to_oracle(got, expected)
+    sizes = np.random.default_rng(len(ids) + args.hidden_size).integers(1, 65, len(ids))
+    assert_close_to_oracle(logits_in_chunks(model, model.make_cache(), ids, sizes), expected)
 
 
 def test_chunk_longer_than_the_rings_matches_transformers(tiny_gguf, reference):
     """A chunk reads its own rows directly, so rings sized for 16-token chunks take 150-token ones."""
-    path, _, args = tiny_gguf
+    path, _, _ = tiny_gguf
     ids, expected, _ = reference
     model = load(path, quant_sim=False)
     cache = model.make_cache()
     assert max(r.capacity for c in cache for r in c.rings()) < 150
-    got = np.concatenate([np.array(model(mx.array(ids[None, i : i + 150], dtype=mx.int32), cache=cache)[0])
-                          for i in range(0, len(ids), 150)])
-    assert_close_to_oracle(got, expected)
+    assert_close_to_oracle(logits_in_chunks(model, cache, ids, [150] * len(ids)), expected)
 
 
 def relative_rms(a, b):

@@ -488,14 +488,20 @@ class GroupedLinear(nn.Module):
         return QuantizedGroupedLinear(*self.weight.shape, group_size, bits, mode)
 
 
+def hold_quantized_stack(module, n, output_dims, input_dims, group_size, bits, mode):
+    """Give `module` the arrays of a quantized stack of n [output_dims, input_dims] matrices (zeros until
+    its weights load)."""
+    module.group_size, module.bits, module.mode = group_size, bits, mode
+    w, scales, *biases = mx.quantize(mx.zeros((n, output_dims, input_dims)), group_size, bits, mode=mode)
+    module.weight, module.scales = w, scales
+    if biases:
+        module.biases = biases[0]
+
+
 class QuantizedGroupedLinear(nn.Module):
     def __init__(self, groups, output_dims, input_dims, group_size, bits, mode="affine"):
         super().__init__()
-        self.group_size, self.bits, self.mode = group_size, bits, mode
-        w, scales, *biases = mx.quantize(mx.zeros((groups, output_dims, input_dims)), group_size, bits, mode=mode)
-        self.weight, self.scales = w, scales
-        if biases:
-            self.biases = biases[0]
+        hold_quantized_stack(self, groups, output_dims, input_dims, group_size, bits, mode)
         # the map of each row, made once: a compiled graph reads them rather than running a kernel a call
         # (evaluated now, so they do not belong to the stream of the thread that first uses them)
         self._maps = mx.arange(groups)
@@ -554,11 +560,7 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     def __init__(self, n, input_dims, output_dims, group_size, bits, mode="affine"):
         super().__init__()
-        self.group_size, self.bits, self.mode = group_size, bits, mode
-        w, scales, *biases = mx.quantize(mx.zeros((n, output_dims, input_dims)), group_size, bits, mode=mode)
-        self.weight, self.scales = w, scales
-        if biases:
-            self.biases = biases[0]
+        hold_quantized_stack(self, n, output_dims, input_dims, group_size, bits, mode)
         self.freeze()
 
     # x is not cast to the scales' dtype: the compute dtype is x's. Converted scales are float16 (or

@@ -569,38 +569,53 @@ ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
 # (token, expert) pair, its lanes over the row's blocks, dequantizing as they read (the IQ2_XXS lattice
 # and sign tables come from the `gguf` package, as inputs). The product of `deepseek_v4.gguf_gather_product`.
 
+# One unit of a block decoded, shared by both kernels below. Q2_K (scales[16] as sc | m << 4, qs[64] of 4
+# values a byte, then d and dmin): code byte `byte` holds the values at[0..3] of its 256-value block.
+# IQ2_XXS (d, then 8 sub-blocks of 4 lattice indices and a word of 4 x 7 sign bits and a scale): unit
+# `unit` of 32 is the 8 values from unit * 8 on.
+_GGUF_UNITS = """
+__device__ inline void q2k_unit(const uint8_t* blk, int byte, float v[4], int at[4]) {
+    const int half = byte / 32, l = byte % 32;
+    const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+    const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+    const uint8_t q = blk[16 + byte];
+    for (int i = 0; i < 4; ++i) {
+        at[i] = half * 128 + i * 32 + l;
+        const uint8_t sc = blk[at[i] / 16];
+        v[i] = d * (float)(sc & 0xF) * (float)((q >> (2 * i)) & 3) - dmin * (float)(sc >> 4);
+    }
+}
+
+template <typename S>
+__device__ inline void iq2xxs_unit(const uint8_t* blk, int unit, const float* lattice, const S* ksigns, float v[8]) {
+    const int sub = unit / 4, g = unit % 4;
+    const uint8_t* sb = blk + 2 + sub * 8;
+    const uint32_t aux = sb[4] | (sb[5] << 8) | (sb[6] << 16) | ((uint32_t)sb[7] << 24);
+    const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+    const float* point = lattice + sb[g] * 8;
+    const int signs = ksigns[(aux >> (7 * g)) & 127];
+    for (int k = 0; k < 8; ++k) v[k] = db * point[k] * ((signs >> k) & 1 ? -1.0f : 1.0f);
+}
+"""
+
 _GGUF_ROWS_CUDA = """
     const int lane = threadIdx.x % 32, job = blockIdx.x * (GROUP / 32) + threadIdx.x / 32;
     if (job >= PAIRS * OUT) return;
     const int pair = job / OUT, row = job % OUT;
     const uint8_t* r = w + ((size_t)indices[pair] * OUT + row) * (IN / 256 * BLOCK);
     const float* xv = x + (size_t)pair * IN;
-    float acc = 0.0f;
-    if (CODEC == 0) {  // Q2_K: scales[16] (sc | m << 4), qs[64] (4 values a byte), d, dmin
+    float acc = 0.0f, v[8];
+    int at[4];
+    if (CODEC == 0) {
         for (int u = lane; u < IN / 256 * 64; u += 32) {
-            const uint8_t* blk = r + (u / 64) * BLOCK;
-            const int byte = u % 64, half = byte / 32, l = byte % 32;
-            const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
-            const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
-            const uint8_t q = blk[16 + byte];
-            for (int i = 0; i < 4; ++i) {
-                const int at = half * 128 + i * 32 + l;
-                const uint8_t sc = blk[at / 16];
-                acc += (d * (float)(sc & 0xF) * (float)((q >> (2 * i)) & 3) - dmin * (float)(sc >> 4))
-                       * xv[(u / 64) * 256 + at];
-            }
+            q2k_unit(r + (u / 64) * BLOCK, u % 64, v, at);
+            for (int i = 0; i < 4; ++i) acc += v[i] * xv[(u / 64) * 256 + at[i]];
         }
-    } else {  // IQ2_XXS: d, then 8 sub-blocks of 4 lattice indices and a word of 4 x 7 sign bits + a scale
+    } else {
         for (int u = lane; u < IN / 256 * 32; u += 32) {
-            const uint8_t* blk = r + (u / 32) * BLOCK;
-            const int sub = (u % 32) / 4, g = u % 4;
-            const uint8_t* sb = blk + 2 + sub * 8;
-            const uint32_t aux = sb[4] | (sb[5] << 8) | (sb[6] << 16) | ((uint32_t)sb[7] << 24);
-            const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
-            const float* point = lattice + sb[g] * 8;
-            const int signs = ksigns[(aux >> (7 * g)) & 127];
-            const float* xs = xv + (u / 32) * 256 + sub * 32 + g * 8;
-            for (int k = 0; k < 8; ++k) acc += db * point[k] * ((signs >> k) & 1 ? -1.0f : 1.0f) * xs[k];
+            iq2xxs_unit(r + (u / 32) * BLOCK, u % 32, lattice, ksigns, v);
+            const float* xs = xv + (u / 32) * 256 + (u % 32) * 8;
+            for (int k = 0; k < 8; ++k) acc += v[k] * xs[k];
         }
     }
     for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
@@ -612,7 +627,7 @@ _GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
 @lru_cache(maxsize=None)
 def _gguf_rows_kernel():
     return mx.fast.cuda_kernel(name="ds4_gguf_expert_rows", input_names=["x", "w", "indices", "lattice", "ksigns"],
-                               output_names=["y"], source=_GGUF_ROWS_CUDA)
+                               output_names=["y"], source=_GGUF_ROWS_CUDA, header=_GGUF_UNITS)
 
 
 def _gguf_rows_cuda(x, w, indices, codec):
@@ -671,24 +686,14 @@ _GGUF_DEQUANTIZE_CUDA = """
     const size_t block = u / UNITS;
     const uint8_t* blk = w + block * BLOCK;
     float* out = y + block * 256;
+    float v[8];
+    int at[4];
     if (CODEC == 0) {
-        const int byte = u % 64, half = byte / 32, l = byte % 32;
-        const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
-        const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
-        const uint8_t q = blk[16 + byte];
-        for (int i = 0; i < 4; ++i) {
-            const int at = half * 128 + i * 32 + l;
-            const uint8_t sc = blk[at / 16];
-            out[at] = d * (float)(sc & 0xF) * (float)((q >> (2 * i)) & 3) - dmin * (float)(sc >> 4);
-        }
+        q2k_unit(blk, u % 64, v, at);
+        for (int i = 0; i < 4; ++i) out[at[i]] = v[i];
     } else {
-        const int sub = (u % 32) / 4, g = u % 4;
-        const uint8_t* sb = blk + 2 + sub * 8;
-        const uint32_t aux = sb[4] | (sb[5] << 8) | (sb[6] << 16) | ((uint32_t)sb[7] << 24);
-        const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
-        const float* point = lattice + sb[g] * 8;
-        const int signs = ksigns[(aux >> (7 * g)) & 127];
-        for (int k = 0; k < 8; ++k) out[sub * 32 + g * 8 + k] = db * point[k] * ((signs >> k) & 1 ? -1.0f : 1.0f);
+        iq2xxs_unit(blk, u % 32, lattice, ksigns, v);
+        for (int k = 0; k < 8; ++k) out[(u % 32) * 8 + k] = v[k];
     }
 """
 
@@ -696,7 +701,7 @@ _GGUF_DEQUANTIZE_CUDA = """
 @lru_cache(maxsize=None)
 def _gguf_dequantize_kernel():
     return mx.fast.cuda_kernel(name="ds4_gguf_dequantize", input_names=["w", "lattice", "ksigns"],
-                               output_names=["y"], source=_GGUF_DEQUANTIZE_CUDA)
+                               output_names=["y"], source=_GGUF_DEQUANTIZE_CUDA, header=_GGUF_UNITS)
 
 
 def _gguf_dequantize_cuda(w, codec):

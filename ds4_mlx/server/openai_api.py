@@ -163,6 +163,17 @@ def merge_completions(bodies: list[dict]) -> dict:
 # ---------------------------------------------------------------- responses
 
 
+def stream_end(responder, last: tuple, outcome) -> list:
+    """The end of a stream: its `last` chunk (with the finish reason), the usage chunk when the client
+    asked for it, then [DONE]."""
+    usage_chunk = [(None, {**last[1], "choices": [], "usage": usage(outcome)})] if responder.include_usage else []
+    return [last, *usage_chunk, (None, "[DONE]")]
+
+
+def stream_error(message: str) -> list:
+    return [(None, APIError(500, message).openai_body()), (None, "[DONE]")]
+
+
 class ChatResponder:
     def __init__(self, prepared: Prepared, *, include_usage: bool):
         self.id = "chatcmpl-" + uuid.uuid4().hex
@@ -201,14 +212,9 @@ class ChatResponder:
         return out
 
     def end(self, outcome, answer) -> list:
-        out = [self._chunk({}, answer.finish_reason(outcome.finish_reason))]
-        if self.include_usage:
-            out.append((None, {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                               "model": self.model, "choices": [], "usage": usage(outcome)}))
-        return out + [(None, "[DONE]")]
+        return stream_end(self, self._chunk({}, answer.finish_reason(outcome.finish_reason)), outcome)
 
-    def error(self, message: str) -> list:
-        return [(None, APIError(500, message).openai_body()), (None, "[DONE]")]
+    error = staticmethod(stream_error)
 
     def body(self, outcome, answer) -> dict:
         message = {"role": "assistant", "content": answer.content}
@@ -253,14 +259,9 @@ class CompletionResponder:
         return [self._chunk(text, logprobs=logprobs)]
 
     def end(self, outcome, answer) -> list:
-        out = [self._chunk("", outcome.finish_reason)]
-        if self.include_usage:
-            out.append((None, {"id": self.id, "object": "text_completion", "created": self.created,
-                               "model": self.model, "choices": [], "usage": usage(outcome)}))
-        return out + [(None, "[DONE]")]
+        return stream_end(self, self._chunk("", outcome.finish_reason), outcome)
 
-    def error(self, message: str) -> list:
-        return [(None, APIError(500, message).openai_body()), (None, "[DONE]")]
+    error = staticmethod(stream_error)
 
     def body(self, outcome, answer) -> dict:
         logprobs = completion_logprobs_json(answer.logprobs) if self.logprobs else None

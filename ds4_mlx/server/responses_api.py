@@ -127,6 +127,15 @@ def usage(outcome) -> dict:
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
 
 
+# an output item of text: (its parts' key, an empty part, the part's added and delta events, their index key)
+TEXT_ITEMS = {
+    "reasoning": ("summary", {"type": "summary_text", "text": ""}, "response.reasoning_summary_part.added",
+                  "response.reasoning_summary_text.delta", "summary_index"),
+    "message": ("content", {"type": "output_text", "text": "", "annotations": []}, "response.content_part.added",
+                "response.output_text.delta", "content_index"),
+}
+
+
 class ResponsesResponder:
     def __init__(self, prepared: Prepared, body: dict):
         self.id = "resp_" + uuid.uuid4().hex
@@ -182,34 +191,28 @@ class ResponsesResponder:
         self.open = None
         return out + [self._event("response.output_item.done", output_index=index, item=item)]
 
+    def _text(self, kind: str, text: str) -> list:
+        """Events for `text` of an item of `kind` (reasoning or message): the item and its one part opened
+        first unless open, then the delta."""
+        parts, part, added, delta, at = TEXT_ITEMS[kind]
+        out, index = [], len(self.items) - 1
+        if self.open != kind:
+            item = {"reasoning": {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": []},
+                    "message": {"type": "message", "id": "msg_" + uuid.uuid4().hex, "role": "assistant",
+                                "content": []}}[kind]
+            out += self._add({**item, "status": "in_progress"})
+            self.open, index = kind, len(self.items) - 1
+            self.items[-1][parts].append(dict(part))
+            out.append(self._event(added, item_id=self.items[-1]["id"], output_index=index, **{at: 0},
+                                   part=dict(part)))
+        self.items[-1][parts][0]["text"] += text
+        return out + [self._event(delta, item_id=self.items[-1]["id"], output_index=index, **{at: 0}, delta=text)]
+
     def deltas(self, events) -> list:
         out = []
         for event in events:
-            index = len(self.items) - 1
-            if isinstance(event, ReasoningDelta):
-                if self.open != "reasoning":
-                    out += self._add({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
-                                      "status": "in_progress"})
-                    self.open, index = "reasoning", len(self.items) - 1
-                    part = {"type": "summary_text", "text": ""}
-                    self.items[-1]["summary"].append(part)
-                    out.append(self._event("response.reasoning_summary_part.added", item_id=self.items[-1]["id"],
-                                           output_index=index, summary_index=0, part=dict(part)))
-                self.items[-1]["summary"][0]["text"] += event.text
-                out.append(self._event("response.reasoning_summary_text.delta", item_id=self.items[-1]["id"],
-                                       output_index=index, summary_index=0, delta=event.text))
-            elif isinstance(event, ContentDelta):
-                if self.open != "message":
-                    out += self._add({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
-                                      "role": "assistant", "content": []})
-                    self.open, index = "message", len(self.items) - 1
-                    part = {"type": "output_text", "text": "", "annotations": []}
-                    self.items[-1]["content"].append(part)
-                    out.append(self._event("response.content_part.added", item_id=self.items[-1]["id"],
-                                           output_index=index, content_index=0, part=dict(part)))
-                self.items[-1]["content"][0]["text"] += event.text
-                out.append(self._event("response.output_text.delta", item_id=self.items[-1]["id"],
-                                       output_index=index, content_index=0, delta=event.text))
+            if isinstance(event, (ReasoningDelta, ContentDelta)):
+                out += self._text("reasoning" if isinstance(event, ReasoningDelta) else "message", event.text)
             elif isinstance(event, ToolCall):
                 item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": event.id,
                         "name": event.name, "arguments": "", "status": "in_progress"}

@@ -13,6 +13,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.tools import bench_load, bench_memory, bench_parity, bench_speed
 from ds4_mlx.tools.random_model import expert_bits, like_option, model_from_flags
 
 
@@ -210,71 +211,6 @@ def _bench_convert_options(q):
     q.add_argument("--group-size", type=int, default=None)
 
 
-def bench_speed(a):
-    """Prefill and decode tok/s at real widths, against the roofline and transformers."""
-    from ds4_mlx.tools.bench_speed import bench_speed as run
-
-    return run(a)
-
-
-def _bench_speed_options(q):
-    from ds4_mlx.tools.bench_speed import options
-
-    options(q)
-
-
-def bench_dense(a):
-    """Quantized dense products at prefill sizes: quantized_matmul against dequantize + dense product."""
-    from ds4_mlx.tools.bench_speed import dense_products
-
-    return dense_products(a)
-
-
-def _bench_dense_options(q):
-    from ds4_mlx.tools.bench_speed import dense_options
-
-    dense_options(q)
-
-
-def bench_memory(a):
-    """Session memory at real widths (43 layers) at several context lengths, no forward pass."""
-    from ds4_mlx.tools.bench_memory import bench_memory as run
-
-    return run(a)
-
-
-def _bench_memory_options(q):
-    from ds4_mlx.tools.bench_memory import memory_options
-
-    memory_options(q)
-
-
-def bench_parity(a):
-    """Logits against transformers (float32) on the same random weights: exact mode, fast defaults, bfloat16."""
-    from ds4_mlx.tools.bench_parity import bench_parity as run
-
-    return run(a)
-
-
-def _bench_parity_options(q):
-    from ds4_mlx.tools.bench_parity import parity_options
-
-    parity_options(q)
-
-
-def bench_load(a):
-    """Many streaming clients with random aborts against one server: errors, mismatches, latency, RSS."""
-    from ds4_mlx.tools.bench_load import bench_load as run
-
-    return run(a)
-
-
-def _bench_load_options(q):
-    from ds4_mlx.tools.bench_load import bench_load_options
-
-    bench_load_options(q)
-
-
 def bench_batch(a):
     """Aggregate and per-stream decode tok/s of 1, 2, 4, 8 sessions decoded in one forward."""
     from ds4_mlx.session import Session, step_together
@@ -329,10 +265,10 @@ BENCHES = [
     ("model", bench_model, _bench_model_options),
     ("rewind", bench_rewind, _bench_rewind_options),
     ("convert", bench_convert, _bench_convert_options),
-    ("speed", bench_speed, _bench_speed_options),
-    ("dense", bench_dense, _bench_dense_options),
-    ("memory", bench_memory, _bench_memory_options),
-    ("load", bench_load, _bench_load_options),
-    ("parity", bench_parity, _bench_parity_options),
+    ("speed", bench_speed.bench_speed, bench_speed.options),
+    ("dense", bench_speed.dense_products, bench_speed.dense_options),
+    ("memory", bench_memory.bench_memory, bench_memory.memory_options),
+    ("load", bench_load.bench_load, bench_load.bench_load_options),
+    ("parity", bench_parity.bench_parity, bench_parity.parity_options),
     ("batch", bench_batch, _bench_batch_options),
 ]

@@ -179,7 +179,9 @@ def profile(model, context, chunk, rng):
 
 
 def dense_products(a):
-    """Milliseconds of each quantized dense product of a layer (and the head) at several row counts,
+    """Quantized dense products at prefill sizes: quantized_matmul against dequantize + dense product.
+
+    Milliseconds of each quantized dense product of a layer (and the head) at several row counts,
     through mx.quantized_matmul and through the weight dequantized once plus a dense product (the two
     paths of `QuantizedLinear`), the dequantization alone, and the dense product of a kept dequantized
     copy (what keeping one would save): where `DEQUANTIZE_FROM_ROWS` should sit."""
