@@ -257,7 +257,7 @@ def test_a_full_disk_never_raises_to_its_caller(tmp_path, monkeypatch, caplog):
     longer = filled(model, session.tokens + random_tokens(model, 100, 6))
     assert store.save(longer, "evict") is None  # not stored, not raised
     other = Session(model, rewind_slack=256, checkpoint_every=64, max_chunk=32)
-    assert store.restore(other, session.tokens + [1], 0) == 0 and other.tokens == []  # the read failed
+    assert store.load_longer_prefix(other, session.tokens + [1], 0) == 0 and other.tokens == []  # the read failed
     store.during_prefill(longer)
     assert any("No space left" in r.getMessage() for r in caplog.records)
 

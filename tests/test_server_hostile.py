@@ -180,14 +180,14 @@ def test_a_key_that_is_not_utf8_is_a_401():
 
 
 class FailingDisk:
-    """A disk store whose every method raises, as a buggy or full store would; `restore` may instead
+    """A disk store whose every method raises, as a buggy or full store would; `load_longer_prefix` may instead
     wait for `release` (a slow disk)."""
     min_tokens = 0
 
     def __init__(self):
         self.entered, self.release, self.fail = threading.Event(), threading.Event(), True
 
-    def restore(self, session, prompt, shared, namespace):
+    def load_longer_prefix(self, session, prompt, shared, namespace):
         self.entered.set()
         if self.fail:
             raise OSError(28, "No space left on device")
@@ -227,7 +227,7 @@ def test_disk_work_is_not_done_under_the_lock_submit_takes(caplog):
     with BackgroundServer(server) as bg:
         slow = threading.Thread(target=chat, args=(bg, {"model": MODEL, "messages": HELLO, "max_tokens": 1}))
         slow.start()
-        assert disk.entered.wait(60)  # the first request's restore is running (and waits)
+        assert disk.entered.wait(60)  # the first request's load_longer_prefix is running (and waits)
         probe = Job(GenerationRequest([1], 1), bg._loop)
         probe.cancel()  # dropped from the queue at once, once admitted
         submitting = threading.Thread(target=bg.server.worker.submit, args=(probe,))

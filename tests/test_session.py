@@ -41,7 +41,7 @@ def assert_exact(session, logits):
     assert diff <= 1e-4, f"logits differ from a cold prefill by {diff}"
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_random_histories_equal_cold_prefill(data):
     seed = data.draw(st.sampled_from(SEEDS))
