@@ -92,7 +92,7 @@ def test_a_model_in_the_q2_layout_prefills_and_decodes_alike_on_both_paths(monke
     logits = {}
     for path in dv.DENSE_PATHS:
         monkeypatch.setenv("DS4_MLX_DENSE_PATH", path)
-        session = Session(published_model(tiny_args(moe_intermediate_size=64), "q2"), max_chunk=32)
+        session = Session(published_model(tiny_args(moe_intermediate_size=64), "q2", native=False), max_chunk=32)
         steps = [session.sync(prompt)]
         for _ in range(3):
             steps.append(session.step(int(mx.argmax(steps[-1]))))

@@ -24,7 +24,7 @@ def test_every_weight_has_the_published_files_type(variant, expert_bits):
 
     from ds4_mlx.tools.random_model import published_model
 
-    model = published_model(tiny_args(moe_intermediate_size=64), variant)
+    model = published_model(tiny_args(moe_intermediate_size=64), variant, native=False)
     quantized = {path: (m.bits, m.group_size, m.mode) for path, m in model.named_modules() if hasattr(m, "bits")}
     experts = {p for p in quantized if ".ffn.experts." in p}
     assert {quantized[p] for p in experts} == {(expert_bits, 64 if variant == "q2" else 32, "affine")}
@@ -64,3 +64,14 @@ def test_speed_and_rewind_benches_run_like_q2(capsys):
 def test_like_and_expert_bits_together_are_refused(capsys):
     assert cli.main(["bench", "speed", "--preset", "tiny", "--like", "q2", "--expert-bits", "2"]) == 1
     assert "--expert-bits and --like both set the experts' format" in capsys.readouterr().err
+
+
+def test_the_native_q2_layout_keeps_the_files_expert_blocks():
+    """Where the converter keeps the experts' GGUF blocks, so does the bench: IQ2_XXS gate/up, Q2_K down."""
+    from ds4_mlx.tools.random_model import published_model
+
+    args = tiny_args(hidden_size=256, moe_intermediate_size=256)
+    model = published_model(args, "q2", native=True)
+    types = {path.rsplit(".", 1)[-1]: m.gguf_type for path, m in model.named_modules() if hasattr(m, "gguf_type")}
+    assert types == {"gate": "iq2_xxs", "up": "iq2_xxs", "down": "q2_k"}
+    assert mx.isfinite(model(mx.array([[1, 2, 3]]))).all()

@@ -99,11 +99,12 @@ def expert_bits(a):
     return 4 if a.expert_bits is None else a.expert_bits
 
 
-def published_layout(args: ModelArgs, variant: str):
+def published_layout(args: ModelArgs, variant: str, native: bool):
     """({file param: (safetensors dtype, shape)}, {module: quantization format}) of the folder that
     converting the published `variant` file ("q2" or "q4") of a model of `args` gives: the converter's
     own plan (`convert.gguf.TensorPlan`) applied to the published files' tensor types
-    (`convert.bench.tensor_type`), so the bench and the converter cannot drift apart."""
+    (`tools.bench_convert.tensor_type`), so the bench and the converter cannot drift apart. `native`: the
+    routed experts keep their GGUF blocks (the converter's choice where it has a fast path for them)."""
     from types import SimpleNamespace
 
     from gguf import GGMLQuantizationType as T
@@ -113,14 +114,13 @@ def published_layout(args: ModelArgs, variant: str):
     from ds4_mlx.convert.requant import affine_format
     from ds4_mlx.demo import gguf_shapes
     from ds4_mlx.models.deepseek_v4 import mlx_name
-    from ds4_mlx.models.gguf_blocks import native_available
 
     experts = tuple(T[n] for n in PUBLISHED[variant])
     arrays, quantization = {}, {}
     for name, shape in gguf_shapes(args).items():
         tensor = SimpleNamespace(name=name, tensor_type=tensor_type(name, shape, experts),
                                  shape=np.array(shape[::-1]), data_offset=0, n_bytes=0)  # GGML order
-        plan = TensorPlan(tensor, mlx_name(name), None, affine_format, native_available())
+        plan = TensorPlan(tensor, mlx_name(name), None, affine_format, native)
         if plan.packed and not plan.quantized:
             raise ValueError(f"{name}: the bench cannot draw a packed float parameter")
         if plan.quantized:
@@ -130,16 +130,21 @@ def published_layout(args: ModelArgs, variant: str):
     return arrays, quantization
 
 
-_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "I32": mx.int32}
+_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "U8": mx.uint8,
+           "I32": mx.int32}
 
 
-def published_model(args: ModelArgs, variant: str, seed=0):
+def published_model(args: ModelArgs, variant: str, seed=0, native=None):
     """A model of `args` with random weights in the published `variant` file's converted layout
-    (`published_layout`), loaded as a converted folder is. Each array is drawn and evaluated on its
-    own, so building holds the weights and little more."""
+    (`published_layout`; `native` experts by default where this machine computes them at speed), loaded
+    as a converted folder is. Each array is drawn and evaluated on its own, so building holds the weights
+    and little more."""
     from ds4_mlx.loader import build_model as load_model
+    from ds4_mlx.models.gguf_blocks import native_available
 
-    layout, quantization = published_layout(args, variant)
+    if native is None:  # as the converter chooses, where the widths hold whole GGUF blocks (the tiny model's do not)
+        native = native_available() and args.hidden_size % 256 == args.moe_intermediate_size % 256 == 0
+    layout, quantization = published_layout(args, variant, native)
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     weights = {}
