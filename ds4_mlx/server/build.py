@@ -16,7 +16,7 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
                  rewind_slack: int = 4096, checkpoint_every: int = 2048, prefill_chunk: int = 2048,
                  shared_prefill_chunk: int = 256,
                  keepalive_s: float = 5.0,
-                 generate=partial(stream_generate, yield_prefill=True, together=True), batch: int = 1,
+                 generate=partial(stream_generate, yield_prefill=True, together=True), batch: int = 4,
                  max_tokens: int | None = None,
                  access: Access = Access(), disk=None, max_body_bytes: int | None = None, **limits) -> Server:
     """`batch`: how many streams decode in one forward at most (`Worker`); `max_tokens` caps every request's output (a request asking for more stops there, as `length`);
