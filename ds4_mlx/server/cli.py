@@ -12,9 +12,11 @@ import signal
 import socket
 import sys
 
-THINKING_NOTE = ("thinking is on by default: answers start with reasoning (reasoning_content, thinking blocks); "
-                 "for a direct answer send \"thinking\": {\"type\": \"disabled\"} or use the model name deepseek-chat")
 from ds4_mlx.cache import add_disk_arguments
+
+THINKING_NOTE = ("thinking is on by default for the OpenAI APIs: answers start with reasoning (reasoning_content); "
+                 "the model name deepseek-chat answers directly; /v1/messages thinks only when a request enables "
+                 "\"thinking\"")
 
 
 def run_serve(args):
