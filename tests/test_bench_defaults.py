@@ -19,7 +19,7 @@ def ds4_mlx(*argv, prelude="pass", timeout=120):
                           env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("bench", ["model", "speed"])
+@pytest.mark.parametrize("bench", ["model", "speed", "batch"])
 def test_a_model_bench_runs_with_its_defaults_on_a_cpu(bench):
     done = ds4_mlx("bench", bench, "--json")
     assert done.returncode == 0, done.stderr
@@ -35,3 +35,8 @@ def test_bench_load_without_openai_says_what_to_install():
 def test_bench_convert_says_what_its_size_means():
     done = ds4_mlx("bench", "convert", "--help")
     assert done.returncode == 0 and "5.3" in done.stdout and "at least" in done.stdout
+
+
+def test_bench_parity_without_transformers_says_what_to_install():
+    done = ds4_mlx("bench", "parity", prelude="sys.modules['torch'] = None")  # as if it were not installed
+    assert done.returncode != 0 and "pip install 'ds4-mlx[test]'" in done.stderr and "Traceback" not in done.stderr

@@ -96,6 +96,12 @@ def bench_parity(a):
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise ValueError(f"unknown modes {unknown}: choose from {sorted(MODES)}")
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"bench parity compares against transformers' DeepseekV4ForCausalLM, and {e.name} is not "
+                           "installed: pip install 'ds4-mlx[test]'") from None
     with tempfile.TemporaryDirectory(prefix="ds4-parity-") as tmp:
         folder = Path(tmp)
         print("building transformers' model and its logits...", file=sys.stderr, flush=True)
