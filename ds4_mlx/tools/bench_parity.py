@@ -92,6 +92,7 @@ def run_mode(folder: Path, mode: str, decode: int):
 
 def bench_parity(a):
     """Logits against transformers (float32) on the same random weights: exact mode, fast defaults, bfloat16."""
+    a.tokens = a.tokens or (2600 if a.widths == "real" else 300)
     modes = a.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -127,7 +128,9 @@ def parity_options(q):
                         "tiny widths")
     q.add_argument("--ratios", default="0,4,128", help="compress ratio of each layer (the first is hash-routed)")
     q.add_argument("--experts", type=int, default=16, help="routed experts at real widths")
-    q.add_argument("--tokens", type=int, default=2600, help="tokens compared (prefill, then --decode decoded)")
+    q.add_argument("--tokens", type=int, default=None, help="tokens compared, prefill then --decode decoded (default: "
+                   "2600 at real widths, past one 2048-token chunk; 300 at tiny widths, where the indexer's top-k "
+                   "meets near-tied scores on longer prompts: docs/PRECISION.md)")
     q.add_argument("--decode", type=int, default=16, help="last tokens decoded one at a time")
     q.add_argument("--modes", default="exact,fast,bfloat16", help="comma separated: exact, fast, bfloat16")
     q.add_argument("--seed", type=int, default=0)
