@@ -833,20 +833,11 @@ class Attention(nn.Module):
             arrays[buffer] = write_row(arrays[buffer], row, slots["row"])
         return arrays[buffer]
 
-    def decode(self, x, slots, arrays, pooling, selecting, quant_sim):
-        """`__call__` for one token past the first window (`slots`: `LayerCache.decode_slots` as arrays),
-        on the cache's `arrays` (`LayerCache.decode_arrays`): a pure function, so that a layer's decode
-        step compiles whole. `pooling`: the token closes a compressed block; `selecting`: the indexer
-        picks the rows (more than index_topk of them). -> (output [1, H], the arrays written)."""
-        pos = slots["pos"].reshape(1)
-        rows = self.decode_project(x, pos, slots["in_block"].reshape(1) if self.ratio else None, selecting, quant_sim)
-        out, arrays = self.decode_attend(rows, slots, arrays, pooling, selecting, quant_sim)
-        return self._project_out(out[None], pos), arrays
-
     def decode_project(self, x, positions, in_blocks, selecting, quant_sim):
-        """What `decode` computes from decoded tokens alone, reading no cache, so that several sessions'
-        tokens run it together: x [T, H] at `positions` [T], `in_blocks` [T] their offsets in their
-        compressed blocks. -> rows by name, [T, ...] each (`decode_attend` takes one session's)."""
+        """What a decoded token past the first window computes from itself alone, reading no cache, so that
+        several sessions' tokens run it together: x [T, H] at `positions` [T], `in_blocks` [T] their offsets
+        in their compressed blocks; `selecting`: the indexer picks the rows (more than index_topk of them).
+        -> rows by name, [T, ...] each (`decode_attend` takes one session's)."""
         qr, q, kv = self._project(x, positions)
         rows = {"q": q, "kv": self._store_kv(kv, quant_sim)}
         if self.kind != SLIDING:
@@ -858,8 +849,10 @@ class Attention(nn.Module):
         return rows
 
     def decode_attend(self, rows, slots, arrays, pooling, selecting, quant_sim):
-        """The part of `decode` that reads and writes one session's cache, from its token's
-        `decode_project` rows. -> (attention output [nh, hd] with RoPE still on, the arrays written)."""
+        """The part of a decoded token that reads and writes its session's cache (`slots`:
+        `LayerCache.decode_slots` as arrays, on the cache's `arrays`, `LayerCache.decode_arrays`: a pure
+        function, so that it compiles whole), from its `decode_project` rows; `pooling`: the token closes a
+        compressed block. -> (attention output [nh, hd] with RoPE still on, the arrays written)."""
         W, pos = self.args.sliding_window, slots["pos"]
         arrays = dict(arrays)
         fresh = rows["kv"].astype(arrays["raw"].dtype)
@@ -1104,8 +1097,8 @@ class DecoderLayer(nn.Module):
         positions = int_array(step, step)
         ratio = self.attn.ratio
         in_blocks = mx.array([in_block(c.pos, ratio) for c in caches]) if ratio else None
-        post, comb, rows = compiled(self, "_batch_in")(streams, positions, in_blocks,
-                                                       any(i[2] for i in inputs), quant_sim)
+        post, comb, rows = compiled(self, "_decode_in")(streams, positions, in_blocks,
+                                                        any(i[2] for i in inputs), quant_sim)
         outs = []
         for b, (cache, (slots, pooling, selecting)) in enumerate(zip(caches, inputs)):
             mine = {name: r[b : b + 1] for name, r in rows.items()}
@@ -1113,29 +1106,29 @@ class DecoderLayer(nn.Module):
                                                               selecting, quant_sim)
             cache.decoded(arrays)
             outs.append(out)
-        return compiled(self, "_batch_out")(mx.stack(outs), positions, streams, post, comb, ids)
+        return compiled(self, "_decode_out")(mx.stack(outs), positions, streams, post, comb, ids)
 
-    def _batch_in(self, streams, positions, in_blocks, selecting, quant_sim):
+    def _decode_in(self, streams, positions, in_blocks, selecting, quant_sim):
+        """Decoded tokens up to their cache reads: HC pre, the norm, `Attention.decode_project`."""
         x, post, comb = self.hc_attn.pre(streams)
         x = self.attn_norm(x.astype(self.attn_norm.weight.dtype))
         return post, comb, self.attn.decode_project(x, positions, in_blocks, selecting, quant_sim)
 
-    def _batch_out(self, out, positions, streams, post, comb, ids):
+    def _decode_out(self, out, positions, streams, post, comb, ids):
+        """Decoded tokens from their attention outputs on: the output projection, HC post, the MoE."""
         streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         out = self.ffn(self.ffn_norm(x.astype(self.ffn_norm.weight.dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
 
     def decode(self, streams, ids, slots, arrays, pooling, selecting, quant_sim):
-        """`__call__` for one token, as a pure function of the cache `arrays` (`Attention.decode`).
-        -> (streams, the arrays written)."""
-        dtype = self.attn_norm.weight.dtype
-        x, post, comb = self.hc_attn.pre(streams)
-        out, arrays = self.attn.decode(self.attn_norm(x.astype(dtype)), slots, arrays, pooling, selecting, quant_sim)
-        streams = HyperConnection.post(out, streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams)
-        out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
-        return HyperConnection.post(out, streams, post, comb), arrays
+        """`__call__` for one token, as a pure function of the cache `arrays` (`Attention.decode_attend`):
+        `decode_batch`'s parts for one session, in one graph. -> (streams, the arrays written)."""
+        pos = slots["pos"].reshape(1)
+        in_blocks = slots["in_block"].reshape(1) if self.attn.ratio else None
+        post, comb, rows = self._decode_in(streams, pos, in_blocks, selecting, quant_sim)
+        out, arrays = self.attn.decode_attend(rows, slots, arrays, pooling, selecting, quant_sim)
+        return self._decode_out(out[None], pos, streams, post, comb, ids), arrays
 
 
 class Model(nn.Module):
@@ -1159,20 +1152,13 @@ class Model(nn.Module):
 
     def __call__(self, inputs, cache=None, *, last_only=False):
         """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""
-        if not self.quant_sim and self.norm.weight.dtype == mx.float32:
-            exact_float32()  # the exact mode: no float32 product on TF32 (`ds4_mlx.precision`)
         ids = inputs.reshape(-1)
-        T = ids.shape[0]
         if cache is None:
             cache = self.make_cache()
-        embedded = self.embed(ids).astype(mx.float32)
-        streams = mx.broadcast_to(embedded[:, None, :], (T, self.args.hc_mult, self.args.hidden_size))
+        streams = self._streams(ids)
         for layer, c in zip(self.layers, cache):
             streams = layer(streams, ids, c, self.quant_sim)
-        if last_only:
-            streams = streams[-1:]
-        x = self.norm(self.hc_head(streams).astype(self.norm.weight.dtype))
-        return self.lm_head(x).astype(mx.float32)[None]
+        return self._logits(streams[-1:] if last_only else streams)[None]
 
     def decode_batch(self, ids, caches):
         """One token for each of B sessions: ids int32 [B], `caches` B per-layer cache lists (one each,
@@ -1180,10 +1166,21 @@ class Model(nn.Module):
         rounding of the batched products aside). Sessions in their first window step one by one."""
         if len(caches) == 1 or not all(steady(layer) for c in caches for layer in c):
             return mx.concatenate([self(ids[b : b + 1][None], c, last_only=True)[0] for b, c in enumerate(caches)])
-        B, a = len(caches), self.args
-        streams = mx.broadcast_to(self.embed(ids).astype(mx.float32)[:, None, :], (B, a.hc_mult, a.hidden_size))
+        streams = self._streams(ids)
         for i, layer in enumerate(self.layers):
             streams = layer.decode_batch(streams, ids, [c[i] for c in caches], self.quant_sim)
+        return self._logits(streams)
+
+    def _streams(self, ids):
+        """Token ids [T] -> the residual streams [T, hc, H], float32 (the exact mode first switches off
+        TF32 for its float32 products: `ds4_mlx.precision`)."""
+        if not self.quant_sim and self.norm.weight.dtype == mx.float32:
+            exact_float32()
+        embedded = self.embed(ids).astype(mx.float32)
+        return mx.broadcast_to(embedded[:, None, :], (ids.shape[0], self.args.hc_mult, self.args.hidden_size))
+
+    def _logits(self, streams):
+        """Residual streams [T, hc, H] -> logits [T, vocab], float32."""
         x = self.norm(self.hc_head(streams).astype(self.norm.weight.dtype))
         return self.lm_head(x).astype(mx.float32)
 

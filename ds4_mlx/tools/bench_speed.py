@@ -118,7 +118,8 @@ def _timed_parts(times, detail=False):
     wrap(dv.HyperConnection, "pre", "hc_pre")
     wrap(dv.HyperConnection, "post", "hc_post", static=True)
     wrap(dv.Attention, "__call__", "attention")
-    wrap(dv.Attention, "decode", "attention")  # a decoded token's attention
+    wrap(dv.Attention, "decode_project", "attention")  # a decoded token's attention (its output projection
+    wrap(dv.Attention, "decode_attend", "attention")  # runs with the MoE's graph: counted as other)
     wrap(dv.MoE, "__call__", "moe")
     wrap(dv.HyperHead, "__call__", "head")
     if detail:  # inside attention (nested: these are part of its figure)
@@ -126,7 +127,7 @@ def _timed_parts(times, detail=False):
 
         wrap(dv.Attention, "_compress", "attn.compress")
         wrap(dv.Attention, "_decode_compress", "attn.compress")
-        wrap(dv.Attention, "_select", "attn.select")
+        wrap(dv.Attention, "_top_rows", "attn.select")
         wrap(TokenRing, "gather", "attn.ring_gather")
         wrap(dv, "ring_rows", "attn.ring_gather")
         wrap(dv, "attend", "attn.attend")
