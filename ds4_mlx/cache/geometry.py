@@ -9,9 +9,6 @@ Python ints or MLX int arrays alike (the prefill builds arrays of positions, a d
 
 import math
 
-RATIOS = (0, 4, 128)  # the only compression ratios V4 has; 4 is the overlapping kind with an indexer
-
-
 def overlaps(m):
     """Ratio-4 blocks pool the block before theirs too (V4's compressed sparse attention)."""
     return m == 4
