@@ -26,9 +26,9 @@ def unpack_floats(weights: dict, packed: dict) -> dict:
     scales go up to float32 first, so codes * scale + bias is computed, exactly, in float32."""
     out = dict(weights)
     for path, fmt in packed.items():
-        scales, biases = (out.pop(f"{path}.{part}").astype(mx.float32) for part in ("scales", "biases"))
-        out[path] = mx.dequantize(out[path], scales, biases, group_size=fmt["group_size"], bits=fmt["bits"],
-                                  mode=fmt["mode"], dtype=mx.float32)
+        scales, biases = (out.pop(f"{path}.{part}") for part in ("scales", "biases"))
+        out[path] = dsv4.dequantize_into(mx.float32, out[path], scales, biases, group_size=fmt["group_size"],
+                                         bits=fmt["bits"], mode=fmt["mode"])
     return out
 
 

@@ -440,13 +440,18 @@ def compiled(module, method):
     return cache[method]
 
 
-def dequantized(m, dtype):
-    """The weight of quantized layer `m` as `dtype` values, each rounded once: mx.dequantize computes in
-    the scales' dtype, so scales in another (float16 ones under float32 compute) are widened first."""
-    scales, biases = m.scales, m.get("biases")
+def dequantize_into(dtype, weight, scales, biases, *, group_size, bits, mode):
+    """`mx.dequantize` into `dtype` values, each rounded once: it computes in the scales' dtype, so float
+    scales of another dtype (float16 ones for float32 values) are widened to float32 first."""
     if mx.issubdtype(scales.dtype, mx.floating) and scales.dtype != dtype:
         scales, biases = scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32)
-    return mx.dequantize(m.weight, scales, biases, group_size=m.group_size, bits=m.bits, mode=m.mode, dtype=dtype)
+    return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=dtype)
+
+
+def dequantized(m, dtype):
+    """The weight of quantized layer `m` as `dtype` values (`dequantize_into`)."""
+    return dequantize_into(dtype, m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits,
+                           mode=m.mode)
 
 
 class Linear(nn.Linear):
@@ -527,9 +532,8 @@ class Embedding(nn.Embedding):
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     def __call__(self, x):
         biases = self.get("biases")
-        return mx.dequantize(self["weight"][x], self["scales"][x].astype(mx.float32),
-                             None if biases is None else biases[x].astype(mx.float32),
-                             group_size=self.group_size, bits=self.bits, mode=self.mode, dtype=mx.float32)
+        return dequantize_into(mx.float32, self["weight"][x], self["scales"][x], None if biases is None else biases[x],
+                               group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
 class SwitchLinear(nn.Module):
