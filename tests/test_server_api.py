@@ -41,7 +41,11 @@ def test_models_health_and_openapi(bg, oai):
     health = requests.get(bg.url + "/health").json()
     assert health["status"] == "ok" and len(health["slots"]) == 2
     spec = requests.get(bg.url + "/openapi.json").json()
-    assert {"/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/completions"} <= set(spec["paths"])
+    generating = ["/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/completions"]
+    assert set(generating) <= set(spec["paths"])
+    for path in generating:  # the tenant salt every API reads
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert "cache_salt" in body["properties"], path
 
 
 # ---------------------------------------------------------------- OpenAI chat and completions

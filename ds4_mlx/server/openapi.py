@@ -21,6 +21,8 @@ def _get(summary: str) -> dict:
 S, I, N, B, A, O = ({"type": t} for t in ("string", "integer", "number", "boolean", "array", "object"))
 SAMPLING = {"temperature": N, "top_p": N, "top_k": I, "min_p": N, "seed": I}
 THINKING = {"thinking": {"oneOf": [B, O]}, "reasoning_effort": S}
+# vLLM's field: requests reuse each other's sessions only under the same API key and the same salt
+SALT = {"cache_salt": {"type": "string", "minLength": 1}}
 
 
 def openapi_spec(info) -> dict:
@@ -42,25 +44,27 @@ def openapi_spec(info) -> dict:
                 "summary": "the live session slots (tokens held, bytes, idle seconds, the last request's figures) "
                            "and recent requests' figures: prompt tokens reused, replayed and computed, prefill "
                            "and decode tokens/s; counts only, never text",
+                "parameters": [{"name": "cache_salt", "in": "query", "required": False, "schema": SALT["cache_salt"],
+                                "description": "show the slots of this salt's namespace as the caller's"}],
                 "responses": {"200": {"description": "OK",
                                       "content": {"application/json": {"schema": SESSIONS_SCHEMA}}}}}},
             "/v1/chat/completions": _post("OpenAI chat completion", ["messages"], {
                 "model": S, "messages": A, "tools": A, "tool_choice": {"oneOf": [S, O]}, "stream": B,
                 "stream_options": O, "max_tokens": I, "max_completion_tokens": I, "stop": {"oneOf": [S, A]},
-                "logprobs": B, "top_logprobs": I, "response_format": O, **SAMPLING, **THINKING}),
+                "logprobs": B, "top_logprobs": I, "response_format": O, "logit_bias": O, **SAMPLING, **THINKING, **SALT}),
             "/v1/completions": _post("OpenAI completion of raw text (no chat template), a choice per prompt",
                                      ["prompt"], {
                 "model": S, "prompt": {"oneOf": [S, A]}, "echo": B, "logprobs": I, "stream": B, "stream_options": O,
-                "max_tokens": I, "stop": {"oneOf": [S, A]}, **SAMPLING}),
+                "max_tokens": I, "stop": {"oneOf": [S, A]}, "logit_bias": O, **SAMPLING, **SALT}),
             "/v1/messages": _post("Anthropic messages", ["messages", "max_tokens"], {
                 "model": S, "system": {"oneOf": [S, A]}, "messages": A, "tools": A, "tool_choice": O,
                 "stream": B, "max_tokens": I, "stop_sequences": A, "thinking": O, "output_config": O,
-                "temperature": N, "top_p": N, "top_k": I}),
+                "temperature": N, "top_p": N, "top_k": I, **SALT}),
             "/v1/messages/count_tokens": _post("Anthropic token count of a messages request", ["messages"], {
                 "model": S, "system": {"oneOf": [S, A]}, "messages": A, "tools": A}),
             "/v1/responses": _post("OpenAI Responses, stateless: replay the whole input", ["input"], {
                 "model": S, "input": {"oneOf": [S, A]}, "instructions": S, "tools": A,
                 "tool_choice": {"oneOf": [S, O]}, "stream": B, "max_output_tokens": I, "reasoning": O,
-                "text": O, "temperature": N, "top_p": N}),
+                "text": O, "temperature": N, "top_p": N, **SALT}),
         },
     }
