@@ -40,3 +40,8 @@ def test_bench_convert_says_what_its_size_means():
 def test_bench_parity_without_transformers_says_what_to_install():
     done = ds4_mlx("bench", "parity", prelude="sys.modules['torch'] = None")  # as if it were not installed
     assert done.returncode != 0 and "pip install 'ds4-mlx[test]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bench_parity_at_real_widths_needs_as_many_experts_as_a_token_takes():
+    done = ds4_mlx("bench", "parity", "--widths", "real", "--experts", "2")
+    assert done.returncode != 0 and "at least" in done.stderr and "Traceback" not in done.stderr

@@ -33,7 +33,11 @@ def parity_args(a):
     ratios = [int(r) for r in a.ratios.split(",")]
     if a.widths == "tiny":
         return real_geometry_args(num_hidden_layers=len(ratios), compress_ratios=ratios)
-    return ModelArgs(num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=1, n_routed_experts=a.experts)
+    args = ModelArgs(num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=1, n_routed_experts=a.experts)
+    if a.experts < args.num_experts_per_tok:
+        raise ValueError(f"--experts {a.experts}: each token takes {args.num_experts_per_tok} distinct experts at real "
+                         "widths, so at least that many")
+    return args
 
 
 def reference(a, folder: Path):
