@@ -7,9 +7,12 @@ own. Chunks are read with positioned reads, not through `GGUFReader`'s memmap: p
 mapping count in the process's RSS until the kernel reclaims them, plain reads do not.
 
 Output dtypes: F32, F16 and BF16 tensors keep their type. Every other tensor either keeps the GGUF's
-values exactly or becomes float32: Q8_0 keeps MLX 8-bit codes with float16 scales and biases (float32
-for a tensor whose scales float16 does not hold exactly), MXFP4 its E8M0 byte scales; quantized tensors
-the model keeps in float (router, HC and compressor projections...) are dequantized to float32.
+values exactly or becomes float32: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K keep MLX affine codes of
+their bits, group 32 (float16 scales and biases, float32 where float16 does not hold them exactly),
+MXFP4 its E8M0 byte scales; tensors of the other types (Q6_K, Q3_K, IQ4_XS, ...: sub-blocks of 16 or
+codebooks) and quantized tensors the model keeps in float (router, HC and compressor projections...) are
+dequantized to float32. Routed experts are the exception: native GGUF blocks where the runtime computes
+them, else requantized to MLX affine (a second rounding, said in `GGUFModel.notice`).
 """
 
 import hashlib
@@ -26,8 +29,18 @@ from ds4_mlx.convert import EXPERT_BITS, GROUP_SIZES
 from ds4_mlx.models import deepseek_v4 as dsv4, gguf_blocks
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
-EXACT_TYPES = {T.Q8_0, T.Q4_K, T.MXFP4}  # repacked into an MLX format that holds their values exactly
-REQUANT_TYPES = {T.Q2_K, T.IQ2_XXS}  # 16-element sub-blocks / codebooks: MLX cannot hold them as is
+# repacked into an MLX format that holds their values exactly (`repack`)
+_EXACT_FORMATS = {
+    **dict.fromkeys([T.Q8_0], {"group_size": 32, "bits": 8, "mode": "affine"}),
+    **dict.fromkeys([T.Q4_0, T.Q4_1, T.Q4_K], {"group_size": 32, "bits": 4, "mode": "affine"}),
+    **dict.fromkeys([T.Q5_0, T.Q5_1, T.Q5_K], {"group_size": 32, "bits": 5, "mode": "affine"}),
+    T.MXFP4: {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+}
+EXACT_TYPES = set(_EXACT_FORMATS)
+# the other types the `gguf` package dequantizes (16-element sub-blocks, codebooks): MLX cannot hold
+# them as they are, so routed experts are requantized to affine and other tensors become float32
+REQUANT_TYPES = {T.Q2_K, T.Q3_K, T.Q6_K, T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+                 T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0, T.NVFP4}
 # routed experts of these types keep their GGUF blocks as they are (`GGUFSwitchLinear`), unless the user
 # asks for affine experts (--expert-bits) or the machine has no native path
 NATIVE_TYPES = set(gguf_blocks.CODECS)
@@ -41,7 +54,9 @@ _FLOAT_PARAMS = re.compile(r"(\.ffn\.gate|\.indexer\.proj|\.compressor\.(kv|gate
 # rows are dequantized in float32 by `deepseek_v4.Embedding`); the other parameters the model keeps in
 # float are stored in that form too and dequantized to float32 on load (`loader.unpack_floats`), which
 # keeps a converted folder near its GGUF's size.
-EXACT_AFFINE = {T.Q8_0}
+EXACT_AFFINE = {t for t, fmt in _EXACT_FORMATS.items() if fmt["mode"] == "affine"}
+# scales d * sc (a float16 times a 6-bit integer) need up to 17 significant bits: float32 from the start
+_WIDE_SCALES = {T.Q4_K, T.Q5_K}
 
 CHUNK_ELEMENTS = 1 << 23  # ~32 MB of float32 per chunk: bounded memory, big enough for fast array ops
 
@@ -51,11 +66,13 @@ SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 
 def keeps_quantized(path: str, ndim: int, qtype) -> bool:
-    """Whether a quantized GGUF tensor at model path `path` stays quantized (Linear, expert and, in the
-    types `EXACT_AFFINE` names, embedding weights)."""
+    """Whether a quantized GGUF tensor at model path `path` stays quantized: Linear weights in a type
+    MLX holds exactly, the embedding in `EXACT_AFFINE`, routed experts in any type."""
     if path == "embed.weight":
         return qtype in EXACT_AFFINE
-    return path.endswith(".weight") and ndim in (2, 3) and not _FLOAT_PARAMS.search(path)
+    if _ROUTED_EXPERTS.search(path):
+        return ndim == 3
+    return qtype in EXACT_TYPES and path.endswith(".weight") and ndim in (2, 3) and not _FLOAT_PARAMS.search(path)
 
 
 class WidenScales(Exception):
@@ -76,8 +93,8 @@ class TensorPlan:
         self.quantized = self.type not in FLOAT_TYPES | {T.I32} and keeps_quantized(path, len(self.shape), self.type)
         # stored as codes: quantized in the model, or a float parameter held exactly until load
         self.packed = self.quantized or (self.type in EXACT_AFFINE and self.cols % 32 == 0)
-        # of scales and biases: "F32" when float16 does not hold them (Q4_K's d * sc needs up to 17 bits)
-        self.scale_dtype = "F32" if self.type == T.Q4_K else "F16"
+        # of scales and biases: "F32" when float16 does not hold them
+        self.scale_dtype = "F32" if self.type in _WIDE_SCALES else "F16"
         self.fmt = None  # {"group_size", "bits", "mode"}, or {"gguf_type"} for native blocks
         self.native = (native_experts and self.type in NATIVE_TYPES and len(self.shape) == 3
                        and bool(_ROUTED_EXPERTS.search(path)))
@@ -130,13 +147,6 @@ class TensorPlan:
         return max(1, CHUNK_ELEMENTS // self.cols)
 
 
-_EXACT_FORMATS = {
-    T.Q8_0: {"group_size": 32, "bits": 8, "mode": "affine"},
-    T.Q4_K: {"group_size": 32, "bits": 4, "mode": "affine"},
-    T.MXFP4: {"group_size": 32, "bits": 4, "mode": "mxfp4"},
-}
-
-
 def split_files(path):
     """The files of a model: one .gguf, all `NAME-0000i-of-0000N.gguf` shards given any of them or
     their folder. Raises ValueError naming what is missing."""
@@ -179,7 +189,7 @@ class GGUFModel:
     Q2_K / IQ2_XXS ones (and repacks Q4_K ones) to MLX affine; by default native where the machine has a
     native path (`gguf_blocks.native_available`), else affine, with `notice` saying what that costs.
     `expert_bits` / `group_size` choose the affine format (and imply "affine"); by default
-    `requant.DEFAULT_REQUANT`."""
+    `requant.affine_format`'s."""
 
     def __init__(self, path, *, expert_bits=None, group_size=None, experts=None):
         from ds4_mlx.convert.requant import affine_format
@@ -239,13 +249,24 @@ class GGUFModel:
         requantized = sorted({p.type.name for p in self.tensors
                               if p.quantized and not p.native and p.type in REQUANT_TYPES})
         self.needs_requant = bool(requantized)
-        self.notice = None
-        if requantized and auto_affine:
-            self.notice = (f"{' / '.join(requantized)} experts have no fast native path on this machine (it needs "
+        notices = []
+        here = [t for t in requantized if T[t] in NATIVE_TYPES]
+        if here and auto_affine:
+            notices.append(f"{' / '.join(here)} experts have no fast native path on this machine (it needs "
                            "mlx-kquant: pip install 'ds4-mlx[kquant]', macOS 26.2+ on Apple Silicon; or a CUDA GPU): "
                            "requantizing them to MLX affine 2-bit, which adds an error of about 0.3 of each expert's RMS "
                            "(a second rounding); `--experts native` keeps the file's blocks (exact, on a slow "
                            "reference path here)")
+        nowhere = [t for t in requantized if T[t] not in NATIVE_TYPES]
+        if nowhere:
+            notices.append(f"{' / '.join(nowhere)} experts have no native path in ds4-mlx: requantizing them to MLX "
+                           "affine (a second rounding; each tensor's error is logged)")
+        widened = [p for p in self.tensors if p.type in REQUANT_TYPES and not p.quantized]
+        if widened:
+            extra = sum(p.rows * p.cols * 4 - p.nbytes for p in widened) / 2**30
+            notices.append(f"{len(widened)} tensors in {' / '.join(sorted({p.type.name for p in widened}))} outside "
+                           f"the routed experts have no exact MLX layout: kept as float32 (+{extra:.2f} GiB)")
+        self.notice = "; ".join(notices) or None
 
     def fingerprint(self):
         """Names this model's files by size, modification time and a hash of each header (the bytes
@@ -390,12 +411,16 @@ def to_float(raw, qtype, cols):
 
 
 # ----------------------------------------------------------------------------------------------
-# exact repacking: Q8_0, Q4_K, MXFP4
+# exact repacking: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, MXFP4
 
 
-def _pack4(codes):
-    """uint8 4-bit codes [rows, n] -> uint32 [rows, n / 8], element 0 in the low bits (MLX order)."""
-    b = codes[:, 0::2] | (codes[:, 1::2] << 4)
+def _pack(codes, bits):
+    """uint8 codes [rows, n] -> uint32 [rows, n * bits / 32] in MLX's layout: a little-endian bit stream."""
+    if bits == 4:
+        b = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    else:
+        b = np.packbits(((codes[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(codes.shape[0], -1),
+                        axis=-1, bitorder="little")
     return np.ascontiguousarray(b).view(np.uint32)
 
 
@@ -404,30 +429,62 @@ def _f16(b):
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
 
 
+def _nibbles(qs):
+    """16 bytes a block [..., 16] -> its 32 4-bit codes: elements 0-15 in the low nibbles, 16-31 high."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _high_bits(qh):
+    """4 bytes a block [..., 4] -> the fifth bit of its 32 codes (bit j of the little-endian word), as 16 or 0."""
+    return (np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little") << 4).astype(np.uint8)
+
+
+def _k_scales(s):
+    """K-quants' 12 bytes of 6-bit scales and mins [..., 12] -> (sc, m) [..., 8] as float32."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), m.astype(np.float32)
+
+
 def repack(raw, qtype, cols):
-    """Rows of Q8_0 / Q4_K / MXFP4 as the arrays `mx.quantize` would give for the same values."""
-    rows = raw.shape[0]
+    """Rows of an `EXACT_TYPES` type as the arrays `mx.quantize` would give for the same values: codes,
+    and scales and biases with scale * code + bias = the value, as ggml computes it."""
+    rows, nb = raw.shape[0], cols // 32
     if qtype == T.Q8_0:  # 32 int8 codes, f16 d: w = d*q = d*(q+128) - 128*d
-        blocks = raw.reshape(rows, cols // 32, 34)
+        blocks = raw.reshape(rows, nb, 34)
         d = _f16(blocks[..., :2])
         codes = np.ascontiguousarray(blocks[..., 2:] ^ np.uint8(0x80))  # int8 + 128 as uint8
         return {"weight": codes.reshape(rows, cols).view(np.uint32), "scales": d, "biases": -128.0 * d}
-    if qtype == T.Q4_K:  # 8 sub-blocks of 32: w = d*sc_j*q - dmin*m_j, 6-bit sc/m packed in 12 bytes
-        nb = cols // 256
-        blocks = raw.reshape(rows, nb, 144)
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):  # f16 d [, f16 m] [, 4 bytes of fifth bits], 16 bytes of nibbles
+        with_min, five = qtype in (T.Q4_1, T.Q5_1), qtype in (T.Q5_0, T.Q5_1)
+        head = 4 if with_min else 2
+        blocks = raw.reshape(rows, nb, head + 4 * five + 16)
+        d = _f16(blocks[..., :2])
+        codes = _nibbles(blocks[..., -16:])
+        if five:
+            codes = codes | _high_bits(blocks[..., head:head + 4])
+        bits = 5 if five else 4
+        # w = d*q + m, or d*(q - 2^(bits-1)) = d*q - 2^(bits-1)*d
+        bias = _f16(blocks[..., 2:4]) if with_min else -float(2 ** (bits - 1)) * d
+        return {"weight": _pack(codes.reshape(rows, cols), bits), "scales": d, "biases": bias}
+    if qtype in (T.Q4_K, T.Q5_K):  # 8 sub-blocks of 32: w = d*sc_j*q - dmin*m_j, 6-bit sc/m packed in 12 bytes
+        five = qtype == T.Q5_K
+        nk = cols // 256
+        blocks = raw.reshape(rows, nk, 176 if five else 144)
         d, dmin = _f16(blocks[..., 0:2])[..., None], _f16(blocks[..., 2:4])[..., None]
-        s = blocks[..., 4:16].astype(np.uint8)
-        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-        m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-        qs = blocks[..., 16:].reshape(rows, nb, 4, 1, 32)
-        # each 32 bytes hold sub-block 2c in the low nibbles and 2c+1 in the high nibbles
-        codes = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(rows, cols)
-        return {"weight": _pack4(codes), "scales": (d * sc.astype(np.float32)).reshape(rows, nb * 8),
-                "biases": -(dmin * m.astype(np.float32)).reshape(rows, nb * 8)}
+        sc, m = _k_scales(blocks[..., 4:16])
+        # each 32 bytes hold sub-block 2c in the low nibbles and 2c+1 in the high nibbles; Q5_K's 32 bytes
+        # of fifth bits give sub-block j's from bit j of each byte
+        qs = blocks[..., 48 if five else 16:].reshape(rows, nk, 4, 1, 32)
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(rows, nk, 8, 32)
+        if five:
+            qh = blocks[..., 16:48]
+            codes = codes | (((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+        return {"weight": _pack(codes.reshape(rows, cols), 5 if five else 4),
+                "scales": (d * sc).reshape(rows, nk * 8), "biases": -(dmin * m).reshape(rows, nk * 8)}
     if qtype == T.MXFP4:  # E8M0 byte + 16 bytes: elements 0-15 in low nibbles, 16-31 in high
-        blocks = raw.reshape(rows, cols // 32, 17)
-        qs = blocks[..., 1:]
-        codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, cols)
+        blocks = raw.reshape(rows, nb, 17)
+        codes = _nibbles(blocks[..., 1:]).reshape(rows, cols)
         # ggml's doubled E2M1 table and half E8M0 cancel, so the scale byte is MLX's as is
-        return {"weight": _pack4(codes), "scales": np.ascontiguousarray(blocks[..., 0])}
+        return {"weight": _pack(codes, 4), "scales": np.ascontiguousarray(blocks[..., 0])}
     raise ValueError(f"no exact MLX layout for {qtype.name}")

@@ -1,30 +1,34 @@
-"""Q2_K / IQ2_XXS rows -> MLX affine arrays, computed in MLX (on the GPU when there is one).
+"""Rows of GGUF types MLX cannot hold as they are (Q2_K, IQ2_XXS, Q6_K, ...) -> MLX affine arrays,
+computed in MLX (on the GPU when there is one).
 
-Neither format fits an MLX layout as is (Q2_K has 16-wide sub-blocks, IQ2_XXS a lattice codebook), so
-rows are dequantized to float32, exactly as the `gguf` package does, then refitted to affine codes.
+These formats have 16-wide sub-blocks or codebooks, so rows are dequantized to float32, exactly as the
+`gguf` package does, then refitted to affine codes.
 """
 
 import numpy as np
 import mlx.core as mx
-from gguf import GGMLQuantizationType as T
+import gguf.quants
+from gguf import GGML_QUANT_SIZES
 
 from ds4_mlx.models import gguf_blocks
 
-# Affine format a requantized type gets unless the user asks for more: (bits, group size). Both stay
-# at or below the GGUF's own bits a weight (Q2_K 2.625, IQ2_XXS 2.0625 + fp16 scale and bias per group),
-# which is what keeps the published q2 file within 1.15x its size (`ds4-mlx bench convert`).
-DEFAULT_REQUANT = {T.Q2_K: (2, 64), T.IQ2_XXS: (2, 64)}
-
 
 def affine_format(qtype, expert_bits=None, group_size=None) -> tuple:
-    """(bits, group size) of the affine format `qtype` is requantized to: the user's choice, else the default."""
-    bits, group = DEFAULT_REQUANT[qtype]
-    return expert_bits or bits, group_size or group
+    """(bits, group size) of the affine format `qtype` is requantized to: the user's choice, else the
+    whole bits of the type's codes (at least 2), group 64 up to 3 bits and 32 above. That stays near the
+    GGUF's own bits a weight (Q2_K 2.625 and IQ2_XXS 2.0625 -> 2.5 with a float16 scale and bias a group
+    of 64), which keeps the published q2 file within 1.15x its size (`ds4-mlx bench convert`)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    bits = max(2, int(size * 8 / block))
+    return expert_bits or bits, group_size or (64 if bits <= 3 else 32)
 
 
 def dequantize(raw, qtype, cols):
-    """uint8 rows (numpy or mx) [rows, row bytes] -> float32 mx [rows, cols], the `gguf` package's values."""
-    return gguf_blocks.dequantize(raw, gguf_blocks.CODECS[qtype]).reshape(-1, cols)
+    """uint8 rows (numpy or mx) [rows, row bytes] -> float32 mx [rows, cols], the `gguf` package's values
+    (through MLX where `gguf_blocks` decodes the type, else the package's own numpy)."""
+    if qtype in gguf_blocks.CODECS:
+        return gguf_blocks.dequantize(raw, gguf_blocks.CODECS[qtype]).reshape(-1, cols)
+    return mx.array(gguf.quants.dequantize(np.asarray(raw), qtype).reshape(-1, cols))
 
 
 _ITERS = 4
