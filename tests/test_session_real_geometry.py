@@ -8,7 +8,7 @@ import pytest
 
 from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.cache.layers import TokenRing
-from ds4_mlx.session import Session
+from ds4_mlx.session import Session, step_together
 from ds4_mlx.tools.testing import real_geometry_args
 
 _models = {}
@@ -97,3 +97,24 @@ def test_a_checkpoint_missing_a_row_is_passed_over_for_an_older_one():
     logits = session.sync(b)
     assert session.last_sync == {"reused": 384, "replayed": 219, "computed": 5}
     assert float(mx.abs(logits - cold(model, b)).max()) <= 1e-4
+
+
+@pytest.mark.parametrize("n", [1024, 1152])
+def test_a_session_loaded_at_a_multiple_of_128_decodes(tmp_path, n):
+    """At a multiple of 128 the ratio-128 compressor needs none of its logged rows: the file holds none for
+    that ring, and the loaded ring must still have rows for the decode step to write into."""
+    model = real_geometry_model()
+    tokens = np.random.default_rng(3).integers(0, model.args.vocab_size, n).tolist()
+    session = Session(model)
+    session.sync(tokens)
+    session.save(tmp_path / "s.safetensors", history=300)
+    loaded = Session(model)
+    loaded.load(tmp_path / "s.safetensors")
+    assert float(mx.abs(loaded.step(5) - cold(model, tokens + [5])).max()) <= 1e-4
+    loaded.load(tmp_path / "s.safetensors")
+    other = Session(model)
+    other.sync(tokens[:300])
+    logits = step_together([loaded, other], mx.array([6, 7], dtype=mx.int32))
+    loaded.settle(), other.settle()
+    assert float(mx.abs(logits[0] - cold(model, tokens + [6])).max()) <= 1e-4
+    assert float(mx.abs(logits[1] - cold(model, tokens[:300] + [7])).max()) <= 1e-4

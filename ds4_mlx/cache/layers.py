@@ -48,10 +48,11 @@ class TokenRing:
         n = rows.shape[0]
         if n > self.capacity:
             raise ValueError(f"{n} rows for a ring of {self.capacity}: a chunk goes through `log`")
+        if self.rows is None:  # also for no rows: a decoded token writes into the array (a state loaded at a
+            # multiple of 128 holds no rows of the ratio-128 compressor)
+            self.rows = mx.zeros((self.capacity, self.width), self.dtype)
         if n == 0:
             return
-        if self.rows is None:
-            self.rows = mx.zeros((self.capacity, self.width), self.dtype)
         rows = rows.astype(self.dtype)
         slot = ring_slot(start, self.capacity)
         first = min(n, self.capacity - slot)
