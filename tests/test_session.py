@@ -276,6 +276,29 @@ def test_decode_steps_equal_cold_prefill(monkeypatch, quant_sim, compile_decode)
     assert_exact(session, logits)
 
 
+def test_an_error_while_a_step_is_traced_leaves_the_model_whole(monkeypatch):
+    """A decoded token that raises while its compiled graph is traced raises for that step alone: the
+    model's parameters stay arrays (MLX would leave them as tracers), and the next steps are exact."""
+    from ds4_mlx.models.deepseek_v4 import Attention
+
+    model = random_model(tiny_args(0), seed=0)  # fresh: nothing traced yet
+    tokens = [int(t) for t in np.random.default_rng(8).integers(0, model.args.vocab_size, 40)]
+    session = Session(model)
+    session.sync(tokens[:30])
+
+    def broken(*args):
+        raise RuntimeError("broken while traced")
+
+    with monkeypatch.context() as m:
+        m.setattr(Attention, "decode_attend", broken)
+        with pytest.raises(RuntimeError, match="broken while traced"):
+            session.step(tokens[30])
+    assert len(session.tokens) == 30
+    for t in tokens[30:]:
+        logits = session.step(t)
+    assert_exact(session, logits)
+
+
 class CountingModel:
     """The model, recording how many tokens each call runs."""
 

@@ -436,8 +436,34 @@ def compiled(module, method):
         cache.clear()
         cache["kernels"] = kernels.generation()
     if method not in cache:
-        cache[method] = mx.compile(getattr(module, method), inputs=module.state)
+        cache[method] = _traced_safely(getattr(module, method), module.state, lambda: cache.pop(method, None))
     return cache[method]
+
+
+def _traced_safely(fn, state, forget):
+    """`mx.compile(fn, inputs=state)` that raises what `fn` raises while it is traced. MLX puts the
+    module's parameters back after a trace only when it returns: one that raised would leave them as
+    tracers, breaking the model for the rest of the process. So the trace returns nothing then, the
+    error is raised again outside, and `forget` drops the empty trace."""
+    failed = []
+
+    def traced(*args):
+        try:
+            return fn(*args)
+        except BaseException as e:
+            failed.append(e)
+            return ()
+
+    run = mx.compile(traced, inputs=state)
+
+    def call(*args):
+        out = run(*args)
+        if failed:
+            forget()
+            raise failed.pop()
+        return out
+
+    return call
 
 
 def dequantize_into(dtype, weight, scales, biases, *, group_size, bits, mode):
