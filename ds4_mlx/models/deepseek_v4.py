@@ -719,7 +719,8 @@ def log_and_read(ring, p0, back, fresh):
     """Log a chunk's rows `fresh` (positions p0, p0 + 1, ...) in `ring` and return them after the `back`
     positions before p0 that the ring holds: the rows the chunk reads. A chunk reads its own rows from
     here, not from the ring, and the ring keeps only its last `capacity` of them, so the ring need not
-    grow with the chunk. Rows are rounded to the ring's dtype either way, so chunking cannot matter."""
+    grow with the chunk. Rows are rounded to the ring's dtype either way, so a row reads the same from
+    this chunk as from the ring."""
     fresh = fresh.astype(ring.dtype)
     rows = mx.concatenate([ring.gather(mx.arange(p0 - back, p0)), fresh]) if back else fresh  # read first
     ring.log(p0, fresh)
