@@ -119,7 +119,9 @@ def bench_parity(a):
                 command.append(a.device)
             out = subprocess.run(command, env=env, capture_output=True, text=True)
             if out.returncode:
-                raise RuntimeError(f"mode {mode} failed:\n{out.stderr[-3000:]}")
+                why = (f"killed by signal {-out.returncode}" + (" (out of memory?)" if out.returncode == -9 else "")
+                       if out.returncode < 0 else f"exit status {out.returncode}")
+                raise RuntimeError(f"mode {mode} failed ({why}):\n{out.stderr[-3000:]}")
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"{mode}: {results[-1]}", file=sys.stderr, flush=True)
     return {"widths": a.widths, "ratios": a.ratios, "hidden": args.hidden_size, "experts": args.n_routed_experts,
