@@ -94,13 +94,19 @@ def random_blocks(codec, shape, seed):
 
 
 @lru_cache(maxsize=None)
-def _iq2xxs_tables():
-    """IQ2_XXS's lattice [256, 8] and sign patterns [128, 8], from the `gguf` package."""
+def _iq2xxs_source():
+    """IQ2_XXS's lattice (numpy float32 [256, 8]) and its 128 sign bytes, from the `gguf` package."""
     gguf.quants.IQ2_XXS.init_grid()
-    grid = mx.array(gguf.quants.IQ2_XXS.grid.reshape(256, 8).astype(np.float32))
-    ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, np.uint8)
+    return (gguf.quants.IQ2_XXS.grid.reshape(256, 8).astype(np.float32),
+            np.frombuffer(gguf.quants.IQ2_XXS.ksigns, np.uint8))
+
+
+@lru_cache(maxsize=None)
+def _iq2xxs_tables():
+    """IQ2_XXS's lattice [256, 8] and sign patterns [128, 8] (+-1 a value)."""
+    lattice, ksigns = _iq2xxs_source()
     bits = (ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1
-    signs = mx.array(np.where(bits == 0, 1.0, -1.0).astype(np.float32))
+    grid, signs = mx.array(lattice), mx.array(np.where(bits == 0, 1.0, -1.0).astype(np.float32))
     mx.eval(grid, signs)
     return grid, signs
 
@@ -108,9 +114,8 @@ def _iq2xxs_tables():
 @lru_cache(maxsize=None)
 def iq2xxs_kernel_tables():
     """IQ2_XXS's lattice (float32 [256 * 8]) and its 128 sign bytes (uint8), as kernel inputs."""
-    gguf.quants.IQ2_XXS.init_grid()
-    grid = mx.array(gguf.quants.IQ2_XXS.grid.reshape(-1).astype(np.float32))
-    ksigns = mx.array(np.frombuffer(gguf.quants.IQ2_XXS.ksigns, np.uint8))
+    lattice, ksigns = _iq2xxs_source()
+    grid, ksigns = mx.array(lattice.reshape(-1)), mx.array(ksigns)
     mx.eval(grid, ksigns)
     return grid, ksigns
 
