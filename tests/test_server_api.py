@@ -121,6 +121,7 @@ def test_messages_thinking_and_usage(claude):
 def test_messages_stream_event_sequence(bg, claude):
     request = dict(model=MODEL, max_tokens=4, extra_body={"temperature": 0}, thinking={"type": "adaptive"},
                    messages=[{"role": "user", "content": "Hi there"}])
+    claude.messages.create(**request)  # so the stream below sends this prompt again, whatever ran before
     with claude.messages.stream(**request) as stream:
         final = stream.get_final_message()
     assert final.content[0].type == "thinking" and final.content[-1].type == "text"
