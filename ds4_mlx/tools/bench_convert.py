@@ -150,6 +150,9 @@ def bench_convert(size_gb=4.0, workdir=None) -> dict:
 # the published q2 / q4 files: converted size projected from real-width tensors, error, speed
 
 PUBLISHED = {"q2": ("IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K")}  # routed experts' (gate/up, down) types
+# V4 PRO's files, which only several machines hold (docs/distributed.md): its q2 (ds4's
+# DeepSeek-V4-Pro-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-Instruct-imatrix-0813.gguf) and its q4, split in two shards
+PUBLISHED.update({"pro_q2": PUBLISHED["q2"], "pro_q4": PUBLISHED["q4"]})
 RATIO_TARGETS = {"q2": 1.02, "q4": 1.02}  # converted size / GGUF size, native experts
 
 
@@ -160,9 +163,11 @@ def published_weights(variant):
     from ds4_mlx.models.deepseek_v4 import ModelArgs
     from ds4_mlx.demo import gguf_shapes
 
+    from ds4_mlx.models.variants import pro_args
+
     experts = tuple(T[n] for n in PUBLISHED[variant])
     counts = {}
-    for name, shape in gguf_shapes(ModelArgs()).items():
+    for name, shape in gguf_shapes(pro_args() if variant.startswith("pro") else ModelArgs()).items():
         t = tensor_type(name, shape, experts).name
         counts[t] = counts.get(t, 0) + int(np.prod(shape))
     return counts

@@ -180,6 +180,19 @@ def real_geometry_args(**overrides) -> ModelArgs:
     return ModelArgs(**d)
 
 
+def tiny_pro_args(**overrides) -> ModelArgs:
+    """V4 PRO's shape at tiny widths: its layer schedule (heavy compression from layer 0, no window-only
+    layer; the heavy ratio shrunk to 16), more heads in more output groups than `tiny_args`, half as many
+    experts again (384 against Flash's 256) and a larger indexer choice."""
+    from ds4_mlx.models.variants import pro_layer_ratios
+
+    n = overrides.pop("num_hidden_layers", 7)
+    d = dict(num_hidden_layers=n, compress_ratios=pro_layer_ratios(n, heavy=16), hidden_size=96,
+             num_attention_heads=8, o_groups=4, n_routed_experts=12, index_topk=10)
+    d.update(overrides)
+    return tiny_args(0, **d)
+
+
 def _hca_ratio(args: ModelArgs):
     ratios = {r for r in args.compress_ratios if r not in (0, 4)}
     if len(ratios) > 1:
