@@ -6,7 +6,7 @@ from ds4_mlx.chat import BOS, DEFAULT_SYSTEM, THINK_START, ContentDelta, OutputP
 from ds4_mlx.demo import DEMO_NOTE, load_for_cli
 from ds4_mlx.generate import (FINISH_LENGTH, RATE_MIN_TOKENS, GenerationStats, SamplingParams,
                               stream_generate)
-from ds4_mlx.session import Session
+from ds4_mlx.distributed import new_session
 
 
 def add_sampling_arguments(parser):
@@ -54,7 +54,7 @@ def run_generate(args):
     err = _Stderr()
     answered = False
     reasoning_tokens = 0
-    session = Session(model, rewind_slack=0)  # it never rewinds: no slack rows
+    session = new_session(model, rewind_slack=0)  # it never rewinds: no slack rows
     for chunk in stream_generate(session, tokenizer, tokenizer.encode(prompt_text),
                                  max_tokens=args.max_tokens, sampling=sampling_from_args(args)):
         events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])

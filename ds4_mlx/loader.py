@@ -10,15 +10,30 @@ import mlx.core as mx
 from ds4_mlx.models import deepseek_v4 as dsv4
 
 
-def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool, packed_floats=None):
+def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool, packed_floats=None, layers=None):
     """The model holding `weights`; `quantization` names its quantized modules' formats, `packed_floats`
-    the float parameters stored as exact codes (dequantized here, to float32)."""
+    the float parameters stored as exact codes (dequantized here, to float32). `layers`: a model holding
+    only that range of layers (`dsv4.Model`), from the weights, formats and packed floats it holds."""
+    if layers is not None:
+        weights, quantization, packed_floats = (held_part(d or {}, args, layers)
+                                                for d in (weights, quantization, packed_floats))
     weights = unpack_floats(weights, packed_floats or {})
-    model = dsv4.Model(args, quant_sim=quant_sim)
+    model = dsv4.Model(args, quant_sim=quant_sim, layers=layers)
     model.apply_quantization(quantization)
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
     return model
+
+
+def held_part(named: dict, args, layers: range) -> dict:
+    """The entries of `named` (by parameter or module name) that a model holding only `layers` holds, under
+    its names (`dsv4.held_name`)."""
+    out = {}
+    for name, value in named.items():
+        held = dsv4.held_name(name, layers, args.num_hidden_layers)
+        if held is not None:
+            out[held] = value
+    return out
 
 
 def unpack_floats(weights: dict, packed: dict) -> dict:
@@ -37,7 +52,7 @@ def cache_root() -> Path:
     return Path(home) if home else Path.home() / ".cache" / "ds4-mlx"
 
 
-def load(path, *, quant_sim=None, progress=True):
+def load(path, *, quant_sim=None, progress=True, layers=None):
     """Return (model, tokenizer). `quant_sim=None` simulates FP8/FP4 as the real model was trained
     (ds4 and the official inference do), False computes plain float math as transformers does.
     The tokenizer is None when the file carries none (tiny test models).
@@ -46,11 +61,14 @@ def load(path, *, quant_sim=None, progress=True):
     values, Q2_K / IQ2_XXS / Q4_K routed experts in their own blocks where the machine has a native path
     for them (`gguf_blocks.native_available`). Elsewhere Q2_K / IQ2_XXS experts need requantizing, which
     is done once into a folder under `$DS4_MLX_HOME/converted` (named by the files' size, modification
-    time and header hash) and reused."""
+    time and header hash) and reused.
+
+    `layers`: a model holding only that range of layers (a stage of a pipeline, `ds4_mlx.distributed`),
+    which reads only its own tensors."""
     path = Path(path)
     quant_sim = True if quant_sim is None else quant_sim
     if path.is_dir() and (path / "config.json").is_file():
-        return _load_folder(path, quant_sim)
+        return _load_folder(path, quant_sim, layers)
     if path.is_dir() and not any(path.glob("*.gguf")):
         raise ValueError(f"{path}: not a model folder (no config.json); give a .gguf file or a folder made by "
                          "`ds4-mlx convert`")
@@ -61,15 +79,17 @@ def load(path, *, quant_sim=None, progress=True):
 
     g = GGUFModel(path)
     if g.needs_requant:
-        return _load_folder(_converted_once(g, progress), quant_sim)
+        return _load_folder(_converted_once(g, progress), quant_sim, layers)
+    if layers is not None:  # read only the tensors this stage holds
+        g.tensors = [t for t in g.tensors if dsv4.held_name(t.path, layers, g.args.num_hidden_layers)]
     quantization, packed = {}, {}
     weights = dict(g.iter_weights(quantization, packed))
-    model = build_model(g.args, weights, quantization, quant_sim=quant_sim, packed_floats=packed)
+    model = build_model(g.args, weights, quantization, quant_sim=quant_sim, packed_floats=packed, layers=layers)
     model.weight_files = [(path.name, path.stat().st_size)]  # names and sizes identify saved sessions' model
     return model, Tokenizer.from_gguf(g.metadata)
 
 
-def _load_folder(path, quant_sim):
+def _load_folder(path, quant_sim, layers=None):
     from ds4_mlx.tokenizer import Tokenizer
 
     config = json.loads((path / "config.json").read_text())
@@ -77,10 +97,10 @@ def _load_folder(path, quant_sim):
     packed = config.pop("packed_floats", {})
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
+        weights.update(mx.load(str(f)))  # lazy: a stage of a pipeline reads only the arrays it keeps
     args = dsv4.ModelArgs.from_dict(config)
     tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-    model = build_model(args, weights, quantization, quant_sim=quant_sim, packed_floats=packed)
+    model = build_model(args, weights, quantization, quant_sim=quant_sim, packed_floats=packed, layers=layers)
     model.weight_files = [(f.name, f.stat().st_size) for f in sorted(path.glob("*.safetensors"))]
     return model, tok
 

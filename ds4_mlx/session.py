@@ -156,13 +156,13 @@ class Session:
             return []
         self.logits = None
         self.checkpoints = {p: cp for p, cp in self.checkpoints.items() if p <= target}
-        if all(c.can_trim(target) for c in self.cache):
+        if self._everywhere(all(c.can_trim(target) for c in self.cache)):
             for c in self.cache:
                 c.trim(target)
             del self.tokens[target:]
             return []
-        start = max((q for q, cp in self.checkpoints.items()
-                     if all(c.can_restore(layer) for c, layer in zip(self.cache, cp))), default=0)
+        start = max((q for q, cp in sorted(self.checkpoints.items())
+                     if self._everywhere(all(c.can_restore(layer) for c, layer in zip(self.cache, cp)))), default=0)
         replay = self.tokens[start:target]
         if start:
             for c, cp in zip(self.cache, self.checkpoints[start]):
@@ -228,10 +228,15 @@ class Session:
         if end % self.checkpoint_every == 0:
             taken.append((end, [c.checkpoint(end) for c in self.cache]))
         for q, layers in taken:
-            if None not in layers:  # else a ring lost a row the position needs: no checkpoint there
+            if self._everywhere(None not in layers):  # else a ring lost a row the position needs: none there
                 self.checkpoints[q] = layers
         if taken:
             self._thin(end)
+
+    def _everywhere(self, holds):
+        """Whether `holds` holds for every layer: here, where the session holds them all; across the ranks
+        of a pipeline (`ds4_mlx.distributed`), whose sessions must take the same branch."""
+        return holds
 
     def checkpoint_spacing(self, distance):
         """How far apart the full checkpoints are kept `distance` tokens behind the live position."""
@@ -242,7 +247,7 @@ class Session:
         geometric grid (a set that only ever thins: a kept one was on every earlier grid too)."""
         for q, cp in list(self.checkpoints.items()):
             if q % self.checkpoint_every:
-                if not all(c.can_restore(layer) for c, layer in zip(self.cache, cp)):
+                if not self._everywhere(all(c.can_restore(layer) for c, layer in zip(self.cache, cp))):
                     del self.checkpoints[q]
             elif q % self.checkpoint_spacing(end - q):
                 del self.checkpoints[q]

@@ -215,6 +215,17 @@ _LAYER_NAMES = {
 }
 
 
+def held_name(name: str, layers: range, n_layers: int) -> Optional[str]:
+    """The name of parameter `name` (`layers.{i}...`, or the embedding's and the head's) in a `Model` of
+    `n_layers` layers holding only `layers`, or None when it holds no such parameter."""
+    m = re.match(r"layers\.(\d+)\.", name)
+    if m:
+        i = int(m.group(1))
+        return f"layers.{i - layers.start}.{name[m.end():]}" if i in layers else None
+    first = name.split(".")[0] == "embed"
+    return name if (layers.start == 0 if first else layers.stop == n_layers) else None
+
+
 def mlx_name(gguf_name: str) -> Optional[str]:
     """The model parameter path for a GGUF tensor name (ds4 and llama.cpp spellings), or None if unknown.
 
@@ -1163,14 +1174,20 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, args: ModelArgs, quant_sim: bool = True):
+    def __init__(self, args: ModelArgs, quant_sim: bool = True, layers: Optional[range] = None):
+        """`layers`: hold only this contiguous range of the decoder layers (one stage of a pipeline over
+        several machines, `ds4_mlx.distributed`), as `layers.0` on; the embedding comes with the first
+        layer, the head with the last. By default, all of them."""
         super().__init__()
         self.args, self.quant_sim = args, quant_sim
-        self.embed = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.hc_head = HyperHead(args)
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size)
+        self.layer_range = range(args.num_hidden_layers) if layers is None else layers
+        if self.layer_range.start == 0:
+            self.embed = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in self.layer_range]
+        if self.layer_range.stop == args.num_hidden_layers:
+            self.hc_head = HyperHead(args)
+            self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size)
 
     def make_cache(self, *, history=0, frontier_history=None):
         """Per-layer caches; `history` extra positions kept so rewinds of that many tokens are free
@@ -1178,8 +1195,9 @@ class Model(nn.Module):
         are stored as float16."""
         from ds4_mlx.cache.layers import make_caches
 
+        held = self.layer_range
         return make_caches(self.args, history=history, frontier_history=frontier_history,
-                           row_dtype=mx.float16 if self.quant_sim else mx.float32)
+                           row_dtype=mx.float16 if self.quant_sim else mx.float32)[held.start : held.stop]
 
     def __call__(self, inputs, cache=None, *, last_only=False):
         """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""
@@ -1205,7 +1223,7 @@ class Model(nn.Module):
     def _streams(self, ids):
         """Token ids [T] -> the residual streams [T, hc, H], float32 (the exact mode first switches off
         TF32 for its float32 products: `ds4_mlx.precision`)."""
-        if not self.quant_sim and self.norm.weight.dtype == mx.float32:
+        if not self.quant_sim and self.layers[0].attn_norm.weight.dtype == mx.float32:
             exact_float32()
         embedded = self.embed(ids).astype(mx.float32)
         return mx.broadcast_to(embedded[:, None, :], (ids.shape[0], self.args.hc_mult, self.args.hidden_size))
@@ -1242,8 +1260,9 @@ class Model(nn.Module):
                 if prefix + "ape" in out:
                     ape = out[prefix + "ape"]
                     out[prefix + "ape"] = mx.concatenate([mx.zeros_like(ape), ape], axis=-1)
-        for i in range(a.num_hash_layers, a.num_hidden_layers):
-            out.setdefault(f"layers.{i}.ffn.bias", mx.zeros((a.n_routed_experts,)))
+        for held, i in enumerate(self.layer_range):
+            if i >= a.num_hash_layers:
+                out.setdefault(f"layers.{held}.ffn.bias", mx.zeros((a.n_routed_experts,)))
         for name in list(out):
             if name.endswith("tid2eid"):
                 out[name] = out[name].astype(mx.int32)

@@ -1,0 +1,541 @@
+"""One model over several machines: a pipeline of layer ranges on MLX's distributed layer (`mx.distributed`).
+
+Every process runs the same command, started by `mlx.launch` (docs/distributed.md). Rank r holds a
+contiguous range of the decoder layers, balanced by their bytes in the model file (`plan_layers`), with
+their caches; rank 0 also holds the embedding, the last rank the head. A forward passes the residual
+streams from rank to rank (`mx.distributed.send` / `recv`), and the last rank's logits go back to rank 0.
+
+Sessions run in lockstep: rank 0 runs the command (generate, chat, serve) and decides; each session
+operation it makes (new, sync, step, trim, reset, snapshot, restore, save, load, ...) is first broadcast to
+the other ranks as its name and arguments (`Leader`), and every rank runs the same `Session` code on its own
+layers' caches (`follow`). Where a session decides from its caches (can a rewind trim in place, is a
+checkpoint whole) the ranks agree first (`RankSession._everywhere`), so all take the same branch and a
+rewind is as exact as on one machine.
+
+A rank that fails or leaves: the ring backend raises on the others' next exchange with it, and an exchange
+that waits longer than `DS4_MLX_RANK_TIMEOUT` seconds stops the process; rank 0 reports it in one line and
+the others stop.
+"""
+
+import itertools
+import json
+import os
+import re
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import mlx.core as mx
+
+from ds4_mlx.cache.geometry import lane_every
+from ds4_mlx.session import Session, step_together
+
+RANK_TIMEOUT_S = 600.0  # longest wait for another rank: a prefill chunk of the largest model fits in it
+
+
+class RankLost(RuntimeError):
+    """Another rank of the pipeline failed, left, or did not answer in time."""
+
+
+def launched():
+    """Whether this process is one of several started by `mlx.launch` (or MPI)."""
+    return bool(os.environ.get("MLX_HOSTFILE") or os.environ.get("MLX_RANK") or os.environ.get("OMPI_COMM_WORLD_SIZE")) \
+        and mx.distributed.is_available()
+
+
+class Group:
+    """This process's place in the group, and the exchanges between ranks, each waited for at most
+    `timeout_s` seconds (then the process stops: a receive cannot be cancelled)."""
+
+    def __init__(self, group=None, timeout_s=None):
+        self.group = group if group is not None else mx.distributed.init(strict=True)
+        self.rank, self.size = self.group.rank(), self.group.size()
+        self.timeout_s = float(os.environ.get("DS4_MLX_RANK_TIMEOUT", RANK_TIMEOUT_S)) if timeout_s is None else timeout_s
+
+    def wait(self, arrays, what):
+        """Evaluate `arrays` (which send to or receive from other ranks)."""
+        def give_up():
+            print(f"ds4-mlx: rank {self.rank}: no answer from the other ranks for {self.timeout_s:g} s while {what}; "
+                  "stopping (DS4_MLX_RANK_TIMEOUT sets the wait)", file=sys.stderr, flush=True)
+            os._exit(3)
+
+        timer = threading.Timer(self.timeout_s, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            mx.eval(arrays)
+        except RuntimeError as e:
+            raise RankLost(f"rank {self.rank} lost another rank of the pipeline while {what} ({e})") from None
+        finally:
+            timer.cancel()
+        return arrays
+
+    def agree(self, holds):
+        """Whether `holds` is true on every rank."""
+        dissent = mx.distributed.all_sum(mx.array([0 if holds else 1], mx.int32), group=self.group)
+        return self.wait(dissent, "agreeing on a cache decision").item() == 0
+
+    def broadcast(self, message=None):
+        """Rank 0's `message` (JSON) on every rank; the others pass nothing and wait for it."""
+        data = json.dumps(message).encode() if self.rank == 0 else b""
+        size = mx.distributed.all_sum(mx.array([len(data)], mx.int32), group=self.group)
+        n = self.wait(size, "waiting for rank 0's next order").item()
+        payload = mx.array(list(data), mx.uint8) if self.rank == 0 else mx.zeros((n,), mx.uint8)
+        payload = self.wait(mx.distributed.all_sum(payload, group=self.group), "receiving rank 0's order")
+        return json.loads(bytes(memoryview(payload)).decode())
+
+    def send(self, x, to, what):
+        self.wait(mx.distributed.send(x, to, group=self.group), what)
+
+    def recv(self, shape, dtype, source, what):
+        return self.wait(mx.distributed.recv(shape, dtype, source, group=self.group), what)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Which rank holds which layers
+
+
+def tensor_bytes(path) -> dict:
+    """{parameter name: bytes} of a model file, a set of split shards or a converted folder, from the
+    headers alone (GGUF tensor table, safetensors header)."""
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        sizes = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            sizes.update({name: t["data_offsets"][1] - t["data_offsets"][0]
+                          for name, t in header.items() if name != "__metadata__"})
+        return sizes
+    from ds4_mlx.convert.gguf import GGUFModel
+
+    return {t.path: t.nbytes for t in GGUFModel(path).tensors}
+
+
+def plan_layers(sizes: dict, n_layers: int, ranks: int) -> list:
+    """Contiguous layer ranges, one a rank, with the largest rank's bytes as small as can be; rank 0 also
+    holds the embedding, the last rank the head (`sizes`: bytes by parameter name)."""
+    if ranks > n_layers:
+        raise ValueError(f"{ranks} ranks for {n_layers} layers: at most one rank a layer")
+    layer = [0] * n_layers
+    embed = head = 0
+    for name, nbytes in sizes.items():
+        m = re.match(r"layers\.(\d+)\.", name)
+        if m:
+            layer[int(m.group(1))] += nbytes
+        elif name.split(".")[0] == "embed":
+            embed += nbytes
+        else:
+            head += nbytes
+    before = list(itertools.accumulate(layer, initial=0))
+
+    def load(rank, a, b):
+        return before[b] - before[a] + (embed if rank == 0 else 0) + (head if rank == ranks - 1 else 0)
+
+    # best[r][b]: the smallest largest load of ranks 0..r holding layers [0, b); cut[r][b]: where rank r starts
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(ranks)]
+    cut = [[0] * (n_layers + 1) for _ in range(ranks)]
+    for b in range(1, n_layers + 1):
+        best[0][b] = load(0, 0, b)
+    for r in range(1, ranks):
+        for b in range(r + 1, n_layers + 1):
+            for a in range(r, b):
+                worst = max(best[r - 1][a], load(r, a, b))
+                if worst < best[r][b]:
+                    best[r][b], cut[r][b] = worst, a
+    ranges, b = [], n_layers
+    for r in range(ranks - 1, 0, -1):
+        a = cut[r][b]
+        ranges.append(range(a, b))
+        b = a
+    ranges.append(range(0, b))
+    return ranges[::-1]
+
+
+# -------------------------------------------------------------------------------------------------------
+# This rank's part of the model
+
+
+class Stage:
+    """This rank's layers with the pipeline's forward: what a `Session` calls on a model (`make_cache`,
+    `__call__`, `decode_batch`), passing streams on to the next rank. Rank 0 gets the logits (float32,
+    exactly the last rank's); the other ranks get a placeholder of one value a row."""
+
+    def __init__(self, model, group: Group, ranges):
+        self.model, self.group, self.ranges = model, group, ranges
+        self.args, self.quant_sim = model.args, model.quant_sim
+        self.layers = ranges[group.rank]
+        # what names a saved session's model (`cache.state.model_identity`): each rank saves its own layers
+        self.weight_files = getattr(model, "weight_files", None), [self.layers.start, self.layers.stop]
+        self.embed = getattr(model, "embed", None)
+        self.first, self.last = group.rank == 0, group.rank == group.size - 1
+
+    def make_cache(self, **options):
+        return self.model.make_cache(**options)
+
+    def __call__(self, inputs, cache=None, *, last_only=False):
+        """inputs int32 [1, T] -> logits [1, T or 1, vocab] on rank 0."""
+        ids = inputs.reshape(-1)
+        cache = self.make_cache() if cache is None else cache
+        streams = self._streams_in(ids, "a forward")
+        for layer, c in zip(self.model.layers, cache):
+            streams = layer(streams, ids, c, self.quant_sim)
+        return self._logits_out(streams, "a forward", 1 if last_only else ids.shape[0])[None]
+
+    def decode_batch(self, ids, caches):
+        """One token for each of B sessions (`Model.decode_batch`), one exchange between ranks for all."""
+        streams = self._streams_in(ids, "a batched decode")
+        layers = self.model.layers
+        if len(caches) > 1 and all(layer.pos >= layer.reach for c in caches for layer in c):
+            for i, layer in enumerate(layers):
+                streams = layer.decode_batch(streams, ids, [c[i] for c in caches], self.quant_sim)
+        else:  # one by one, as `Model.decode_batch` steps sessions in their first window
+            rows = []
+            for b, cache in enumerate(caches):
+                row = streams[b : b + 1]
+                for layer, c in zip(layers, cache):
+                    row = layer(row, ids[b : b + 1], c, self.quant_sim)
+                rows.append(row)
+            streams = mx.concatenate(rows)
+        return self._logits_out(streams, "a batched decode", ids.shape[0])
+
+    def _streams_in(self, ids, what):
+        if self.first:
+            return self.model._streams(ids)
+        if not self.model.quant_sim and self.model.layers[0].attn_norm.weight.dtype == mx.float32:
+            from ds4_mlx.precision import exact_float32
+
+            exact_float32()
+        shape = (ids.shape[0], self.args.hc_mult, self.args.hidden_size)
+        return self.group.recv(shape, mx.float32, self.group.rank - 1, f"receiving the streams of {what}")
+
+    def _logits_out(self, streams, what, rows):
+        """The last rank's logits of the last `rows` positions [rows, vocab] on rank 0; a placeholder
+        [rows, 1] elsewhere. The streams go on whole: the next ranks' caches need every position."""
+        g = self.group
+        if not self.last:
+            g.send(streams, g.rank + 1, f"passing on the streams of {what}")
+            if not self.first:
+                return mx.zeros((rows, 1))
+            return g.recv((rows, self.args.vocab_size), mx.float32, g.size - 1, f"receiving the logits of {what}")
+        logits = self.model._logits(streams[-rows:])
+        if self.first:
+            return logits
+        g.send(logits, 0, f"passing on the logits of {what}")
+        return mx.zeros((rows, 1))
+
+
+def load_stage(path, group: Group, *, quant_sim=None, progress=True):
+    """(Stage, tokenizer): this rank's layers of the model at `path` (the same file, shards or folder on
+    every machine; each reads only its own tensors), the ranges planned on rank 0. None when rank 0 has
+    no model to load (its command ended before)."""
+    from ds4_mlx.loader import load
+
+    ranges = None
+    if group.rank == 0:
+        sizes = tensor_bytes(path)
+        n_layers = 1 + max(int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, sizes) if m)
+        ranges = [[r.start, r.stop] for r in plan_layers(sizes, n_layers, group.size)]
+    ranges = group.broadcast(ranges)
+    if ranges is None:  # rank 0's command ended before it loaded a model
+        return None
+    ranges = [range(a, b) for a, b in ranges]
+    model, tokenizer = load(path, quant_sim=quant_sim, progress=progress and group.rank == 0,
+                            layers=ranges[group.rank])
+    if model.args.num_hidden_layers != ranges[-1].stop:
+        raise ValueError(f"{path}: {model.args.num_hidden_layers} layers here, rank 0's file has {ranges[-1].stop}")
+    return Stage(model, group, ranges), tokenizer
+
+
+# -------------------------------------------------------------------------------------------------------
+# Sessions in lockstep
+
+
+class RankSession(Session):
+    """A `Session` of one rank's layers: its cache decisions agreed with the other ranks, its lanes spaced
+    as the whole model's, its saved state in a file of its own (`part_path`)."""
+
+    def reset(self):
+        super().reset()
+        self.lane_every = lane_every(self.model.args.compress_ratios)
+
+    def _everywhere(self, holds):
+        return self.model.group.agree(holds)
+
+    def save(self, path, **options):
+        return super().save(part_path(path, self.model.group.rank), **options)
+
+    def load(self, path):
+        """Every rank loads its part, or none does (the error names the rank whose part did not fit)."""
+        from ds4_mlx.cache.state import StateFileError
+
+        before, error = self.snapshot(), None
+        try:
+            super().load(part_path(path, self.model.group.rank))
+        except (StateFileError, OSError) as e:
+            error = e
+        if not self._everywhere(error is None):
+            if error is None:
+                self.restore(before)
+            raise error if error is not None else StateFileError("another rank's part of the saved session does not "
+                                                                 "fit (its own error is on its console)")
+        # the lanes every rank could restore (each file keeps those its own layers still can)
+        kept = [q for q in sorted(self.checkpoints) if self._everywhere(True)]
+        self.checkpoints = {q: self.checkpoints[q] for q in kept}
+
+
+def part_path(path, rank):
+    """Where rank `rank` keeps its part of a saved session: rank 0 at `path`, the others beside it."""
+    return Path(path) if rank == 0 else Path(f"{path}.rank{rank}")
+
+
+class Leader:
+    """Rank 0's side: sessions whose every operation is ordered on all ranks first."""
+
+    def __init__(self, group: Group, stage=None):
+        self.group, self.stage = group, stage
+        self.ids = itertools.count()
+        self.forgotten = []  # snapshots rank 0 no longer holds: the others drop theirs with the next order
+
+    def order(self, *message):
+        forgotten, self.forgotten = self.forgotten, []
+        self.group.broadcast([forgotten, *message])
+
+    def session(self, **options):
+        return LockstepSession(self, **options)
+
+    def finish(self):
+        """Tell the other ranks that the command is done."""
+        self.order("exit")
+
+
+class LockstepSession:
+    """A `Session` on rank 0 whose operations every rank runs on its own layers (`follow`). Reads
+    (tokens, logits, last_sync, nbytes of rank 0's part) are the local session's."""
+
+    _SETTINGS = ("max_chunk", "rewind_slack", "checkpoint_every", "frontier_horizon", "recent_checkpoints")
+
+    def __init__(self, leader: Leader, **options):
+        object.__setattr__(self, "_leader", leader)
+        object.__setattr__(self, "_id", next(leader.ids))
+        leader.order("new", self._id, options)
+        object.__setattr__(self, "_local", RankSession(leader.stage, **options))
+
+    def __getattr__(self, name):
+        return getattr(self._local, name)
+
+    def __setattr__(self, name, value):
+        if name in self._SETTINGS:
+            self._leader.order("set", self._id, name, value)
+        setattr(self._local, name, value)
+
+    def _order(self, method, *args):
+        self._leader.order("call", self._id, method, *args)
+        return getattr(self._local, method)(*args)
+
+    def sync(self, prompt_ids, *, on_chunk=None):
+        from ds4_mlx.session import SyncInterrupted
+
+        for done, total in self.sync_steps(prompt_ids):
+            if on_chunk is not None and on_chunk(done, total) and done < total:
+                raise SyncInterrupted(f"stopped after {done} of {total} prompt tokens")
+        return self.logits
+
+    def sync_steps(self, prompt_ids):
+        """`Session.sync_steps`, one chunk at a time on every rank: each rank steps its own generator when
+        rank 0 asks for the next chunk, and drops it when rank 0 stops."""
+        prompt = [int(t) for t in prompt_ids]
+        self._leader.order("sync", self._id, prompt)
+        steps = self._local.sync_steps(prompt)
+        try:
+            while True:
+                self._leader.order("next", self._id)
+                try:
+                    done = next(steps)
+                except StopIteration:
+                    return
+                yield done
+        finally:
+            self._leader.order("stop", self._id)
+
+    def step(self, token_id):
+        return self._order("step", int(token_id))
+
+    def step_async(self, token):
+        """`Session.step_async`: the token is read here (the other ranks need its id)."""
+        self.step(int(token.reshape(-1)[0].item()))
+        return self._local.logits
+
+    def settle(self):
+        return self._local.settle()
+
+    def trim(self, n):
+        return self._order("trim", int(n))
+
+    def reset(self):
+        return self._order("reset")
+
+    def save(self, path, **options):
+        self._leader.order("call", self._id, "save", str(path), options)
+        return self._local.save(path, **options)
+
+    def load(self, path):
+        return self._order("load", str(path))
+
+    def snapshot(self):
+        snap_id = next(self._leader.ids)
+        self._leader.order("snapshot", self._id, snap_id)
+        return _Snapshot(self._leader, snap_id, self._local.snapshot())
+
+    def restore(self, snapshot):
+        self._leader.order("restore", self._id, snapshot.id)
+        self._local.restore(snapshot.state)
+
+    def close(self):
+        """Drop this session on every rank."""
+        self._leader.order("close", self._id)
+
+
+class _Snapshot:
+    """A snapshot held on every rank: rank 0's state, and the id the other ranks keep theirs under until
+    this handle is dropped."""
+
+    def __init__(self, leader, snap_id, state):
+        self.id, self.state = snap_id, state
+        weakref.finalize(self, leader.forgotten.append, snap_id)
+
+
+def steps_together(sessions, tokens):
+    """`session.step_together` for lockstep sessions: every rank steps its own together."""
+    leader = sessions[0]._leader
+    ids = [int(t) for t in tokens.tolist()]
+    leader.order("together", [s._id for s in sessions], ids)
+    return step_together([s._local for s in sessions], mx.array(ids, mx.int32))
+
+
+def follow(stage: Stage):
+    """The other ranks' side: run rank 0's orders on this rank's sessions until it says exit. An error in
+    an order is rank 0's too (the same code on the same arguments), which reports it; this rank goes on."""
+    sessions, snapshots, steps = {}, {}, {}
+    group = stage.group
+    while True:
+        forgotten, kind, *rest = group.broadcast()
+        for snap_id in forgotten:
+            snapshots.pop(snap_id, None)
+        try:
+            if kind == "exit":
+                return
+            if kind == "new":
+                sid, options = rest
+                sessions[sid] = RankSession(stage, **options)
+            elif kind == "set":
+                sid, name, value = rest
+                setattr(sessions[sid], name, value)
+            elif kind == "call":
+                sid, method, *args = rest
+                if method == "save":
+                    sessions[sid].save(args[0], **args[1])
+                else:
+                    getattr(sessions[sid], method)(*args)
+            elif kind == "sync":
+                sid, prompt = rest
+                steps[sid] = sessions[sid].sync_steps(prompt)
+            elif kind == "next":
+                next(steps[rest[0]], None)
+            elif kind == "stop":
+                steps.pop(rest[0], None)
+            elif kind == "snapshot":
+                sid, snap_id = rest
+                snapshots[snap_id] = sessions[sid].snapshot()
+            elif kind == "restore":
+                sid, snap_id = rest
+                sessions[sid].restore(snapshots[snap_id])
+            elif kind == "together":
+                sids, ids = rest
+                step_together([sessions[s] for s in sids], mx.array(ids, mx.int32))
+                for s in sids:
+                    sessions[s].settle()
+            elif kind == "close":
+                sessions.pop(rest[0], None)
+            else:
+                raise ValueError(f"unknown order {kind!r}")
+        except RankLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - rank 0 meets the same error and reports it
+            print(f"ds4-mlx: rank {group.rank}: {kind}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
+# -------------------------------------------------------------------------------------------------------
+# The command on every rank
+
+# rank 0's group and leader while a launched command runs (`run`); None on one machine
+_group = None
+_leader = None
+# how long rank 0 stays after its command: mlx.launch stops reading a process's output when it exits
+LINGER_S = 0.5
+
+
+def new_session(model, **options):
+    """A session of `model`: in lockstep on every rank when the command runs on several (rank 0's model is
+    then a `Stage`), else a plain `Session`."""
+    if isinstance(model, Stage):
+        return _leader.session(**options)
+    return Session(model, **options)
+
+
+def load_for_command(path):
+    """(Stage, tokenizer) on rank 0 when the command runs on several ranks, else None (load as usual). The
+    other ranks load their layers here and follow rank 0 until it is done, then their process ends: the
+    command goes on only on rank 0."""
+    global _leader
+    if _group is None:
+        return None
+    if _group.rank == 0:
+        _leader = Leader(_group)
+    loaded = load_stage(path, _group, progress=_group.rank == 0)
+    if _group.rank == 0:
+        _leader.stage = loaded[0]
+        return loaded
+    status = 0
+    try:
+        if loaded is not None:
+            follow(loaded[0])
+    except RankLost as e:
+        print(f"ds4-mlx: {e}; stopping", file=sys.stderr, flush=True)
+        status = 1
+    sys.stderr.flush()
+    os._exit(status)  # from whichever thread loads the model
+
+
+def run(args, command):
+    """Run the parsed CLI command on every rank of the launched group (each process runs it, up to its
+    model's load, `load_for_command`): rank 0 runs it with sessions in lockstep and prints; the others
+    follow it, printing nothing but errors."""
+    global _group, _leader
+    group = Group()
+    if group.size == 1:
+        return command(args)
+    _group, lost = group, False
+    if group.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 alone speaks
+    try:
+        return command(args)
+    except RankLost:
+        lost = True
+        raise
+    finally:
+        if not lost:
+            try:
+                if _leader is None:
+                    group.broadcast(None)  # the command ended before loading a model: tell the others so
+                elif group.rank == 0:
+                    _leader.finish()
+            except RankLost:
+                pass  # they are gone already
+        _group = _leader = None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(LINGER_S)
