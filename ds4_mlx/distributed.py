@@ -32,6 +32,7 @@ import mlx.core as mx
 from ds4_mlx.cache.geometry import lane_every
 from ds4_mlx.session import Session, step_together
 
+BROADCAST_BYTES = 512  # an order up to this long goes to the other ranks in one exchange
 RANK_TIMEOUT_S = 600.0  # longest wait for another rank: a prefill chunk of the largest model fits in it
 
 
@@ -78,13 +79,20 @@ class Group:
         return self.wait(dissent, "agreeing on a cache decision").item() == 0
 
     def broadcast(self, message=None):
-        """Rank 0's `message` (JSON) on every rank; the others pass nothing and wait for it."""
+        """Rank 0's `message` (JSON) on every rank; the others pass nothing and wait for it. One exchange
+        for a short message (its length and itself in `BROADCAST_BYTES`), a second for the rest."""
         data = json.dumps(message).encode() if self.rank == 0 else b""
-        size = mx.distributed.all_sum(mx.array([len(data)], mx.int32), group=self.group)
-        n = self.wait(size, "waiting for rank 0's next order").item()
-        payload = mx.array(list(data), mx.uint8) if self.rank == 0 else mx.zeros((n,), mx.uint8)
-        payload = self.wait(mx.distributed.all_sum(payload, group=self.group), "receiving rank 0's order")
-        return json.loads(bytes(memoryview(payload)).decode())
+        head = (len(data).to_bytes(4, "little") + data)[:BROADCAST_BYTES].ljust(BROADCAST_BYTES, b"\0")
+        head = self._sum_bytes(head, BROADCAST_BYTES, "waiting for rank 0's next order")
+        n, got = int.from_bytes(head[:4], "little"), head[4:]
+        if n > len(got):
+            got += self._sum_bytes(data[len(got) :], n - len(got), "receiving rank 0's order")
+        return json.loads(got[:n].decode())
+
+    def _sum_bytes(self, data, n, what):
+        """Rank 0's `n` bytes `data` on every rank (the sum of them and the others' zeros)."""
+        a = mx.array(list(data), mx.uint8) if self.rank == 0 else mx.zeros((n,), mx.uint8)
+        return bytes(memoryview(self.wait(mx.distributed.all_sum(a, group=self.group), what)))
 
     def send(self, x, to, what):
         self.wait(mx.distributed.send(x, to, group=self.group), what)
@@ -515,8 +523,8 @@ def run(args, command):
     model's load, `load_for_command`): rank 0 runs it with sessions in lockstep and prints; the others
     follow it, printing nothing but errors."""
     global _group, _leader
-    group = Group()
-    if group.size == 1:
+    group = Group() if launched() else None
+    if group is None or group.size == 1:
         return command(args)
     _group, lost = group, False
     if group.rank != 0:

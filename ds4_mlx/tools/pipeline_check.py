@@ -1,0 +1,125 @@
+"""One session's script, run in one process or under `mlx.launch` on several (`ds4_mlx.distributed`): the
+logits at each point, to compare the two (tests/test_distributed.py, `bench distributed`).
+
+    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --slow]
+
+Rank 0 writes OUT/logits.npz; every rank writes OUT/rank{r}.pid first.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# small rings and close checkpoints: the script's rewinds take every path (trim in place, a lane, a
+# checkpoint, from empty) on a tiny model
+SESSION_OPTIONS = dict(rewind_slack=12, checkpoint_every=32, max_chunk=24, frontier_horizon=4, recent_checkpoints=2)
+
+
+def prompt_ids(vocab, n=120, seed=3):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
+
+
+def script(session, ids) -> dict:
+    """Logits [vocab] by name, after each operation: a chunked prefill, decoded tokens, rewinds of every
+    depth, a resend, a snapshot restored; and `NAME.replayed`, the tokens each sync replayed."""
+    import mlx.core as mx
+
+    n = len(ids)
+    replayed = {}
+
+    def sync(name, prompt):
+        out[name] = session.sync(prompt)
+        replayed[name] = session.last_sync["replayed"]
+
+    out = {}
+    sync("prefill", ids[: n - 20])
+    for i, t in enumerate(ids[n - 20 : n - 10]):
+        out[f"step{i}"] = session.step(t)
+    sync("rewind_in_place", ids[: n - 12])
+    sync("rewind_to_a_lane", ids[: n - 19])
+    sync("rewind_to_a_checkpoint", ids[:70])
+    sync("rewind_to_the_start", ids[:5])
+    sync("resend", ids[: n - 10])
+    sync("same_again", ids[: n - 10])
+    snapshot = session.snapshot()
+    session.step(ids[0])
+    session.restore(snapshot)
+    out["restored"] = session.step(ids[n - 10])
+    session.trim(n - 12)
+    out["trimmed_then_stepped"] = session.step(ids[n - 12])
+    logits = {k: np.array(v.astype(mx.float32)) for k, v in out.items()}
+    return {**logits, **{f"{k}.replayed": np.array(v) for k, v in replayed.items()}}
+
+
+def saved_then_stepped(session, ids, path) -> dict:
+    """Save after the prompt; the logits of the next step."""
+    import mlx.core as mx
+
+    session.sync(ids[:-1])
+    session.save(path)
+    return {"after_save": np.array(session.step(ids[-1]).astype(mx.float32))}
+
+
+def loaded_then_stepped(session, ids, path) -> dict:
+    import mlx.core as mx
+
+    session.load(path)
+    return {"after_load": np.array(session.step(ids[-1]).astype(mx.float32)), "tokens": np.array(session.tokens)}
+
+
+def slow(session, ids, out):
+    """Decode for a long while (a rank killed meanwhile must stop rank 0 with an error)."""
+    session.sync(ids[:10])
+    (out / "started").write_text("1")
+    for _ in range(100000):
+        session.step(ids[0])
+
+
+def command(a):
+    from ds4_mlx.distributed import load_for_command, new_session
+    from ds4_mlx.loader import load
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("MLX_RANK", 0))
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    model, _ = load_for_command(a.model) or load(a.model)
+    session = new_session(model, **SESSION_OPTIONS)
+    ids = prompt_ids(model.args.vocab_size)
+    if a.slow:
+        slow(session, ids, out)
+    elif a.save:
+        logits = saved_then_stepped(session, ids, a.save)
+    elif a.load:
+        logits = loaded_then_stepped(session, ids, a.load)
+    else:
+        logits = script(session, ids)
+    np.savez(out / "logits.npz", **logits)
+    return 0
+
+
+def main(argv=None):
+    import mlx.core as mx
+
+    from ds4_mlx import distributed
+
+    mx.set_default_device(mx.cpu)
+    p = argparse.ArgumentParser(prog="python -m ds4_mlx.tools.pipeline_check")
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--save")
+    p.add_argument("--load")
+    p.add_argument("--slow", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        return distributed.run(a, command)
+    except Exception as e:  # noqa: BLE001 - one line, as the CLI says it
+        print(f"pipeline_check: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

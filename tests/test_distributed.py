@@ -1,0 +1,218 @@
+"""One model over several processes (`ds4_mlx.distributed`): 2 and 3 ranks started by `mlx.launch` on this
+machine (the ring backend over loopback TCP) give the logits one process gives, through prefills, decoded
+tokens, rewinds of every depth, resends, snapshots, a save and a load after a restart; `generate` prints
+the same text; a rank killed mid-request stops rank 0 with a clear error."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4_mlx.distributed import plan_layers
+from ds4_mlx.loader import load
+from ds4_mlx.models.deepseek_v4 import held_name
+from ds4_mlx.session import Session
+from ds4_mlx.tools import pipeline_check as check
+from ds4_mlx.tools.testing import gguf_metadata, tiny_args, tiny_pro_args, write_gguf
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+TOLERANCE = 1e-5
+pytestmark = pytest.mark.skipif(not LAUNCH.exists() or not mx.distributed.is_available(),
+                                reason="needs mlx.launch and MLX's distributed layer")
+
+
+def free_port(span):
+    """A port with the `span` after it free too (mlx.launch takes one a rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span < 65536 and all(_free(port + i) for i in range(1, span)):
+            return port
+    raise RuntimeError("no free ports")
+
+
+def _free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def launch_command(ranks, *command):
+    return [str(LAUNCH), "-n", str(ranks), "--hosts", "127.0.0.1", "--backend", "ring",
+            "--starting-port", str(free_port(ranks)), "--env", f"PYTHONPATH={REPO}",
+            "--env", f"DS4_MLX_HOME={os.environ.get('DS4_MLX_HOME', '')}", "--", sys.executable, *command]
+
+
+def launch(ranks, *command, timeout=120):
+    done = subprocess.run(launch_command(ranks, *command), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def launched_script(ranks, model, out, *flags):
+    out.mkdir(parents=True, exist_ok=True)
+    launch(ranks, "-m", "ds4_mlx.tools.pipeline_check", str(model), str(out), *flags)
+    return dict(np.load(out / "logits.npz"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, demo):
+    """{name: path}: the tiny config, the PRO-shaped one (random weights, as GGUF files) and the demo model."""
+    from ds4_mlx.demo import demo_model_path, random_gguf_tensors
+
+    folder = tmp_path_factory.mktemp("pipeline")
+    paths = {"demo": demo_model_path()}
+    for name, args in (("tiny", tiny_args()), ("pro", tiny_pro_args())):
+        paths[name] = write_gguf(folder / f"{name}.gguf", gguf_metadata(args), random_gguf_tensors(args))
+    return paths
+
+
+def one_process(path, run=check.script, *extra):
+    model, _ = load(path)
+    session = Session(model, **check.SESSION_OPTIONS)
+    return run(session, check.prompt_ids(model.args.vocab_size), *extra)
+
+
+def assert_same(got, expected):
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        diff = np.abs(got[name].astype(np.float64) - want).max()
+        assert diff <= TOLERANCE, f"{name}: max |diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("model,ranks", [("tiny", 2), ("pro", 3)])  # the demo model: through generate
+def test_logits_equal_one_process(models, tmp_path, model, ranks):
+    expected = one_process(models[model])
+    # the script's rewinds take every path: in place, a lane, a checkpoint, from the start
+    assert expected["rewind_in_place.replayed"] == 0
+    assert 0 < expected["rewind_to_a_lane.replayed"] < 16 and 0 < expected["rewind_to_a_checkpoint.replayed"] < 16
+    assert expected["rewind_to_the_start.replayed"] == 4 and expected["same_again.replayed"] == 0
+    assert_same(launched_script(ranks, models[model], tmp_path), expected)
+
+
+@pytest.fixture(scope="module")
+def saved(models, tmp_path_factory):
+    """A session of the tiny model saved by 2 ranks (its path), and the logits of the step after."""
+    folder = tmp_path_factory.mktemp("saved")
+    path = folder / "s.safetensors"
+    return path, launched_script(2, models["tiny"], folder / "out", "--save", str(path))
+
+
+def test_save_and_load_across_a_restart(models, saved, tmp_path):
+    path, after_save = saved
+    alone = tmp_path / "s.safetensors"
+    assert_same(after_save, one_process(models["tiny"], check.saved_then_stepped, alone))
+    assert path.exists() and Path(f"{path}.rank1").exists()  # each rank saves its own layers
+    expected = one_process(models["tiny"], check.loaded_then_stepped, alone)
+    assert_same(launched_script(2, models["tiny"], tmp_path / "load", "--load", str(path)), expected)
+
+
+def test_a_part_that_does_not_fit_is_refused_on_every_rank(models, saved, tmp_path):
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(saved[0].read_bytes())
+    Path(f"{path}.rank1").write_bytes(b"not a session")
+    done = subprocess.run(launch_command(2, "-m", "ds4_mlx.tools.pipeline_check", str(models["tiny"]),
+                                         str(tmp_path / "x"), "--load", str(path)),
+                          capture_output=True, text=True, timeout=120)
+    # (mlx.launch exits 0 whatever its ranks do: what they say is the test)
+    assert "another rank's part" in done.stderr and "exited with code 1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_generate_prints_what_one_process_prints(demo, capsys):
+    from ds4_mlx import cli
+
+    command = ["generate", "-p", "Hello there", "-n", "12", "--nothink", "--temp", "0"]
+    assert cli.main(command) == 0
+    alone = capsys.readouterr().out
+    assert alone.strip()
+    assert launch(2, "-m", "ds4_mlx.cli", *command).stdout == alone  # rank 0 prints; rank 1 says nothing
+
+
+def start_ranks(ranks, folder, *command):
+    """The processes mlx.launch would start (the ring's host file, MLX_RANK), each with its own pipes: under
+    mlx.launch a rank's exit makes it stop the others at once, and drop what they print after that."""
+    port = free_port(ranks)
+    hostfile = folder / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(ranks)]))
+    return [subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "MLX_HOSTFILE": str(hostfile),
+                                  "MLX_RANK": str(r)})
+            for r in range(ranks)]
+
+
+def test_a_rank_killed_mid_request_stops_rank_0_with_an_error(models, tmp_path):
+    ranks = start_ranks(2, tmp_path, "-m", "ds4_mlx.tools.pipeline_check", str(models["tiny"]), str(tmp_path),
+                        "--slow")
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists() and ranks[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "started").exists(), ranks[0].communicate(timeout=10)
+        ranks[1].kill()  # mid-request: rank 0 is decoding
+        out, err = ranks[0].communicate(timeout=30)  # no hang
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert ranks[0].returncode == 1
+    assert "lost another rank of the pipeline" in err and "Traceback" not in err
+
+
+# Without launching -------------------------------------------------------------------------------------
+
+
+def test_layer_plan_is_contiguous_and_balanced_by_bytes():
+    sizes = {f"layers.{i}.w": b for i, b in enumerate([5, 1, 1, 1, 9, 2, 2, 3])}
+    sizes.update({"embed.weight": 4, "lm_head.weight": 6})
+    for ranks in (1, 2, 3, 4):
+        ranges = plan_layers(sizes, 8, ranks)
+        assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]] and ranges[-1].stop == 8
+        loads = [sum(sizes[f"layers.{i}.w"] for i in r) for r in ranges]
+        loads[0] += 4
+        loads[-1] += 6
+        # no other contiguous split has a smaller largest load (all of them, enumerated)
+        from itertools import combinations
+
+        best = min(max(sum(sizes[f"layers.{i}.w"] for i in range(a, b)) + (4 if a == 0 else 0) + (6 if b == 8 else 0)
+                       for a, b in zip((0,) + cuts, cuts + (8,)))
+                   for cuts in combinations(range(1, 8), ranks - 1))
+        assert max(loads) == best
+    with pytest.raises(ValueError, match="at most one rank a layer"):
+        plan_layers(sizes, 8, 9)
+
+
+def test_held_names():
+    assert held_name("layers.5.attn.q_a.weight", range(4, 8), 8) == "layers.1.attn.q_a.weight"
+    assert held_name("layers.3.attn.q_a.weight", range(4, 8), 8) is None
+    assert held_name("embed.weight", range(0, 4), 8) == "embed.weight" and held_name("embed", range(4, 8), 8) is None
+    assert held_name("lm_head.scales", range(4, 8), 8) == "lm_head.scales" and held_name("norm.weight", range(0, 4), 8) is None
+
+
+def test_stages_in_one_process_chain_to_the_whole_model(models):
+    """Two models of a layer range each, run one after the other, give the whole model's logits: each holds
+    exactly its own weights."""
+    path = models["pro"]
+    whole, _ = load(path)
+    first, _ = load(path, layers=range(0, 3))
+    second, _ = load(path, layers=range(3, whole.args.num_hidden_layers))
+    assert not hasattr(first, "lm_head") and not hasattr(second, "embed") and len(first.layers) == 3
+    ids = mx.array([check.prompt_ids(whole.args.vocab_size, 30)], dtype=mx.int32)
+    flat = ids.reshape(-1)
+    streams = first._streams(flat)
+    for part in (first, second):
+        for layer, cache in zip(part.layers, part.make_cache()):
+            streams = layer(streams, flat, cache, part.quant_sim)
+    assert mx.array_equal(second._logits(streams), whole(ids)[0]).item()
