@@ -205,12 +205,10 @@ def demo_model_path() -> Path:
 
 def load_for_cli(model_path):
     """(model, tokenizer, is_demo) for a CLI command; no path means the built-in demo model."""
-    from ds4_mlx.distributed import load_for_command
-
     is_demo = model_path is None
     if is_demo:
         model_path = demo_model_path()
-    model, tokenizer = load_for_command(model_path) or load(model_path)  # one rank's layers, if launched on several
+    model, tokenizer = load(model_path)
     if tokenizer is None:
         raise ValueError(f"{model_path}: the model has no tokenizer; convert its GGUF file again with "
                          "`ds4-mlx convert --tokenizer DIR`")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ds4_mlx import loader
 from ds4_mlx.cache.geometry import lane_every
 from ds4_mlx.session import Session, step_together
 
@@ -406,6 +407,14 @@ class LockstepSession:
         """Drop this session on every rank."""
         self._leader.order("close", self._id)
 
+    @staticmethod
+    def step_together(sessions, tokens):
+        """`session.step_together` for sessions in lockstep: every rank steps its own together."""
+        leader = sessions[0]._leader
+        ids = [int(t) for t in tokens.reshape(-1).tolist()]
+        leader.order("together", [s._id for s in sessions], ids)
+        return step_together([s._local for s in sessions], mx.array(ids, mx.int32))
+
 
 class _Snapshot:
     """A snapshot held on every rank: rank 0's state, and the id the other ranks keep theirs under until
@@ -414,14 +423,6 @@ class _Snapshot:
     def __init__(self, leader, snap_id, state):
         self.id, self.state = snap_id, state
         weakref.finalize(self, leader.forgotten.append, snap_id)
-
-
-def steps_together(sessions, tokens):
-    """`session.step_together` for lockstep sessions: every rank steps its own together."""
-    leader = sessions[0]._leader
-    ids = [int(t) for t in tokens.tolist()]
-    leader.order("together", [s._id for s in sessions], ids)
-    return step_together([s._local for s in sessions], mx.array(ids, mx.int32))
 
 
 def follow(stage: Stage):
@@ -479,8 +480,7 @@ def follow(stage: Stage):
 # -------------------------------------------------------------------------------------------------------
 # The command on every rank
 
-# rank 0's group and leader while a launched command runs (`run`); None on one machine
-_group = None
+# rank 0's leader while a launched command runs (`run`); None on one machine
 _leader = None
 # how long rank 0 stays after its command: mlx.launch stops reading a process's output when it exits
 LINGER_S = 0.5
@@ -494,56 +494,56 @@ def new_session(model, **options):
     return Session(model, **options)
 
 
-def load_for_command(path):
-    """(Stage, tokenizer) on rank 0 when the command runs on several ranks, else None (load as usual). The
-    other ranks load their layers here and follow rank 0 until it is done, then their process ends: the
-    command goes on only on rank 0."""
-    global _leader
-    if _group is None:
-        return None
-    if _group.rank == 0:
-        _leader = Leader(_group)
-    loaded = load_stage(path, _group, progress=_group.rank == 0)
-    if _group.rank == 0:
-        _leader.stage = loaded[0]
-        return loaded
-    status = 0
-    try:
-        if loaded is not None:
-            follow(loaded[0])
-    except RankLost as e:
-        print(f"ds4-mlx: {e}; stopping", file=sys.stderr, flush=True)
-        status = 1
-    sys.stderr.flush()
-    os._exit(status)  # from whichever thread loads the model
-
-
 def run(args, command):
-    """Run the parsed CLI command on every rank of the launched group (each process runs it, up to its
-    model's load, `load_for_command`): rank 0 runs it with sessions in lockstep and prints; the others
-    follow it, printing nothing but errors."""
-    global _group, _leader
+    """Run the parsed CLI command (`args.model`: the model, or the demo model) on the launched group: rank 0
+    runs `command(args)`, its model's load giving its `Stage` and its sessions in lockstep; the others load
+    their layers and follow rank 0 until it is done, printing nothing but errors."""
+    global _leader
     group = Group() if launched() else None
     if group is None or group.size == 1:
         return command(args)
-    _group, lost = group, False
     if group.rank != 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 alone speaks
+        return _follow_command(args, group)
+    lost = False
+    _leader = Leader(group)
+    loader.stage_loader = _load_rank_0
     try:
         return command(args)
     except RankLost:
         lost = True
         raise
     finally:
+        leader, _leader, loader.stage_loader = _leader, None, None
         if not lost:
             try:
-                if _leader is None:
-                    group.broadcast(None)  # the command ended before loading a model: tell the others so
-                elif group.rank == 0:
-                    _leader.finish()
+                if leader.stage is None:
+                    group.broadcast(None)  # the command ended before loading a model: the others wait for none
+                else:
+                    leader.finish()
             except RankLost:
                 pass  # they are gone already
-        _group = _leader = None
         sys.stdout.flush()
         sys.stderr.flush()
         time.sleep(LINGER_S)
+
+
+def _load_rank_0(path):
+    if _leader.stage is not None:
+        raise ValueError("a command launched on several ranks loads one model")
+    stage, tokenizer = load_stage(path, _leader.group)
+    _leader.stage = stage
+    return stage, tokenizer
+
+
+def _follow_command(args, group):
+    from ds4_mlx.demo import demo_model_path
+
+    sys.stdout = open(os.devnull, "w")  # rank 0 alone speaks
+    try:
+        loaded = load_stage(args.model or demo_model_path(), group, progress=False)
+        if loaded is not None:
+            follow(loaded[0])
+    except RankLost as e:
+        print(f"ds4-mlx: {e}; stopping", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -52,6 +52,11 @@ def cache_root() -> Path:
     return Path(home) if home else Path.home() / ".cache" / "ds4-mlx"
 
 
+# while a command runs on several machines (`ds4_mlx.distributed.run`): loads this rank's part of a model
+# instead, (path) -> (model, tokenizer)
+stage_loader = None
+
+
 def load(path, *, quant_sim=None, progress=True, layers=None):
     """Return (model, tokenizer). `quant_sim=None` simulates FP8/FP4 as the real model was trained
     (ds4 and the official inference do), False computes plain float math as transformers does.
@@ -65,6 +70,8 @@ def load(path, *, quant_sim=None, progress=True, layers=None):
 
     `layers`: a model holding only that range of layers (a stage of a pipeline, `ds4_mlx.distributed`),
     which reads only its own tensors."""
+    if stage_loader is not None and layers is None:
+        return stage_loader(path)
     path = Path(path)
     quant_sim = True if quant_sim is None else quant_sim
     if path.is_dir() and (path / "config.json").is_file():

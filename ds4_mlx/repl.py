@@ -19,7 +19,7 @@ from ds4_mlx.demo import DEMO_NOTE, load_for_cli
 from ds4_mlx.generate import FINISH_ABORT, SamplingParams, stream_generate
 from ds4_mlx.generate_cli import add_sampling_arguments, sampling_from_args
 from ds4_mlx.loader import cache_root
-from ds4_mlx.session import Session
+from ds4_mlx.distributed import new_session
 
 HELP = """Commands:
   /help           this help
@@ -371,7 +371,7 @@ def run_chat(args):
     model, tokenizer, is_demo = load_for_cli(args.model)
     if is_demo:
         terminal.write(DEMO_NOTE + "\n")
-    conversation = Conversation(Session(model), tokenizer, system=args.system, thinking=args.think,
+    conversation = Conversation(new_session(model), tokenizer, system=args.system, thinking=args.think,
                                 sampling=sampling_from_args(args), max_tokens=args.max_tokens,
                                 disk=disk_store_from_args(args, min_tokens=1))
     terminal.write("ds4-mlx chat: type a message, /help for commands, /quit to leave.\n")

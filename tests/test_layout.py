@@ -18,8 +18,8 @@ FLOORS = [
     ["ds4_mlx.generate", "ds4_mlx.constrain"],  # sampling, stop conditions, streaming on a session
     ["ds4_mlx.convert"],  # GGUF files: reading, converting to MLX folders
     ["ds4_mlx", "ds4_mlx.loader"],  # a model folder or GGUF file to (model, tokenizer)
-    ["ds4_mlx.distributed"],  # one model over several machines: a pipeline, sessions in lockstep
     ["ds4_mlx.demo"],  # the built-in demo model
+    ["ds4_mlx.distributed"],  # one model over several machines: a pipeline, sessions in lockstep
     ["ds4_mlx.server"],  # HTTP: APIs, slots, queueing
     ["ds4_mlx.generate_cli", "ds4_mlx.repl"],  # the library's own commands
     ["ds4_mlx.tools"],  # benchmarks and test support

@@ -22,10 +22,11 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
     """`batch`: how many streams decode in one forward at most (`Worker`); `max_tokens` caps every request's output (a request asking for more stops there, as `length`);
     `max_body_bytes` refuses longer request bodies (default: `body_limit(ctx)`); `limits` are the
     connection limits of `Server`."""
-    from ds4_mlx import Session
+    from ds4_mlx.distributed import new_session  # in lockstep on every rank, when launched on several
 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
-                    session_factory=lambda m: Session(m, rewind_slack=rewind_slack, checkpoint_every=checkpoint_every),
+                    session_factory=lambda m: new_session(m, rewind_slack=rewind_slack,
+                                                          checkpoint_every=checkpoint_every),
                     generate=generate, disk=disk, prefill_chunk=prefill_chunk,
                     shared_prefill_chunk=shared_prefill_chunk, batch=batch)
     return Server(worker, ServerInfo(model_id=model_id, ctx=ctx, max_tokens=max_tokens), keepalive_s=keepalive_s,

@@ -79,14 +79,14 @@ def slow(session, ids, out):
 
 
 def command(a):
-    from ds4_mlx.distributed import load_for_command, new_session
+    from ds4_mlx.distributed import new_session
     from ds4_mlx.loader import load
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("MLX_RANK", 0))
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
-    model, _ = load_for_command(a.model) or load(a.model)
+    model, _ = load(a.model)  # this rank's layers when launched on several
     session = new_session(model, **SESSION_OPTIONS)
     ids = prompt_ids(model.args.vocab_size)
     if a.slow:
@@ -108,7 +108,7 @@ def main(argv=None):
 
     mx.set_default_device(mx.cpu)
     p = argparse.ArgumentParser(prog="python -m ds4_mlx.tools.pipeline_check")
-    p.add_argument("model")
+    p.add_argument("model")  # (`distributed.run` reads args.model)
     p.add_argument("out")
     p.add_argument("--save")
     p.add_argument("--load")
