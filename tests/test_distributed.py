@@ -216,3 +216,21 @@ def test_stages_in_one_process_chain_to_the_whole_model(models):
         for layer, cache in zip(part.layers, part.make_cache()):
             streams = layer(streams, flat, cache, part.quant_sim)
     assert mx.array_equal(second._logits(streams), whole(ids)[0]).item()
+
+
+def test_bench_distributed_compares_two_ranks_with_one(capsys, demo):
+    import json
+
+    from ds4_mlx import cli
+    from ds4_mlx.models.variants import flash_args, pro_args
+
+    assert cli.main(["bench", "distributed", "--json", "--prompt", "24", "--decode", "3"]) == 0
+    figures = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert figures["max_logit_diff"] <= TOLERANCE and figures["prefill_tok_s_2"] > 0 and figures["decode_ms_2"] > 0
+    rows = {(r["model"], r["ranks"]): r for r in figures["real_widths"]}
+    # two ranks pass 4 streams of hidden float32 one way and a row of vocab float32 logits back, per token
+    for name, args in (("flash", flash_args()), ("pro", pro_args())):
+        assert rows[name, 2]["decode_kib"] * 1024 == 4 * args.hidden_size * 4 + args.vocab_size * 4
+        assert rows[name, 4]["prefill_kib_per_token"] * 1024 == 3 * 4 * args.hidden_size * 4
+    # Thunderbolt 5 moves them 8 times faster than 10 GbE
+    assert rows["pro", 2]["decode_us_10gbe"] == pytest.approx(8 * rows["pro", 2]["decode_us_thunderbolt5"])
