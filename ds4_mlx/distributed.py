@@ -17,6 +17,7 @@ that waits longer than `DS4_MLX_RANK_TIMEOUT` seconds stops the process; rank 0 
 the others stop.
 """
 
+import hashlib
 import itertools
 import json
 import os
@@ -278,22 +279,29 @@ class RankSession(Session):
         return super().save(part_path(path, self.model.group.rank), **options)
 
     def load(self, path):
-        """Every rank loads its part, or none does (the error names the rank whose part did not fit)."""
+        """Every rank loads its part, or none does: a part that does not fit, or that holds other tokens than
+        rank 0's (a file from another save), is an error on every rank."""
         from ds4_mlx.cache.state import StateFileError
 
+        group = self.model.group
         before, error = self.snapshot(), None
         try:
-            super().load(part_path(path, self.model.group.rank))
+            super().load(part_path(path, group.rank))
         except (StateFileError, OSError) as e:
             error = e
+        tokens = hashlib.sha256(json.dumps(self.tokens).encode()).hexdigest() if error is None else None
+        first = group.broadcast({"tokens": tokens, "lanes": sorted(self.checkpoints)} if group.rank == 0 else None)
+        if error is None and tokens != first["tokens"]:
+            error = StateFileError(f"rank {group.rank}'s part holds other tokens than rank 0's (another save?)")
         if not self._everywhere(error is None):
             if error is None:
                 self.restore(before)
             raise error if error is not None else StateFileError("another rank's part of the saved session does not "
                                                                  "fit (its own error is on its console)")
-        # the lanes every rank could restore (each file keeps those its own layers still can)
-        kept = [q for q in sorted(self.checkpoints) if self._everywhere(True)]
-        self.checkpoints = {q: self.checkpoints[q] for q in kept}
+        # keep the lanes every rank holds (each file has those its own layers could still restore)
+        held = mx.array([int(q in self.checkpoints) for q in first["lanes"]] or [0], mx.int32)
+        held = group.wait(mx.distributed.all_sum(held, group=group.group), "agreeing on the saved lanes").tolist()
+        self.checkpoints = {q: self.checkpoints[q] for q, n in zip(first["lanes"], held) if n == group.size}
 
 
 def part_path(path, rank):

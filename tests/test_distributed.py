@@ -5,6 +5,7 @@ the same text; a rank killed mid-request stops rank 0 with a clear error."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,9 +56,23 @@ def launch_command(ranks, *command):
             "--env", f"DS4_MLX_HOME={os.environ.get('DS4_MLX_HOME', '')}", "--", sys.executable, *command]
 
 
+def launched(ranks, *command, timeout=120):
+    """mlx.launch's run of `command` on `ranks` ranks; all of them stopped if it takes too long (mlx.launch
+    does not pass a signal on to the ranks it started)."""
+    process = subprocess.Popen(launch_command(ranks, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
 def launch(ranks, *command, timeout=120):
-    done = subprocess.run(launch_command(ranks, *command), capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = launched(ranks, *command, timeout=timeout)
+    assert done.returncode == 0 and "exited with code" not in done.stderr, done.stdout + done.stderr
     return done
 
 
@@ -123,9 +138,8 @@ def test_a_part_that_does_not_fit_is_refused_on_every_rank(models, saved, tmp_pa
     path = tmp_path / "s.safetensors"
     path.write_bytes(saved[0].read_bytes())
     Path(f"{path}.rank1").write_bytes(b"not a session")
-    done = subprocess.run(launch_command(2, "-m", "ds4_mlx.tools.pipeline_check", str(models["tiny"]),
-                                         str(tmp_path / "x"), "--load", str(path)),
-                          capture_output=True, text=True, timeout=120)
+    done = launched(2, "-m", "ds4_mlx.tools.pipeline_check", str(models["tiny"]), str(tmp_path / "x"), "--load",
+                    str(path))
     # (mlx.launch exits 0 whatever its ranks do: what they say is the test)
     assert "another rank's part" in done.stderr and "exited with code 1" in done.stderr
     assert "Traceback" not in done.stderr
@@ -234,3 +248,29 @@ def test_bench_distributed_compares_two_ranks_with_one(capsys, demo):
         assert rows[name, 4]["prefill_kib_per_token"] * 1024 == 3 * 4 * args.hidden_size * 4
     # Thunderbolt 5 moves them 8 times faster than 10 GbE
     assert rows["pro", 2]["decode_us_10gbe"] == pytest.approx(8 * rows["pro", 2]["decode_us_thunderbolt5"])
+
+
+def test_the_server_on_two_ranks_answers_as_one_process(demo):
+    pytest.importorskip("openai")
+    from openai import OpenAI
+
+    from ds4_mlx.tools.testing import DEMO_MODEL_ID, answer_text, served, wait_healthy
+
+    asks = [[{"role": "user", "content": "Hello there"}]] * 2 + [[{"role": "user", "content": "Tell me more"}]]
+
+    def answers(client):  # a prompt, its resend (an exact rewind), another conversation
+        return [answer_text(client.chat.completions.create(model=DEMO_MODEL_ID, messages=m, max_tokens=10,
+                                                           temperature=0)) for m in asks]
+
+    with served(ctx=8192, sessions=2) as (_, client):
+        expected = answers(client)
+    port = free_port(1)
+    process = subprocess.Popen(launch_command(2, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", "8192",
+                                              "--model-id", DEMO_MODEL_ID),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        assert answers(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)) == expected
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # mlx.launch and the ranks it started (it does not pass it on)
+        process.communicate(timeout=30)
