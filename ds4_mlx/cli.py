@@ -33,7 +33,7 @@ def main(argv=None):
         os.environ["DS4_MLX_KERNELS"] = "0"  # for the processes a command starts too
         kernels.use_kernels(False)
     try:
-        if os.environ.get("MLX_HOSTFILE") or os.environ.get("MLX_RANK"):  # started by mlx.launch
+        if any(os.environ.get(v) for v in ("MLX_HOSTFILE", "MLX_RANK", "OMPI_COMM_WORLD_SIZE")):  # by mlx.launch
             from ds4_mlx import distributed
 
             return distributed.run(args, args.func) or 0

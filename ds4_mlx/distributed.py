@@ -17,6 +17,7 @@ that waits longer than `DS4_MLX_RANK_TIMEOUT` seconds stops the process; rank 0 
 the others stop.
 """
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -35,7 +36,8 @@ from ds4_mlx.cache.geometry import lane_every
 from ds4_mlx.session import Session, step_together
 
 BROADCAST_BYTES = 512  # an order up to this long goes to the other ranks in one exchange
-RANK_TIMEOUT_S = 600.0  # longest wait for another rank: a prefill chunk of the largest model fits in it
+RANK_TIMEOUT_S = 600.0
+BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends begin an exchange's error  # longest wait for another rank: a prefill chunk of the largest model fits in it
 
 
 class RankLost(RuntimeError):
@@ -70,6 +72,8 @@ class Group:
         try:
             mx.eval(arrays)
         except RuntimeError as e:
+            if not str(e).startswith(BACKEND_ERRORS):  # this rank's own computation failed
+                raise
             raise RankLost(f"rank {self.rank} lost another rank of the pipeline while {what} ({e})") from None
         finally:
             timer.cancel()
@@ -188,15 +192,35 @@ class Stage:
 
     def __call__(self, inputs, cache=None, *, last_only=False):
         """inputs int32 [1, T] -> logits [1, T or 1, vocab] on rank 0."""
-        ids = inputs.reshape(-1)
+        with self._in_step():
+            return self._forward(inputs.reshape(-1), cache, last_only)
+
+    def decode_batch(self, ids, caches):
+        """One token for each of B sessions (`Model.decode_batch`), one exchange between ranks for all."""
+        with self._in_step():
+            return self._decode_batch(ids, caches)
+
+    @contextlib.contextmanager
+    def _in_step(self):
+        """A step that fails here leaves the ranks out of step (the others wait for this one's streams, or
+        hold caches this one lacks): this rank stops, and the others learn it from their next exchange."""
+        try:
+            yield
+        except RankLost:
+            raise
+        except Exception as e:  # noqa: BLE001
+            print(f"ds4-mlx: rank {self.group.rank}: a forward failed ({type(e).__name__}: {e}); the ranks can no "
+                  "longer keep step: stopping", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def _forward(self, ids, cache, last_only):
         cache = self.make_cache() if cache is None else cache
         streams = self._streams_in(ids, "a forward")
         for layer, c in zip(self.model.layers, cache):
             streams = layer(streams, ids, c, self.quant_sim)
         return self._logits_out(streams, "a forward", 1 if last_only else ids.shape[0])[None]
 
-    def decode_batch(self, ids, caches):
-        """One token for each of B sessions (`Model.decode_batch`), one exchange between ranks for all."""
+    def _decode_batch(self, ids, caches):
         streams = self._streams_in(ids, "a batched decode")
         layers = self.model.layers
         if len(caches) > 1 and all(layer.pos >= layer.reach for c in caches for layer in c):
@@ -315,7 +339,7 @@ class Leader:
     def __init__(self, group: Group, stage=None):
         self.group, self.stage = group, stage
         self.ids = itertools.count()
-        self.forgotten = []  # snapshots rank 0 no longer holds: the others drop theirs with the next order
+        self.forgotten = []  # sessions and snapshots rank 0 dropped: the others drop theirs with the next order
 
     def order(self, *message):
         forgotten, self.forgotten = self.forgotten, []
@@ -340,6 +364,7 @@ class LockstepSession:
         object.__setattr__(self, "_id", next(leader.ids))
         leader.order("new", self._id, options)
         object.__setattr__(self, "_local", RankSession(leader.stage, **options))
+        weakref.finalize(self, leader.forgotten.append, self._id)
 
     def __getattr__(self, name):
         return getattr(self._local, name)
@@ -411,10 +436,6 @@ class LockstepSession:
         self._leader.order("restore", self._id, snapshot.id)
         self._local.restore(snapshot.state)
 
-    def close(self):
-        """Drop this session on every rank."""
-        self._leader.order("close", self._id)
-
     @staticmethod
     def step_together(sessions, tokens):
         """`session.step_together` for sessions in lockstep: every rank steps its own together."""
@@ -426,7 +447,7 @@ class LockstepSession:
 
 class _Snapshot:
     """A snapshot held on every rank: rank 0's state, and the id the other ranks keep theirs under until
-    this handle is dropped."""
+    this handle is dropped (sessions are forgotten the same way)."""
 
     def __init__(self, leader, snap_id, state):
         self.id, self.state = snap_id, state
@@ -440,8 +461,9 @@ def follow(stage: Stage):
     group = stage.group
     while True:
         forgotten, kind, *rest = group.broadcast()
-        for snap_id in forgotten:
-            snapshots.pop(snap_id, None)
+        for dropped in forgotten:  # one numbering for both
+            sessions.pop(dropped, None)
+            snapshots.pop(dropped, None)
         try:
             if kind == "exit":
                 return
@@ -475,8 +497,6 @@ def follow(stage: Stage):
                 step_together([sessions[s] for s in sids], mx.array(ids, mx.int32))
                 for s in sids:
                     sessions[s].settle()
-            elif kind == "close":
-                sessions.pop(rest[0], None)
             else:
                 raise ValueError(f"unknown order {kind!r}")
         except RankLost:
@@ -548,7 +568,7 @@ def _follow_command(args, group):
 
     sys.stdout = open(os.devnull, "w")  # rank 0 alone speaks
     try:
-        loaded = load_stage(args.model or demo_model_path(), group, progress=False)
+        loaded = load_stage(getattr(args, "model", None) or demo_model_path(), group, progress=False)
         if loaded is not None:
             follow(loaded[0])
     except RankLost as e:
