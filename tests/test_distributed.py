@@ -5,6 +5,7 @@ the same text; a rank killed mid-request stops rank 0 with a clear error."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -274,3 +275,14 @@ def test_the_server_on_two_ranks_answers_as_one_process(demo):
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # mlx.launch and the ranks it started (it does not pass it on)
         process.communicate(timeout=30)
+
+
+def test_a_stage_reads_only_its_own_tensors(models, monkeypatch):
+    from ds4_mlx.convert import gguf
+
+    read = []
+    chunks = gguf.tensor_chunks
+    monkeypatch.setattr(gguf, "tensor_chunks", lambda f, plan, log=None: (read.append(plan.name), chunks(f, plan, log))[1])
+    model, _ = load(models["pro"], layers=range(3, 5))
+    assert read and all(re.match(r"blk\.[34]\.", name) for name in read)
+    assert len(model.layers) == 2 and not hasattr(model, "embed") and not hasattr(model, "lm_head")
