@@ -536,6 +536,9 @@ def run(args, command):
     _leader = Leader(group)
     loader.stage_loader = _load_rank_0
     try:
+        if getattr(args, "kv_disk_dir", None):  # the store writes and reads rank 0's caches alone
+            raise ValueError("--kv-disk-dir does not work across several ranks yet: leave it out (sessions stay in "
+                             "memory)")
         return command(args)
     except RankLost:
         lost = True

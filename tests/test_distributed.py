@@ -286,3 +286,9 @@ def test_a_stage_reads_only_its_own_tensors(models, monkeypatch):
     model, _ = load(models["pro"], layers=range(3, 5))
     assert read and all(re.match(r"blk\.[34]\.", name) for name in read)
     assert len(model.layers) == 2 and not hasattr(model, "embed") and not hasattr(model, "lm_head")
+
+
+def test_the_disk_store_is_refused_across_ranks(tmp_path, demo):
+    done = launched(2, "-m", "ds4_mlx.cli", "chat", "--kv-disk-dir", str(tmp_path))
+    assert "--kv-disk-dir does not work across several ranks" in done.stderr and "Traceback" not in done.stderr
+    assert "exited with code 1" in done.stderr and not list(tmp_path.iterdir())
