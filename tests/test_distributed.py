@@ -1,7 +1,8 @@
 """One model over several processes (`ds4_mlx.distributed`): 2 and 3 ranks started by `mlx.launch` on this
 machine (the ring backend over loopback TCP) give the logits one process gives, through prefills, decoded
-tokens, rewinds of every depth, resends, snapshots, a save and a load after a restart; `generate` prints
-the same text; a rank killed mid-request stops rank 0 with a clear error."""
+tokens, rewinds of every depth, resends, snapshots, sessions decoded together, a save and a load after a
+restart; `generate` and the server give the same text; a rank killed mid-request, or one that stops
+answering, stops rank 0 with a clear error."""
 
 import json
 import os
@@ -111,6 +112,9 @@ def assert_same(got, expected):
 @pytest.mark.parametrize("model,ranks", [("tiny", 2), ("pro", 3)])  # the demo model: through generate
 def test_logits_equal_one_process(models, tmp_path, model, ranks):
     expected = one_process(models[model])
+    loaded, _ = load(models[model])
+    expected.update(check.batched(lambda: Session(loaded, **check.SESSION_OPTIONS),
+                                  check.prompt_ids(loaded.args.vocab_size)))
     # the script's rewinds take every path: in place, a lane, a checkpoint, from the start
     assert expected["rewind_in_place.replayed"] == 0
     assert 0 < expected["rewind_to_a_lane.replayed"] < 16 and 0 < expected["rewind_to_a_checkpoint.replayed"] < 16
@@ -184,6 +188,24 @@ def test_a_rank_killed_mid_request_stops_rank_0_with_an_error(models, tmp_path):
                 process.kill()
     assert ranks[0].returncode == 1
     assert "lost another rank of the pipeline" in err and "Traceback" not in err
+
+
+def test_a_rank_that_stops_answering_is_given_up(models, tmp_path, monkeypatch):
+    monkeypatch.setenv("DS4_MLX_RANK_TIMEOUT", "3")
+    ranks = start_ranks(2, tmp_path, "-m", "ds4_mlx.tools.pipeline_check", str(models["tiny"]), str(tmp_path),
+                        "--slow")
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists() and ranks[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "started").exists(), ranks[0].communicate(timeout=10)
+        ranks[1].send_signal(signal.SIGSTOP)  # alive, its connections open, silent
+        out, err = ranks[0].communicate(timeout=30)  # no hang
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert ranks[0].returncode == 3 and "no answer from the other ranks for 3 s" in err
 
 
 # Without launching -------------------------------------------------------------------------------------

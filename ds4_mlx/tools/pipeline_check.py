@@ -54,6 +54,25 @@ def script(session, ids) -> dict:
     return {**logits, **{f"{k}.replayed": np.array(v) for k, v in replayed.items()}}
 
 
+def batched(new, ids) -> dict:
+    """Logits [2, vocab] of two sessions (`new()` makes one) decoding a few tokens together in one forward
+    (`step_together`), from prompts of two lengths."""
+    import mlx.core as mx
+
+    from ds4_mlx.session import step_together
+
+    sessions = [new(), new()]
+    for session, n in zip(sessions, (30, 45)):
+        session.sync(ids[:n])
+    out = {}
+    for i in range(4):
+        logits = step_together(sessions, mx.array([ids[50 + i], ids[60 + i]], mx.int32))
+        for session in sessions:
+            session.settle()
+        out[f"together{i}"] = np.array(logits.astype(mx.float32))
+    return out
+
+
 def saved_then_stepped(session, ids, path) -> dict:
     """Save after the prompt; the logits of the next step."""
     import mlx.core as mx
@@ -96,7 +115,7 @@ def command(a):
     elif a.load:
         logits = loaded_then_stepped(session, ids, a.load)
     else:
-        logits = script(session, ids)
+        logits = {**script(session, ids), **batched(lambda: new_session(model, **SESSION_OPTIONS), ids)}
     np.savez(out / "logits.npz", **logits)
     return 0
 
