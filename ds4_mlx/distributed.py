@@ -85,20 +85,24 @@ class Group:
         return self.wait(dissent, "agreeing on a cache decision").item() == 0
 
     def broadcast(self, message=None):
-        """Rank 0's `message` (JSON) on every rank; the others pass nothing and wait for it. One exchange
-        for a short message (its length and itself in `BROADCAST_BYTES`), a second for the rest."""
+        """Rank 0's `message` (JSON) on every rank; the others pass nothing and wait for it. It goes down the
+        pipeline, each rank passing it on to the next (the links the streams take, in the same order); one
+        exchange a link for a short message (its length and itself in `BROADCAST_BYTES`), a second for the rest."""
         data = json.dumps(message).encode() if self.rank == 0 else b""
         head = (len(data).to_bytes(4, "little") + data)[:BROADCAST_BYTES].ljust(BROADCAST_BYTES, b"\0")
-        head = self._sum_bytes(head, BROADCAST_BYTES, "waiting for rank 0's next order")
+        head = self._pass_bytes(head, BROADCAST_BYTES, "waiting for rank 0's next order")
         n, got = int.from_bytes(head[:4], "little"), head[4:]
         if n > len(got):
-            got += self._sum_bytes(data[len(got) :], n - len(got), "receiving rank 0's order")
+            got += self._pass_bytes(data[len(got) :], n - len(got), "receiving rank 0's order")
         return json.loads(got[:n].decode())
 
-    def _sum_bytes(self, data, n, what):
-        """Rank 0's `n` bytes `data` on every rank (the sum of them and the others' zeros)."""
-        a = mx.array(list(data), mx.uint8) if self.rank == 0 else mx.zeros((n,), mx.uint8)
-        return bytes(memoryview(self.wait(mx.distributed.all_sum(a, group=self.group), what)))
+    def _pass_bytes(self, data, n, what):
+        """Rank 0's `n` bytes `data` on every rank: received from the rank before, sent on to the next."""
+        if self.rank:
+            data = bytes(memoryview(self.recv((n,), mx.uint8, self.rank - 1, what)))
+        if self.rank + 1 < self.size:
+            self.send(mx.array(list(data), mx.uint8), self.rank + 1, "passing on rank 0's order")
+        return data
 
     def send(self, x, to, what):
         self.wait(mx.distributed.send(x, to, group=self.group), what)
