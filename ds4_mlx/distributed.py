@@ -59,8 +59,9 @@ class Group:
         self.rank, self.size = self.group.rank(), self.group.size()
         self.timeout_s = float(os.environ.get("DS4_MLX_RANK_TIMEOUT", RANK_TIMEOUT_S)) if timeout_s is None else timeout_s
 
-    def wait(self, arrays, what):
-        """Evaluate `arrays` (which send to or receive from other ranks)."""
+    def wait(self, arrays, what, *, forever=False):
+        """Evaluate `arrays` (which send to or receive from other ranks); `forever`: with no time limit (a
+        rank waiting for rank 0's next order, which may come after hours of an idle server)."""
         def give_up():
             print(f"ds4-mlx: rank {self.rank}: no answer from the other ranks for {self.timeout_s:g} s while {what}; "
                   "stopping (DS4_MLX_RANK_TIMEOUT sets the wait)", file=sys.stderr, flush=True)
@@ -68,7 +69,8 @@ class Group:
 
         timer = threading.Timer(self.timeout_s, give_up)
         timer.daemon = True
-        timer.start()
+        if not forever:
+            timer.start()
         try:
             mx.eval(arrays)
         except RuntimeError as e:
@@ -84,22 +86,24 @@ class Group:
         dissent = mx.distributed.all_sum(mx.array([0 if holds else 1], mx.int32), group=self.group)
         return self.wait(dissent, "agreeing on a cache decision").item() == 0
 
-    def broadcast(self, message=None):
+    def broadcast(self, message=None, *, forever=False):
         """Rank 0's `message` (JSON) on every rank; the others pass nothing and wait for it. It goes down the
         pipeline, each rank passing it on to the next (the links the streams take, in the same order); one
-        exchange a link for a short message (its length and itself in `BROADCAST_BYTES`), a second for the rest."""
+        exchange a link for a short message (its length and itself in `BROADCAST_BYTES`), a second for the rest.
+        `forever`: wait for it with no time limit."""
         data = json.dumps(message).encode() if self.rank == 0 else b""
         head = (len(data).to_bytes(4, "little") + data)[:BROADCAST_BYTES].ljust(BROADCAST_BYTES, b"\0")
-        head = self._pass_bytes(head, BROADCAST_BYTES, "waiting for rank 0's next order")
+        head = self._pass_bytes(head, BROADCAST_BYTES, "waiting for rank 0's next order", forever)
         n, got = int.from_bytes(head[:4], "little"), head[4:]
         if n > len(got):
             got += self._pass_bytes(data[len(got) :], n - len(got), "receiving rank 0's order")
         return json.loads(got[:n].decode())
 
-    def _pass_bytes(self, data, n, what):
+    def _pass_bytes(self, data, n, what, forever=False):
         """Rank 0's `n` bytes `data` on every rank: received from the rank before, sent on to the next."""
         if self.rank:
-            data = bytes(memoryview(self.recv((n,), mx.uint8, self.rank - 1, what)))
+            data = mx.distributed.recv((n,), mx.uint8, self.rank - 1, group=self.group)
+            data = bytes(memoryview(self.wait(data, what, forever=forever)))
         if self.rank + 1 < self.size:
             self.send(mx.array(list(data), mx.uint8), self.rank + 1, "passing on rank 0's order")
         return data
@@ -277,7 +281,7 @@ def load_stage(path, group: Group, *, quant_sim=None, progress=True):
         sizes = tensor_bytes(path)
         n_layers = 1 + max(int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, sizes) if m)
         ranges = [[r.start, r.stop] for r in plan_layers(sizes, n_layers, group.size)]
-    ranges = group.broadcast(ranges)
+    ranges = group.broadcast(ranges, forever=True)  # rank 0's command may take its time to load
     if ranges is None:  # rank 0's command ended before it loaded a model
         return None
     ranges = [range(a, b) for a, b in ranges]
@@ -464,7 +468,7 @@ def follow(stage: Stage):
     sessions, snapshots, steps = {}, {}, {}
     group = stage.group
     while True:
-        forgotten, kind, *rest = group.broadcast()
+        forgotten, kind, *rest = group.broadcast(forever=True)
         for dropped in forgotten:  # one numbering for both
             sessions.pop(dropped, None)
             snapshots.pop(dropped, None)

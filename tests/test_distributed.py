@@ -55,7 +55,8 @@ def _free(port):
 def launch_command(ranks, *command):
     return [str(LAUNCH), "-n", str(ranks), "--hosts", "127.0.0.1", "--backend", "ring",
             "--starting-port", str(free_port(ranks)), "--env", f"PYTHONPATH={REPO}",
-            "--env", f"DS4_MLX_HOME={os.environ.get('DS4_MLX_HOME', '')}", "--", sys.executable, *command]
+            "--env", f"DS4_MLX_HOME={os.environ.get('DS4_MLX_HOME', '')}",
+            "--env", f"DS4_MLX_RANK_TIMEOUT={os.environ.get('DS4_MLX_RANK_TIMEOUT', '600')}", "--", sys.executable, *command]
 
 
 def launched(ranks, *command, timeout=120):
@@ -109,8 +110,11 @@ def assert_same(got, expected):
         assert diff <= TOLERANCE, f"{name}: max |diff| {diff:.2e}"
 
 
-@pytest.mark.parametrize("model,ranks", [("tiny", 2), ("pro", 3)])  # the demo model: through generate
-def test_logits_equal_one_process(models, tmp_path, model, ranks):
+@pytest.mark.parametrize("model,ranks,idle", [("tiny", 2, 0), ("pro", 3, 4)])  # the demo model: through generate
+def test_logits_equal_one_process(models, tmp_path, monkeypatch, model, ranks, idle):
+    """`idle`: rank 0 waits longer than DS4_MLX_RANK_TIMEOUT before it starts: the others wait for its
+    orders with no time limit (an idle server keeps its ranks)."""
+    monkeypatch.setenv("DS4_MLX_RANK_TIMEOUT", "2" if idle else "600")
     expected = one_process(models[model])
     loaded, _ = load(models[model])
     expected.update(check.batched(lambda: Session(loaded, **check.SESSION_OPTIONS),
@@ -119,7 +123,7 @@ def test_logits_equal_one_process(models, tmp_path, model, ranks):
     assert expected["rewind_in_place.replayed"] == 0
     assert 0 < expected["rewind_to_a_lane.replayed"] < 16 and 0 < expected["rewind_to_a_checkpoint.replayed"] < 16
     assert expected["rewind_to_the_start.replayed"] == 4 and expected["same_again.replayed"] == 0
-    assert_same(launched_script(ranks, models[model], tmp_path), expected)
+    assert_same(launched_script(ranks, models[model], tmp_path, "--idle", str(idle)), expected)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """One session's script, run in one process or under `mlx.launch` on several (`ds4_mlx.distributed`): the
 logits at each point, to compare the two (tests/test_distributed.py, `bench distributed`).
 
-    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --slow]
+    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --slow | --idle S]
 
 Rank 0 writes OUT/logits.npz; every rank writes OUT/rank{r}.pid first.
 """
@@ -9,6 +9,7 @@ Rank 0 writes OUT/logits.npz; every rank writes OUT/rank{r}.pid first.
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,7 @@ def command(a):
     elif a.load:
         logits = loaded_then_stepped(session, ids, a.load)
     else:
+        time.sleep(a.idle)  # the other ranks wait for the next order meanwhile
         logits = {**script(session, ids), **batched(lambda: new_session(model, **SESSION_OPTIONS), ids)}
     np.savez(out / "logits.npz", **logits)
     return 0
@@ -132,6 +134,7 @@ def main(argv=None):
     p.add_argument("--save")
     p.add_argument("--load")
     p.add_argument("--slow", action="store_true")
+    p.add_argument("--idle", type=float, default=0, help="seconds rank 0 waits before the script")
     a = p.parse_args(argv)
     try:
         return distributed.run(a, command)
