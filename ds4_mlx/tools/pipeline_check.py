@@ -1,5 +1,5 @@
 """One session's script, run in one process or under `mlx.launch` on several (`ds4_mlx.distributed`): the
-logits at each point, to compare the two (tests/test_distributed.py, `bench distributed`).
+logits at each point, to compare the two (tests/test_distributed.py).
 
     mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --slow | --idle S]
 
