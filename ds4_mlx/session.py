@@ -44,6 +44,9 @@ class Session:
             raise ValueError("rewind_slack and frontier_horizon must be >= 0")
         self.model = model
         self.rewind_slack, self.checkpoint_every, self.max_chunk = rewind_slack, checkpoint_every, max_chunk
+        # set by a server while other streams run: a chunk's layers are evaluated this many at a time, each
+        # piece a yield of `sync_steps`, so the others' tokens run between them (same chunks, same numbers)
+        self.layers_per_turn = None
         self.frontier_horizon, self.recent_checkpoints = frontier_horizon, recent_checkpoints
         self.reset()
 
@@ -110,12 +113,24 @@ class Session:
             self.tokens[-1] = int(self.tokens[-1].item())
         return self.tokens[-1]
 
-    def trim(self, n):
-        """Keep the first n tokens."""
+    def trim(self, n, *, logits=None):
+        """Keep the first n tokens; `logits`: the next-token logits after them, when the caller has them
+        (a verify's row), else they are computed when needed."""
         if not 0 <= n <= len(self.tokens):
             raise ValueError(f"cannot trim {len(self.tokens)} tokens to {n}")
         if n < len(self.tokens):
             self._feed(self._rewind(n))
+            if logits is not None:
+                self.logits = logits
+
+    def verify(self, ids):
+        """Append drafted tokens in one forward that keeps the logits of every row: -> logits [T, vocab],
+        row i the next-token logits after ids[: i + 1]. Keep the accepted ones with `trim` (exact: rows
+        are only trimmed, nothing is recomputed)."""
+        rows = []
+        for _ in self._feed_steps([int(t) for t in ids], rows=rows):
+            pass
+        return mx.concatenate(rows) if len(rows) > 1 else rows[0]
 
     def snapshot(self):
         """A handle on the current state: O(1), arrays are shared until either side writes."""
@@ -173,20 +188,18 @@ class Session:
         return replay
 
     def _undo_chunk(self, n):
-        """A chunk of n tokens failed (an exception or out of memory mid-graph): some layers may have
-        advanced or written rows past `self.tokens`, others not. Take every layer to the chunk's end, so
-        each knows which ring slots were overwritten, then back to `self.tokens`; when that cannot be
-        done or the arrays cannot be evaluated, start over empty. Either way the layers agree with
-        `self.tokens`. (Holding the arrays of before the chunk instead would cost a copy of every ring
-        per chunk: MLX could no longer update them in place.)"""
+        """A chunk of n tokens failed (an exception or out of memory mid-graph). A forward commits every
+        layer or none (`Model.__call__`): if it committed, its arrays may not evaluate, so go back to
+        `self.tokens` and evaluate what is left; when that cannot be done, start over empty. Either way the
+        layers agree with `self.tokens`. (Holding the arrays of before the chunk instead would cost a copy
+        of every ring per chunk: MLX could no longer update them in place.)"""
         start = len(self.tokens)
         try:
-            for c in self.cache:
-                c.advance(start + n - c.pos)
-            if not all(c.can_trim(start) for c in self.cache):
-                raise RuntimeError("the rings no longer hold the state")
-            for c in self.cache:
-                c.trim(start)
+            if any(c.pos != start for c in self.cache):
+                if not all(c.can_trim(start) for c in self.cache):
+                    raise RuntimeError("the rings no longer hold the state")
+                for c in self.cache:
+                    c.trim(start)
             mx.eval([c.arrays() for c in self.cache])
         except Exception:  # noqa: BLE001 - nothing of the arrays can be trusted
             self.reset()
@@ -197,18 +210,35 @@ class Session:
             pass
         return self.logits
 
-    def _feed_steps(self, ids):
+    def _feed_steps(self, ids, rows=None):
         """Run ids through the model in chunks that end on checkpoint positions; yield the count done
-        after each."""
+        after each. `rows`: a list that takes the logits of every row of each chunk."""
         done = 0
         while done < len(ids):
             pos = len(self.tokens)
-            to_checkpoint = self.checkpoint_every - pos % self.checkpoint_every
-            n = min(self.max_chunk, len(ids) - done, to_checkpoint)
+            # chunks end on a grid of absolute positions, whatever came before: the same prompt is computed
+            # in the same chunks alone, beside other streams, or replayed from a checkpoint
+            to_grid = min(self.max_chunk - pos % self.max_chunk, self.checkpoint_every - pos % self.checkpoint_every)
+            n = min(len(ids) - done, to_grid)
             chunk = ids[done : done + n]
             try:
-                logits = self.model(mx.array([chunk], dtype=mx.int32), self.cache, last_only=True)[0, -1]
+                views = [[c.view(n) for c in self.cache]]
+                run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32), views, last_only=rows is None,
+                                               layers_per_step=self.layers_per_turn)
+                while True:
+                    try:
+                        next(run)
+                    except StopIteration as finished:
+                        logits, written = finished.value
+                        break
+                    yield done  # a piece of the chunk: other work may run before the next
+                for c, step in zip(self.cache, written[0]):  # every layer or none
+                    c.commit(*step)
+                logits = logits[0]
                 mx.eval(logits, [c.arrays() for c in self.cache])
+                if rows is not None:
+                    rows.append(logits)
+                logits = logits[-1]
             except BaseException:
                 self._undo_chunk(n)
                 raise
@@ -249,17 +279,22 @@ class Session:
 
 
 def step_together(sessions, tokens):
-    """`Session.step_async` for several sessions of one model in one forward (`Model.decode_batch`):
-    `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their evaluation
-    started; call each session's `settle()` before using it again."""
+    """`Session.step_async` for several sessions of one model in one forward (`Model.forward` over B
+    sessions): `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their
+    evaluation started; call each session's `settle()` before using it again."""
     if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
         raise ValueError("step_together takes distinct sessions of one model")
     try:
-        logits = sessions[0].model.decode_batch(tokens.astype(mx.int32), [s.cache for s in sessions])
+        views = [[c.view(1) for c in s.cache] for s in sessions]
+        logits, written = sessions[0].model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
+        for s, steps in zip(sessions, written):
+            for c, step in zip(s.cache, steps):
+                c.commit(*step)
     except BaseException:  # as in `_feed`: every layer of every session back at its last token
         for s in sessions:
             s._undo_chunk(1)
         raise
+    logits = logits[:, 0]
     for b, s in enumerate(sessions):
         s._stepped(tokens[b], logits[b])
     mx.async_eval(logits, [c.arrays() for s in sessions for c in s.cache])

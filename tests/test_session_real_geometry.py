@@ -8,6 +8,7 @@ import pytest
 
 from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.cache.layers import TokenRing
+from ds4_mlx.models.deepseek_v4 import write_rows
 from ds4_mlx.session import Session, step_together
 from ds4_mlx.tools.testing import real_geometry_args
 
@@ -73,17 +74,24 @@ def test_rewind_after_save_and_load_equals_cold_prefill(tmp_path):
     assert float(mx.abs(again.step(7) - cold(model, b + [7])).max()) <= 1e-4
 
 
+def log(ring, start, rows):
+    """A step's commit of `rows` at positions start, start + 1, ...: the ring written as the model writes it."""
+    kept = rows[-ring.capacity :]
+    at = mx.array([(start + rows.shape[0] - kept.shape[0] + i) % ring.capacity for i in range(kept.shape[0])])
+    ring.commit(start, rows, write_rows(ring.allocate(), at, kept))
+
+
 def test_a_ring_sets_aside_the_lane_rows_a_long_chunk_drops():
     ring = TokenRing(8, 2, lane_every=16, lane_rows=4)
     ring.write(0, mx.zeros((2, 2)))
     rows = mx.arange(80, dtype=mx.float32).reshape(40, 2) + 1
-    ring.log(2, rows)  # positions 2 .. 41; the ring keeps 34 .. 41
+    log(ring, 2, rows)  # positions 2 .. 41; the ring keeps 34 .. 41
     ring.passed(42)
     assert sorted(ring.dropped_lanes) == [16, 32]
     assert mx.array_equal(ring.copy(12, 16), rows[10:14]) and mx.array_equal(ring.copy(28, 32), rows[26:30])
     assert ring.copy(20, 24) is None and ring.copy(12, 15) is None  # neither held nor set aside
     assert mx.array_equal(ring.copy(36, 40), rows[34:38])
-    ring.log(42, rows[:3])
+    log(ring, 42, rows[:3])
     assert ring.dropped_lanes == {} and ring.copy(12, 16) is None  # a later chunk forgets them
 
 

@@ -21,8 +21,9 @@ order; `meta_state` a dict of counters; `load_state(state, meta_state)` rebuilds
 
 import mlx.core as mx
 
-from ds4_mlx.cache.geometry import (block_of, compressor_reach, frontier_needs, in_block, lane_every as lcm_lane,
-                                    ring_slot, rows_done, rows_visible, window_reach)
+from ds4_mlx.cache.geometry import (compressor_reach, frontier_needs, lane_every as lcm_lane, ring_slot, rows_done,
+                                    window_reach)
+from ds4_mlx.cache.slots import make_slots
 
 RING_NAMES = ("raw", "frontier", "index_frontier")
 BUFFER_NAMES = ("rows", "index_rows")
@@ -47,10 +48,9 @@ class TokenRing:
         """Store rows for positions start, start + 1, ... (at most `capacity` of them)."""
         n = rows.shape[0]
         if n > self.capacity:
-            raise ValueError(f"{n} rows for a ring of {self.capacity}: a chunk goes through `log`")
-        if self.rows is None:  # also for no rows: a decoded token writes into the array (a state loaded at a
-            # multiple of 128 holds no rows of the ratio-128 compressor)
-            self.rows = mx.zeros((self.capacity, self.width), self.dtype)
+            raise ValueError(f"{n} rows for a ring of {self.capacity}")
+        self.allocate()  # also for no rows: a step writes into the array (a state loaded at a multiple of 128
+        # holds no rows of the ratio-128 compressor)
         if n == 0:
             return
         rows = rows.astype(self.dtype)
@@ -60,23 +60,29 @@ class TokenRing:
         if first < n:
             self.rows = mx.slice_update(self.rows, rows[first:], mx.array([0]), axes=(0,))
 
-    def log(self, start, rows):
-        """Store a chunk's rows (positions start, start + 1, ...): the ring keeps the last `capacity`;
-        the lanes' rows among those it drops are copied aside first."""
-        n, kept = rows.shape[0], min(rows.shape[0], self.capacity)
+    def allocate(self):
+        """The rows array, zeros until written (a step writes into it)."""
+        if self.rows is None:
+            self.rows = mx.zeros((self.capacity, self.width), self.dtype)
+        return self.rows
+
+    def commit(self, start, logged, rows):
+        """Take `rows`, the rows array a step wrote (its last `capacity` rows of `logged`, positions start,
+        start + 1, ...); the lanes' rows among those it dropped are copied aside first, from `logged`."""
+        n, kept = logged.shape[0], min(logged.shape[0], self.capacity)
         self.dropped_lanes = {}
         every, need = self.lane_every, self.lane_rows
         lanes = range(start - start % every + every, start + n - kept + need, every) if every and n > kept else ()
-        if lanes:  # one gather for all of them (a lane's rows before the chunk are still in the ring)
+        if lanes:  # one gather for all of them (a lane's rows before the step are still in the ring)
             spans = [(q, max(q - need, start)) for q in lanes]
-            picked = rows[mx.array([p - start for q, first in spans for p in range(first, q)])].astype(self.dtype)
+            picked = logged[mx.array([p - start for q, first in spans for p in range(first, q)])].astype(self.dtype)
             at = 0
             for q, first in spans:
                 mine, at = picked[at : at + q - first], at + q - first
                 before = self.copy(q - need, first)
-                if before is not None:  # else the ring had lost them before this chunk: no lane there
+                if before is not None:  # else the ring had lost them before this step: no lane there
                     self.dropped_lanes[q] = mx.concatenate([before, mine]) if before.shape[0] else mine
-        self.write(start + n - kept, rows[n - kept :])
+        self.rows = rows
 
     def gather(self, positions):
         """Rows at the given positions (an int array of any shape; negative positions give junk rows
@@ -117,14 +123,6 @@ class RowBuffer:
         self.rows = None
         self.count = 0
 
-    def append(self, rows):
-        n = rows.shape[0]
-        if n == 0:
-            return
-        self.reserve(self.count + n)
-        self.rows = mx.slice_update(self.rows, rows.astype(self.dtype), mx.array([self.count]), axes=(0,))
-        self.count += n
-
     def reserve(self, need):
         """Room for `need` rows. Rows past `count` may be stale (a trim only lowers the count)."""
         if self.rows is None or need > self.rows.shape[0]:
@@ -155,15 +153,13 @@ class LayerCache:
     `frontier_history`, so any rewind that deep restores the state with no recomputation.
     """
 
-    def __init__(self, *, window, head_dim, ratio=0, comp_width=0, index_dim=0, index_width=0,
+    def __init__(self, *, window, head_dim, ratio=0, comp_width=0, index_dim=0, index_width=0, index_topk=0,
                  history=0, frontier_history=None, row_dtype=mx.float32, lane_every=None):
-        self.window, self.ratio, self.pos = window, ratio, 0
+        self.window, self.ratio, self.index_topk, self.pos = window, ratio, index_topk, 0
         frontier_history = history if frontier_history is None else min(frontier_history, history)
-        # a chunk reads rows back to p0 - reach from the rings and its own rows from itself (the model's
-        # log_and_read), so the rings hold the reach and the rewind history, whatever the chunk length
+        # a step reads the rows before it from the rings and its own rows from itself, so the rings hold the
+        # reach and the rewind history, whatever the step's length
         self.raw = TokenRing(window_reach(window) + history, head_dim, row_dtype)
-        # the positions before p that a decoded token at p reads from the rings
-        self.reach = max(window_reach(window), compressor_reach(ratio) if ratio else 0)
         if ratio:  # lanes restore the compressor rows from copies, the raw rows from the ring
             lanes = {"lane_every": lane_every, "lane_rows": frontier_needs(lane_every, ratio) if lane_every else 0}
             frontier_capacity = compressor_reach(ratio) + frontier_history
@@ -190,32 +186,28 @@ class LayerCache:
         return [x.rows for x in self.rings() + self.buffers()] + [
             rows for ring in self.rings() for rows in ring.dropped_lanes.values()]
 
-    def decode_arrays(self):
-        """The arrays one decoded token reads and writes, by name: the rings' rows, and the buffers' with
-        room for one more row (a decode step is a pure function of these: see DecoderLayer.decode)."""
+    def view(self, tokens):
+        """What a step of `tokens` tokens from `pos` needs: (`Slots`, the arrays it reads and writes by name:
+        the rings' rows, and the buffers' with room for the rows the step completes). The model returns the
+        arrays written, for `commit`."""
         for b in self.buffers():
-            b.reserve(b.count + 1)
-        return {name: x.rows for name, x in self.named_rings() + self.named_buffers()}
+            b.reserve(rows_done(self.pos + tokens, self.ratio))
+        slots = make_slots(self.pos, tokens, window=self.window, ratio=self.ratio, raw_capacity=self.raw.capacity,
+                           frontier_capacity=self.frontier.capacity if self.ratio else 0,
+                           index_capacity=self.index_frontier.capacity if self.index_frontier else 0,
+                           index_topk=self.index_topk)
+        return slots, {name: x.allocate() if x in self._rings else x.rows
+                       for name, x in self.named_rings() + self.named_buffers()}
 
-    def decode_slots(self):
-        """Where a decoded token at `pos` writes and reads, as ints (computed here once, not in every
-        layer's graph): its slot in each ring, the slot of its window's first row, its offset in its
-        block, the buffer row its block fills, and the compressed rows visible to it."""
-        p, m = self.pos, self.ratio
-        slots = {"pos": p, "raw": ring_slot(p, self.raw.capacity),
-                 "window": ring_slot(p - window_reach(self.window), self.raw.capacity),
-                 "visible": rows_visible(p, m) if m else 0}
-        if m:
-            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=in_block(p, m), row=block_of(p, m))
-        return slots
-
-    def decoded(self, arrays):
-        """Take the arrays a decode step wrote, and move on one position."""
-        for name, x in self.named_rings() + self.named_buffers():
-            x.rows = arrays[name]
-        for b in self.buffers():
-            b.count = rows_done(self.pos + 1, self.ratio)
-        self.advance(1)
+    def commit(self, written, logged):
+        """Take a step's arrays `written` and its rows `logged` in each ring (by name, `view`'s), and move on
+        as many positions as it logged."""
+        tokens = logged["raw"].shape[0]
+        for name, ring in self.named_rings():
+            ring.commit(self.pos, logged[name], written[name])
+        for name, buf in self.named_buffers():
+            buf.rows, buf.count = written[name], rows_done(self.pos + tokens, self.ratio)
+        self.advance(tokens)
 
     def advance(self, n):
         self.pos += n
@@ -351,6 +343,7 @@ def make_caches(args, *, history=0, frontier_history=None, row_dtype=mx.float32)
             window=args.sliding_window, head_dim=args.head_dim, ratio=ratio,
             comp_width=args.head_dim * (2 if csa else 1) if ratio else 0,
             index_dim=args.index_head_dim if csa else 0, index_width=2 * args.index_head_dim if csa else 0,
+            index_topk=args.index_topk,
             history=history, frontier_history=frontier_history, row_dtype=row_dtype, lane_every=lanes))
     return caches
 

@@ -279,15 +279,16 @@ def _attend_kernel():
                                output_names=["out"], source=_ATTEND_CUDA)
 
 
-def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots=None):
+def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None):
     """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
-    warps' partial sums fill 32 KB of shared memory at 512). `slots`: `LayerCache.decode_slots` as
-    arrays (the window's first ring slot, the visible compressed rows), else computed from `pos`."""
+    warps' partial sums fill 32 KB of shared memory at 512). `first`, `visible`: the ring slot of the
+    window's first row and the visible compressed rows ([1] int32, from the cache's `Slots`), else
+    computed from `pos`."""
     nh, hd = q.shape
     kind = DECODE_ATTENTION.backend()
     if kind is None or hd % 32 or hd > 512:
         return decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio)
-    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots)
+    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, first, visible)
 
 
 def _decode_attention_sample():
@@ -296,13 +297,14 @@ def _decode_attention_sample():
             mx.array(21, mx.int32), _random(nh), 8, 4)
 
 
-def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, slots=None):
+def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None):
     nh, hd = q.shape
     f32 = mx.float32
-    if slots is None:
-        slots = {"window": ring_slot(pos - window_reach(window), ring.shape[0]),
-                 "visible": rows_visible(pos, ratio) if ratio else mx.zeros_like(pos)}
-    first, visible = slots["window"].astype(mx.int32), slots["visible"].astype(mx.int32)
+    if first is None:
+        first = ring_slot(pos - window_reach(window), ring.shape[0])
+    if visible is None:
+        visible = rows_visible(pos, ratio) if ratio else mx.zeros_like(pos)
+    first, visible = first.astype(mx.int32).reshape(()), visible.astype(mx.int32).reshape(())
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
     return _attend_kernel()(

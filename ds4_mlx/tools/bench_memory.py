@@ -10,8 +10,7 @@ import gc
 
 import mlx.core as mx
 
-from ds4_mlx.cache.geometry import rows_done
-from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
+from ds4_mlx.models.deepseek_v4 import Model, ModelArgs, write_rows
 
 
 class RowWriter:
@@ -33,16 +32,24 @@ class RowWriter:
             self._blocks[key] = mx.random.normal((max(n, 256), width)).astype(dtype)
         return self._blocks[key][:n]
 
-    def __call__(self, inputs, cache, *, last_only=True):
-        T = inputs.shape[-1]
-        for c in cache:
-            p0 = c.pos
-            for ring in c.rings():
-                ring.log(p0, self._block(T, ring.width, ring.dtype))
-            for buf in c.buffers():
-                buf.append(self._block(rows_done(p0 + T, c.ratio) - rows_done(p0, c.ratio), buf.width, buf.dtype))
-            c.advance(T)
-        return self._logits
+    def forward_steps(self, ids, views, *, last_only=True, layers_per_step=None):
+        """Random rows where the forward writes its rows (`Model.forward_steps`' contract)."""
+        T = ids.shape[-1]
+        written = []
+        for slots, arrays in views[0]:
+            arrays, logged = dict(arrays), {}
+            for name in ("raw", "frontier", "index_frontier"):
+                at = getattr(slots, name)
+                if at is not None:
+                    logged[name] = rows = self._block(T, arrays[name].shape[1], arrays[name].dtype)
+                    arrays[name] = write_rows(arrays[name], at.write, rows[T - at.write.shape[0] :])
+            for name in ("rows", "index_rows"):
+                if name in arrays:
+                    rows = self._block(slots.pooled, arrays[name].shape[1], arrays[name].dtype)
+                    arrays[name] = write_rows(arrays[name], slots.first_row + mx.arange(slots.pooled), rows)
+            written.append((arrays, logged))
+        return self._logits, [written]
+        yield  # a generator, as the model's
 
 
 def session_parts(session) -> dict:

@@ -118,18 +118,11 @@ def _timed_parts(times, detail=False):
     wrap(dv.HyperConnection, "pre", "hc_pre")
     wrap(dv.HyperConnection, "post", "hc_post", static=True)
     wrap(dv.Attention, "__call__", "attention")
-    wrap(dv.Attention, "decode_project", "attention")  # a decoded token's attention (its output projection
-    wrap(dv.Attention, "decode_attend", "attention")  # runs with the MoE's graph: counted as other)
     wrap(dv.MoE, "__call__", "moe")
     wrap(dv.HyperHead, "__call__", "head")
     if detail:  # inside attention (nested: these are part of its figure)
-        from ds4_mlx.cache.layers import TokenRing
-
         wrap(dv.Attention, "_compress", "attn.compress")
-        wrap(dv.Attention, "_decode_compress", "attn.compress")
         wrap(dv.Attention, "_top_rows", "attn.select")
-        wrap(TokenRing, "gather", "attn.ring_gather")
-        wrap(dv, "ring_rows", "attn.ring_gather")
         wrap(dv, "attend", "attn.attend")
         wrap(dv, "decode_attention", "attn.attend")
         # quantized dense products wherever they are (attention, shared experts, head), dequantizing included
