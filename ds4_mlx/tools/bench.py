@@ -249,8 +249,30 @@ def bench_batch(a):
     one = rows[0]["aggregate_tok_s"] if counts[0] == 1 else None
     for row in rows:
         row["speedup"] = row["aggregate_tok_s"] / one if one else None
+    verifies = _verify_costs(first, [int(n) for n in a.verify.split(",")] if a.verify else [], a.decode,
+                             1000 / one if one else None)
     return {"preset": a.preset, "layers": model.args.num_hidden_layers, "dtype": a.dtype,
-            "expert_bits": expert_bits(a), "like": a.like, "context": context, "results": rows}
+            "expert_bits": expert_bits(a), "like": a.like, "context": context, "results": rows, "verify": verifies}
+
+
+def _verify_costs(session, row_counts, repeats, step_ms):
+    """The time of a verify of k drafted tokens on a live session (logits at every row, then trimmed back),
+    against one decoded token's `step_ms`."""
+    rng = np.random.default_rng(1)
+    out = []
+    for k in row_counts:
+        times = []
+        for _ in range(repeats + 2):  # two warm-up verifies build the graphs
+            draft = rng.integers(0, session.model.args.vocab_size, k).tolist()
+            start = time.perf_counter()
+            mx.eval(session.verify(draft))
+            session.trim(len(session.tokens) - k)
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times[2:]) * 1000
+        out.append({"rows": k, "verify_ms": ms, "vs_one_token": ms / step_ms if step_ms else None})
+        print(f"verify of {k} rows: {ms:.2f} ms" + (f" ({ms / step_ms:.2f}x one token)" if step_ms else ""),
+              file=sys.stderr, flush=True)
+    return out
 
 
 def _bench_batch_options(q):
@@ -259,6 +281,8 @@ def _bench_batch_options(q):
     q.add_argument("--context", type=int, default=None, help="tokens each stream holds (default: 512 for the "
                    "tiny model, 8192 at real widths)")
     q.add_argument("--decode", type=int, default=16, help="decode steps timed (their median is reported)")
+    q.add_argument("--verify", default="", help="also time a verify of this many drafted tokens on a live session "
+                   "(comma-separated, e.g. 2,4,6), against one decoded token")
 
 
 BENCHES = [
