@@ -3,20 +3,27 @@
 Rewind policy (README, "How a session goes back"):
 - within the last `frontier_horizon` tokens: every layer trims in place (the rings still hold the raw
   and compressor rows), nothing is recomputed;
-- within the last `rewind_slack` tokens: the raw ring still holds the window, and a lane (the few
-  compressor rows a position that is a multiple of every compression ratio needs, 128 in V4 Flash) is
-  kept at each such position, so the session restores the lane at or before the target and replays
-  fewer than 128 tokens;
-- deeper: restore the nearest checkpoint at or before the target (taken every `checkpoint_every`
-  tokens, a few rows a layer) and replay from there. The newest `recent_checkpoints` checkpoints are
+- further back, the session restores the nearest checkpoint at or before the target and replays from
+  there, in the chunks a cold run computes (chunks end on a grid of absolute positions, multiples of
+  `max_chunk` and `checkpoint_every`, and every checkpoint sits on that grid), so a replayed token
+  gets the numbers of a cold prefill of the same tokens. Full checkpoints are taken every
+  `checkpoint_every` tokens (a few rows a layer); between them, within the last `rewind_slack` tokens
+  (the raw ring still holds the window there), a lane: the few compressor rows a grid position needs
+  (a multiple of every compression ratio too). The newest `recent_checkpoints` checkpoints are
   `checkpoint_every` apart; further back the spacing doubles each time the distance doubles, so a
   million-token session keeps a few dozen, and a rewind replays at most about as many tokens as it
   goes back;
 - the next-token logits come from feeding the last prompt token again, or are kept when the prompt
   equals the live tokens;
 - a chunk that fails (an exception, out of memory) leaves the session at the tokens computed before it
-  when the chunk is no longer than the rewind slack (the rings still hold what it overwrote), else empty.
+  when the chunk is no longer than the rewind slack (the rings still hold what it overwrote), else empty;
+- `exact_rewinds`: every token's rows as a cold prefill computes them, bit for bit, whatever the
+  session held before: no trim in place, no extension of a partial chunk or of decoded tokens; the
+  session goes back to the last grid position before which every row came from whole grid chunks and
+  replays from there (up to a chunk more to compute a request).
 """
+
+import math
 
 import mlx.core as mx
 
@@ -37,7 +44,7 @@ def common_prefix(a, b):
 
 class Session:
     def __init__(self, model, *, rewind_slack=4096, checkpoint_every=2048, max_chunk=2048,
-                 frontier_horizon=512, recent_checkpoints=4):
+                 frontier_horizon=512, recent_checkpoints=4, exact_rewinds=False):
         if checkpoint_every <= 0 or max_chunk <= 0 or recent_checkpoints <= 0:
             raise ValueError("checkpoint_every, max_chunk and recent_checkpoints must be positive")
         if rewind_slack < 0 or frontier_horizon < 0:
@@ -48,13 +55,16 @@ class Session:
         # piece a yield of `sync_steps`, so the others' tokens run between them (same chunks, same numbers)
         self.layers_per_turn = None
         self.frontier_horizon, self.recent_checkpoints = frontier_horizon, recent_checkpoints
+        self.exact_rewinds = exact_rewinds
         self.reset()
 
     def reset(self):
         self.cache: list[LayerCache] = self.model.make_cache(
             history=self.rewind_slack, frontier_history=self.frontier_horizon)
-        self.lane_every = lane_every(self.cache)
+        ratios = lane_every(self.cache)  # a position whose compressor state is a lane
+        self.lane_every = math.lcm(ratios, self.max_chunk) if ratios else None  # and on the chunk grid
         self.tokens: list[int] = []
+        self.clean = 0  # the tokens before it were computed in whole grid chunks, as a cold prefill does
         # position -> per-layer checkpoint, on the live history: full ones at multiples of
         # checkpoint_every, lanes (no raw rows) at the other multiples of lane_every
         self.checkpoints: dict[int, list] = {}
@@ -134,15 +144,16 @@ class Session:
 
     def snapshot(self):
         """A handle on the current state: O(1), arrays are shared until either side writes."""
-        return (list(self.tokens), self.logits, dict(self.checkpoints), [c.snapshot() for c in self.cache])
+        return (list(self.tokens), self.logits, dict(self.checkpoints), [c.snapshot() for c in self.cache],
+                self.clean)
 
     def restore(self, snapshot):
-        tokens, self.logits, checkpoints, layers = snapshot
+        tokens, self.logits, checkpoints, layers, self.clean = snapshot
         self.tokens, self.checkpoints = list(tokens), dict(checkpoints)
         for c, s in zip(self.cache, layers):
             c.restore(s)
 
-    def save(self, path, *, history=512):
+    def save(self, path, *, history=256):
         """Write the session to one safetensors file (`ds4_mlx.cache.state`), with what a rewind of up
         to `history` tokens needs after loading; returns the file size."""
         from ds4_mlx.cache.state import export_session, write_state_file
@@ -167,17 +178,20 @@ class Session:
     def _rewind(self, target):
         """Go back to `target` tokens: trim in place, or restore the newest checkpoint at or before it (or
         start over). Returns the tokens to replay from there to reach the target (the caller feeds them)."""
-        if target == len(self.tokens):
+        if target == len(self.tokens) and (not self.exact_rewinds or target == self.clean):
             return []
         self.logits = None
         self.checkpoints = {p: cp for p, cp in self.checkpoints.items() if p <= target}
-        if all(c.can_trim(target) for c in self.cache):
+        if not self.exact_rewinds and all(c.can_trim(target) for c in self.cache):
             for c in self.cache:
                 c.trim(target)
             del self.tokens[target:]
+            self.clean = min(self.clean, target)
             return []
+        limit = min(target, self.clean) if self.exact_rewinds else target
         start = max((q for q, cp in self.checkpoints.items()
-                     if all(c.can_restore(layer) for c, layer in zip(self.cache, cp))), default=0)
+                     if q <= limit and all(c.can_restore(layer) for c, layer in zip(self.cache, cp))), default=0)
+        self.clean = min(self.clean, start)
         replay = self.tokens[start:target]
         if start:
             for c, cp in zip(self.cache, self.checkpoints[start]):
@@ -218,8 +232,8 @@ class Session:
             pos = len(self.tokens)
             # chunks end on a grid of absolute positions, whatever came before: the same prompt is computed
             # in the same chunks alone, beside other streams, or replayed from a checkpoint
-            to_grid = min(self.max_chunk - pos % self.max_chunk, self.checkpoint_every - pos % self.checkpoint_every)
-            n = min(len(ids) - done, to_grid)
+            n = min(len(ids) - done, self.max_chunk - pos % self.max_chunk,
+                    self.checkpoint_every - pos % self.checkpoint_every)
             chunk = ids[done : done + n]
             try:
                 views = [[c.view(n) for c in self.cache]]
@@ -232,8 +246,8 @@ class Session:
                         logits, written = finished.value
                         break
                     yield done  # a piece of the chunk: other work may run before the next
-                for c, step in zip(self.cache, written[0]):  # every layer or none
-                    c.commit(*step)
+                for c, arrays in zip(self.cache, written[0]):  # every layer or none
+                    c.commit(arrays, n)
                 logits = logits[0]
                 mx.eval(logits, [c.arrays() for c in self.cache])
                 if rows is not None:
@@ -242,11 +256,16 @@ class Session:
             except BaseException:
                 self._undo_chunk(n)
                 raise
+            if pos == self.clean and self._on_grid(pos + n):
+                self.clean = pos + n
             self.tokens.extend(chunk)
             self.logits = logits
             done += n
             self._take_checkpoints(pos, len(self.tokens))
             yield done
+
+    def _on_grid(self, p):
+        return p % self.max_chunk == 0 or p % self.checkpoint_every == 0
 
     def _take_checkpoints(self, start, end):
         """After feeding (start, end]: a lane at each multiple of `lane_every` in it, a full checkpoint
@@ -288,8 +307,8 @@ def step_together(sessions, tokens):
         views = [[c.view(1) for c in s.cache] for s in sessions]
         logits, written = sessions[0].model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
         for s, steps in zip(sessions, written):
-            for c, step in zip(s.cache, steps):
-                c.commit(*step)
+            for c, arrays in zip(s.cache, steps):
+                c.commit(arrays, 1)
     except BaseException:  # as in `_feed`: every layer of every session back at its last token
         for s in sessions:
             s._undo_chunk(1)

@@ -290,7 +290,7 @@ def test_an_error_while_a_step_is_traced_leaves_the_model_whole(monkeypatch):
         raise RuntimeError("broken while traced")
 
     with monkeypatch.context() as m:
-        m.setattr(Attention, "_attend", broken)
+        m.setattr(Attention, "_attend_one", broken)
         with pytest.raises(RuntimeError, match="broken while traced"):
             session.step(tokens[30])
     assert len(session.tokens) == 30

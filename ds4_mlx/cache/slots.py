@@ -1,8 +1,8 @@
 """The contract between a layer's cache and the model: where a step of T tokens reads and writes.
 
 The cache computes a `Slots` on the host from `cache/geometry.py` and hands it to the model with its
-arrays (`LayerCache.view`); the model returns the arrays it wrote and the rows it logged, and the cache
-commits them (`LayerCache.commit`). The model never changes a cache object.
+arrays (`LayerCache.view`); the model returns the arrays it wrote, and the cache commits them
+(`LayerCache.commit`). The model never changes a cache object.
 
 Ints fix the shapes of a step's graph; arrays are its inputs, so a graph traced at one position runs at
 every position with the same shapes (a decoded token's graph is traced once per kind of step).
@@ -30,6 +30,8 @@ class Slots(NamedTuple):
     pooled: int  # compressed rows the step completes (0: it only logs compressor rows)
     pool_offset: int  # where the first completed block starts in the compressor's read rows
     selecting: bool  # the indexer picks the compressed rows (more are visible than index_topk)
+    rows: int  # compressed rows the step reads: its count rounded up to a whole bucket, a function of the
+    # position alone (what the buffers held before does not change the shapes, so nor the numbers)
     positions: mx.array  # [T] int32
     in_blocks: Optional[mx.array]  # [T] offsets in their compressed blocks (None without compression)
     visible: Optional[mx.array]  # [T] compressed rows visible to each token
@@ -52,7 +54,7 @@ def ring_slots(start, tokens, back, capacity):
 
 @lru_cache(maxsize=64)  # the layers of one kind share a step's slots: made once a step, not once a layer
 def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
-               index_topk=0):
+               index_topk=0, row_bucket=1):
     """The `Slots` of a layer of compression `ratio` for T tokens from position `start`."""
     end = start + tokens
     positions = _ints(list(range(start, end)))
@@ -61,7 +63,7 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     raw = ring_slots(start, tokens, window_reach(window), raw_capacity)
     steady = tokens == 1 and start >= window_reach(window)
     if not ratio:
-        return Slots(tokens, window, steady, 0, 0, False, positions, None, None, None, raw, None, None)
+        return Slots(tokens, window, steady, 0, 0, False, 0, positions, None, None, None, raw, None, None)
     first, last = rows_done(start, ratio), rows_done(end, ratio)
     lo = frontier_start(start, ratio)
     pool_back = start - lo if last > first else 0  # nothing to pool: only log
@@ -69,6 +71,7 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     index = ring_slots(start, tokens, pool_back, index_capacity) if index_capacity else None
     visible = [rows_visible(p, ratio) for p in range(start, end)]
     selecting = bool(index_capacity) and visible[-1] > index_topk
-    return Slots(tokens, window, steady, last - first, first * ratio - lo, selecting, positions,
+    rows = -(-last // row_bucket) * row_bucket
+    return Slots(tokens, window, steady, last - first, first * ratio - lo, selecting, rows, positions,
                  _ints([in_block(p, ratio) for p in range(start, end)]), _ints(visible), mx.array(first, mx.int32),
                  raw, frontier, index)

@@ -731,20 +731,20 @@ class Compressor(nn.Module):
 
     def step(self, fresh, ring, at: RingSlots, slots: Slots):
         """Log a step's rows `fresh` [T, 2 * width] (`project`'s) in the ring's rows array, and pool the blocks
-        the step completes. -> (the ring's rows written, the rows logged, pooled rows [slots.pooled, head_dim]
-        before norm and RoPE, or None)."""
+        the step completes. -> (the ring's rows written, pooled rows [slots.pooled, head_dim] before norm and
+        RoPE, or None)."""
         m = self.ratio
         fresh = fresh.astype(ring.dtype)
         source = mx.concatenate([ring[at.read], fresh]) if slots.pooled else None  # read before the write
         ring = write_rows(ring, at.write, fresh[fresh.shape[0] - at.write.shape[0] :])
         if not slots.pooled:
-            return ring, fresh, None
+            return ring, None
         blocks = mx.arange(slots.pooled)
         tokens = slots.pool_offset + blocks[:, None] * m + mx.arange(m)[None, :]  # [rows, m] in `source`
         if not self.overlap:
-            return ring, fresh, self.pool(source[tokens])
+            return ring, self.pool(source[tokens])
         prev_valid = (slots.first_row + blocks >= 1)[:, None, None]  # the very first block has none before it
-        return ring, fresh, self.pool(source[tokens], source[mx.maximum(tokens - m, 0)], prev_valid)
+        return ring, self.pool(source[tokens], source[mx.maximum(tokens - m, 0)], prev_valid)
 
     def pool(self, logged, prev=None, prev_valid=None):
         """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap,
@@ -796,53 +796,59 @@ class Attention(nn.Module):
         if self.kind == CSA:
             self.indexer = Indexer(args)
 
-    def __call__(self, x, positions, steps, quant_sim):
-        """x [B * T, H]: T tokens of each of B sessions at `positions` [B * T]; `steps`: each session's
-        (`Slots`, arrays by name) for this layer (`LayerCache.view`). -> (output [B * T, H] in the compute
-        dtype, each session's (arrays written, rows logged in each ring))."""
-        T = steps[0][0].tokens
+    def project(self, x, positions, in_blocks, selecting, quant_sim):
+        """What the step's tokens compute from themselves alone, reading no cache (so the tokens of several
+        sessions run it together): x [N, H] at `positions` [N], `in_blocks` [N] their offsets in their
+        compressed blocks; `selecting`: some session's indexer picks its rows. -> rows by name, [N, ...] each."""
         qr, q, kv = self._project(x, positions)
-        kv = self._store_kv(kv, quant_sim)
-        rows = {"q": q, "kv": kv}
+        rows = {"q": q, "kv": self._store_kv(kv, quant_sim)}
         if self.kind != SLIDING:
-            in_blocks = mx.concatenate([s.in_blocks for s, _ in steps]) if len(steps) > 1 else steps[0][0].in_blocks
             rows["frontier"] = self.compressor.project(x, in_blocks)
             if self.kind == CSA:
                 rows["index_frontier"] = self.indexer.compressor.project(x, in_blocks)
-                if any(s.selecting for s, _ in steps):
+                if selecting:
                     rows["index_q"], rows["index_w"] = self._index_query(qr, x, positions, quant_sim)
+        return rows
+
+    def attend(self, rows, steps, quant_sim, attend_one):
+        """Each session's cache part of the step (`attend_one`: `_attend_one` or its compiled graph) on its
+        own rows of `rows` (`project`'s). -> (outputs [N, nh, hd] with RoPE still on, each session's arrays
+        written)."""
+        T = steps[0][0].tokens
         outs, written = [], []
         for b, (slots, arrays) in enumerate(steps):
             mine = {name: r[b * T : (b + 1) * T] for name, r in rows.items()} if len(steps) > 1 else rows
-            out, step = self._attend(mine, slots, arrays, quant_sim)
+            out, arrays = attend_one(mine, slots, arrays, quant_sim)
             outs.append(out)
-            written.append(step)
-        return self._project_out(mx.concatenate(outs) if len(outs) > 1 else outs[0], positions), written
+            written.append(arrays)
+        return mx.concatenate(outs) if len(outs) > 1 else outs[0], written
 
-    def _attend(self, rows, slots: Slots, arrays, quant_sim):
+    def _attend_one(self, rows, slots: Slots, arrays, quant_sim):
         """One session's part of a step: write its rows into its cache arrays and attend over its window and
-        compressed rows. -> (attention output [T, nh, hd] with RoPE still on, (arrays written, rows logged))."""
-        arrays, logged = dict(arrays), {}
+        compressed rows. -> (attention output [T, nh, hd] with RoPE still on, the arrays written)."""
+        arrays = dict(arrays)
         ring = arrays["raw"]  # read before the write: a decoded token's window reads it in place
-        window = mx.concatenate([ring[slots.raw.read], rows["kv"].astype(ring.dtype)])  # from start - (W - 1)
-        arrays["raw"] = write_rows(ring, slots.raw.write, window[window.shape[0] - slots.raw.write.shape[0] :])
-        logged["raw"] = window[window.shape[0] - slots.tokens :]
+        kv = rows["kv"].astype(ring.dtype)
+        arrays["raw"] = write_rows(ring, slots.raw.write, kv[kv.shape[0] - slots.raw.write.shape[0] :])
         compressed = selected = None
         if self.kind != SLIDING:
-            compressed = self._compress(self.compressor, rows["frontier"], slots, slots.frontier, arrays, logged,
-                                        "frontier", "rows", lambda r: self._store_kv(r, quant_sim))
+            compressed = self._compress(self.compressor, rows["frontier"], slots, slots.frontier, arrays, "frontier",
+                                        "rows", lambda r: self._store_kv(r, quant_sim))
             if self.kind == CSA:
                 index_rows = self._compress(self.indexer.compressor, rows["index_frontier"], slots,
-                                            slots.index_frontier, arrays, logged, "index_frontier", "index_rows",
+                                            slots.index_frontier, arrays, "index_frontier", "index_rows",
                                             index_rounding(quant_sim))
                 if slots.selecting:
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
-        if slots.steady:  # the fused kernel reads the window from the ring in place
-            out = decode_attention(rows["q"][0], ring, window[-1:], compressed,
-                                   None if selected is None else selected[0], slots.positions[0], self.sinks,
-                                   slots.window, self.ratio, slots.raw.read[0], slots.visible)
-            return out[None], (arrays, logged)
-        return self._attend_rows(rows["q"], window, compressed, selected, slots), (arrays, logged)
+        if slots.steady:  # one decoded token: the fused kernel reads its window from the ring in place
+            out = decode_attention(rows["q"][0], ring, kv, compressed, None if selected is None else selected[0],
+                                   slots.positions[0], self.sinks, slots.window, self.ratio, slots.raw.read[0],
+                                   slots.visible)
+            return out[None], arrays
+        window = mx.concatenate([ring[slots.raw.read], kv])  # the raw rows from start - (W - 1) on
+        return self._attend_rows(rows["q"], window, compressed, selected, slots), arrays
+
+    _compiled_attend_one = compiled(_attend_one)
 
     def _attend_rows(self, q, window, compressed, selected, slots: Slots):
         """Each token's heads q [T, nh, hd] over its window (from `window`: the raw rows of positions
@@ -863,17 +869,17 @@ class Attention(nn.Module):
         return attend(q.astype(f32), keys.astype(f32), mx.concatenate(masks, axis=1) if len(masks) > 1 else masks[0],
                       self.sinks.astype(f32), self.head_dim ** -0.5)
 
-    def _compress(self, compressor, fresh, slots: Slots, at: RingSlots, arrays, logged, ring, buffer, rounding):
+    def _compress(self, compressor, fresh, slots: Slots, at: RingSlots, arrays, ring, buffer, rounding):
         """A compressor's part of a step on the named arrays: log its rows, pool the blocks the step
-        completes into finished rows of `buffer`. -> the buffer's rows array (its capacity: rows from a
+        completes into finished rows of `buffer`. -> the buffer's first `slots.rows` rows (rows from a
         token's visible count on are not valid for it)."""
-        arrays[ring], logged[ring], pooled = compressor.step(fresh, arrays[ring], at, slots)
+        arrays[ring], pooled = compressor.step(fresh, arrays[ring], at, slots)
         if pooled is not None:
             m = compressor.ratio
             finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
             finished = rounding(self.rope(finished, slots.first_row * m, m))
             arrays[buffer] = write_rows(arrays[buffer], slots.first_row + mx.arange(slots.pooled), finished)
-        return arrays[buffer]
+        return arrays[buffer][: slots.rows]
 
     def _store_kv(self, kv, quant_sim):
         if not quant_sim:
@@ -1028,21 +1034,47 @@ class DecoderLayer(nn.Module):
     def __call__(self, streams, ids, positions, steps, quant_sim):
         """streams [B * T, hc, H] (float32) of T tokens of each of B sessions, their ids and `positions`
         [B * T]; `steps`: each session's (`Slots`, arrays) of this layer (`LayerCache.view`). -> (streams,
-        each session's (arrays written, rows logged)). A few rows (decoded tokens, a verify) run as one
-        compiled graph."""
-        if streams.shape[0] < self.few_rows:
+        each session's arrays written). A few rows (decoded tokens, a verify) run as compiled graphs: one
+        for one session; for several, one for what reads no cache and one for each session's cache part
+        (a graph over all of them would be traced anew for every mix of their steps)."""
+        if streams.shape[0] >= self.few_rows:
+            return self._step(streams, ids, positions, steps, quant_sim)
+        if len(steps) == 1:
             return self._compiled_step(streams, ids, positions, steps, quant_sim)
-        return self._step(streams, ids, positions, steps, quant_sim)
+        post, comb, rows = self._compiled_enter(streams, positions, _in_blocks(steps),
+                                                any(s.selecting for s, _ in steps), quant_sim)
+        out, written = self.attn.attend(rows, steps, quant_sim, self.attn._compiled_attend_one)
+        return self._compiled_leave(out, positions, streams, post, comb, ids), written
 
     def _step(self, streams, ids, positions, steps, quant_sim):
+        post, comb, rows = self._enter(streams, positions, _in_blocks(steps), any(s.selecting for s, _ in steps),
+                                       quant_sim)
+        out, written = self.attn.attend(rows, steps, quant_sim, self.attn._attend_one)
+        return self._leave(out, positions, streams, post, comb, ids), written
+
+    def _enter(self, streams, positions, in_blocks, selecting, quant_sim):
+        """Up to the cache: HC pre, the norm, `Attention.project`."""
         x, post, comb = self.hc_attn.pre(streams)
-        out, written = self.attn(self.attn_norm(x.astype(self.attn_norm.weight.dtype)), positions, steps, quant_sim)
-        streams = HyperConnection.post(out, streams, post, comb)
+        x = self.attn_norm(x.astype(self.attn_norm.weight.dtype))
+        return post, comb, self.attn.project(x, positions, in_blocks, selecting, quant_sim)
+
+    def _leave(self, out, positions, streams, post, comb, ids):
+        """From the attention outputs on: the output projection, HC post, the MoE, HC post."""
+        streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         out = self.ffn(self.ffn_norm(x.astype(self.ffn_norm.weight.dtype)), ids)
-        return HyperConnection.post(out, streams, post, comb), written
+        return HyperConnection.post(out, streams, post, comb)
 
     _compiled_step = compiled(_step)
+    _compiled_enter = compiled(_enter)
+    _compiled_leave = compiled(_leave)
+
+
+def _in_blocks(steps):
+    """The sessions' tokens' offsets in their compressed blocks, in row order (None without compression)."""
+    if steps[0][0].in_blocks is None or len(steps) == 1:
+        return steps[0][0].in_blocks
+    return mx.concatenate([s.in_blocks for s, _ in steps])
 
 
 class Model(nn.Module):
@@ -1068,8 +1100,8 @@ class Model(nn.Module):
         """The one forward: ids int32 [B, T], T tokens of each of B sessions; `views`: each session's
         per-layer (`Slots`, arrays) (`LayerCache.view(T)`). Prefill chunks (B = 1), decoded tokens (T = 1),
         a verify of drafted tokens and batched streams are all this. Changes no cache: -> (logits
-        [B, T, vocab] float32 (or [B, 1, vocab] with `last_only`), each session's per-layer (arrays
-        written, rows logged), for `LayerCache.commit`)."""
+        [B, T, vocab] float32 (or [B, 1, vocab] with `last_only`), each session's per-layer arrays written,
+        for `LayerCache.commit`)."""
         run = self.forward_steps(ids, views, last_only=last_only)
         while True:
             try:
@@ -1103,8 +1135,8 @@ class Model(nn.Module):
         if cache is None:
             cache = self.make_cache()
         logits, written = self.forward(inputs, [[c.view(inputs.shape[1]) for c in cache]], last_only=last_only)
-        for c, step in zip(cache, written[0]):
-            c.commit(*step)
+        for c, arrays in zip(cache, written[0]):
+            c.commit(arrays, inputs.shape[1])
         return logits
 
     def _streams(self, ids):

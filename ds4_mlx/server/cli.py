@@ -32,8 +32,8 @@ def run_serve(args):
         raise ValueError("--sessions must be at least 1 and --ctx at least 2")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
-    if args.prefill_chunk < 1 or args.shared_prefill_chunk < 1 or args.batch < 1:
-        raise ValueError("--prefill-chunk, --shared-prefill-chunk and --batch must be at least 1")
+    if args.prefill_chunk < 1 or args.shared_prefill_layers < 1 or args.batch < 1:
+        raise ValueError("--prefill-chunk, --shared-prefill-layers and --batch must be at least 1")
     if args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1")
     if args.max_body_mb is not None and args.max_body_mb <= 0:
@@ -53,7 +53,8 @@ def run_serve(args):
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
                           checkpoint_every=args.checkpoint_every, prefill_chunk=args.prefill_chunk,
-                          shared_prefill_chunk=args.shared_prefill_chunk, batch=args.batch,
+                          shared_prefill_layers=args.shared_prefill_layers,
+                          exact_rewinds=args.exact_rewinds, batch=args.batch,
                           max_tokens=args.max_tokens,
                           disk=disk_store_from_args(args),
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
@@ -164,11 +165,15 @@ def register(subparsers):
     p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay (default %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints (default %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help="prompt tokens computed a turn while no other stream runs; longer chunks prefill faster "
-                        "on a GPU and hold more memory while they run (default %(default)s)")
-    p.add_argument("--shared-prefill-chunk", type=int, default=256,
-                   help="prompt tokens computed a turn while other streams run; each of them waits about one "
-                        "chunk for its next token (default %(default)s)")
+                   help="prompts are computed in chunks that end at multiples of this many tokens, whatever runs "
+                        "beside them; longer chunks prefill faster on a GPU and hold more memory while they run "
+                        "(default %(default)s)")
+    p.add_argument("--shared-prefill-layers", type=int, default=1,
+                   help="layers of a prompt's chunk computed a turn while other streams run; each of them waits "
+                        "about that long for its next token (default %(default)s)")
+    p.add_argument("--exact-rewinds", action="store_true",
+                   help="every request gets a cold prefill's numbers bit for bit, whatever its session held: no "
+                        "trim in place, a replay from the chunk grid instead (up to a chunk more computed a request)")
     p.add_argument("--batch", "--batched-session", type=int, default=4,
                    help="streams decoded together in one forward at most (ds4's --batched-session); each "
                         "still samples, stops and aborts on its own (default %(default)s)")

@@ -135,22 +135,23 @@ class _Running:
 
 class Worker:
     def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate, disk=None,
-                 prefill_chunk: int = 2048, shared_prefill_chunk: int = 256, stuck_after_s: float = 600.0,
+                 shared_prefill_layers: int = 1, stuck_after_s: float = 600.0,
                  batch: int = 1):
         """`load()` returns (model, tokenizer) and runs on the worker thread, which owns the model from
         then on (MLX arrays belong to the thread that made them); `session_factory(model)` makes a
         Session; `generate` is `ds4_mlx.generate.stream_generate`; `disk` a `ds4_mlx.cache.store.DiskStore`
         (or None): sessions are saved there when evicted, at shutdown and during long prompts, and a
-        request that no slot serves well looks there for its longest prefix. A prompt is computed
-        `prefill_chunk` tokens a turn while it is the only job running (long chunks prefill faster),
-        `shared_prefill_chunk` while other streams run (each waits about one chunk for its next token).
+        request that no slot serves well looks there for its longest prefix. A prompt is computed a chunk a
+        turn while it is the only job running, and `shared_prefill_layers` layers of a chunk a turn while
+        other streams run (each waits about that long for its next token): the same chunks either way, so
+        the same numbers.
         A turn (one chunk or token of each running job) longer than `stuck_after_s` is reported by `health()`.
         Streams decoding in the same turn take their tokens in one forward, `batch` at most (`DecodeStep`)."""
         if batch < 1:
             raise ValueError("batch must be at least 1")
         self.batch = batch
         self.disk = disk
-        self.prefill_chunk, self.shared_prefill_chunk = prefill_chunk, shared_prefill_chunk
+        self.shared_prefill_layers = shared_prefill_layers
         self._load = load
         self.model = self.tokenizer = None
         self.longest_token_bytes = 1  # of the tokenizer's tokens: a prompt has at least len / this tokens
@@ -355,10 +356,10 @@ class Worker:
         return _Running(job, placement, iter(chunks), from_disk=shared if shared > placement.common else 0)
 
     def _advance(self, run: _Running):
-        """The job's turn: one prefill chunk, or the draw of its next token (then it waits in `run.step`
-        for `_decode_together`)."""
+        """The job's turn: one prefill chunk (a few of its layers while other streams run), or the draw of its
+        next token (then it waits in `run.step` for `_decode_together`)."""
         alone = len(self._running) == 1
-        run.placement.slot.session.max_chunk = self.prefill_chunk if alone else self.shared_prefill_chunk
+        run.placement.slot.session.layers_per_turn = None if alone else self.shared_prefill_layers
         self._take(run, next, run.chunks)
 
     def _decode_together(self):

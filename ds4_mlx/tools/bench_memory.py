@@ -34,20 +34,19 @@ class RowWriter:
 
     def forward_steps(self, ids, views, *, last_only=True, layers_per_step=None):
         """Random rows where the forward writes its rows (`Model.forward_steps`' contract)."""
-        T = ids.shape[-1]
         written = []
         for slots, arrays in views[0]:
-            arrays, logged = dict(arrays), {}
+            arrays = dict(arrays)
             for name in ("raw", "frontier", "index_frontier"):
                 at = getattr(slots, name)
                 if at is not None:
-                    logged[name] = rows = self._block(T, arrays[name].shape[1], arrays[name].dtype)
-                    arrays[name] = write_rows(arrays[name], at.write, rows[T - at.write.shape[0] :])
+                    rows = self._block(at.write.shape[0], arrays[name].shape[1], arrays[name].dtype)
+                    arrays[name] = write_rows(arrays[name], at.write, rows)
             for name in ("rows", "index_rows"):
                 if name in arrays:
                     rows = self._block(slots.pooled, arrays[name].shape[1], arrays[name].dtype)
                     arrays[name] = write_rows(arrays[name], slots.first_row + mx.arange(slots.pooled), rows)
-            written.append((arrays, logged))
+            written.append(arrays)
         return self._logits, [written]
         yield  # a generator, as the model's
 
