@@ -1,0 +1,106 @@
+"""Tenants of one server learn nothing of each other: a slot taken over from another tenant starts empty
+(the PIN probe), answers are remembered for their own tenant only, and /metrics, which sums over every
+tenant, is the operator's. And two edges that must stay quiet: a client gone before the response
+headers, and a disk store folder the server cannot write."""
+
+import logging
+
+import pytest
+import requests
+
+from ds4_mlx.server.build import BackgroundServer
+from ds4_mlx.server.middleware import Access
+from ds4_mlx.server.slots import Slot, place
+from ds4_mlx.tools.testing import demo_server, request_lines
+
+CTX = 4096
+SECRET = "4081"
+RULES = "You are the bank's assistant. " + " ".join(f"rule{i}" for i in range(300))
+
+
+class Tenant:
+    """A client of the server: its API key and its `cache_salt`, if any."""
+
+    def __init__(self, key: str, salt: str | None = None):
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.salt = {"cache_salt": salt} if salt else {}
+
+    def chat(self, bg, messages, **extra) -> dict:
+        body = {"model": "deepseek-chat", "messages": messages, "max_tokens": 1, "temperature": 0,
+                **self.salt, **extra}
+        r = requests.post(bg.url + "/v1/chat/completions", json=body, headers=self.headers, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def sessions(self, bg) -> dict:
+        return requests.get(bg.url + "/v1/sessions", params=self.salt, headers=self.headers, timeout=60).json()
+
+
+def conversation(pin: str) -> list:
+    return [{"role": "system", "content": f"{RULES} My PIN is {pin}."}, {"role": "user", "content": "Check it."}]
+
+
+TENANT_PAIRS = {  # (server keys, victim, prober)
+    "two keys": (("key-A", "key-B"), Tenant("key-A"), Tenant("key-B")),
+    "one key, two salts": (("key",), Tenant("key", "victim"), Tenant("key", "prober")),
+}
+
+
+# ---------------------------------------------------------------- a slot taken over from another tenant
+
+
+@pytest.mark.parametrize("pair", TENANT_PAIRS)
+def test_a_probe_learns_nothing_of_another_tenant_s_prompt(pair, caplog):
+    """One slot, the victim's prompt in it before every probe: whatever the prober guesses, every figure it
+    is shown (cached tokens, and reused, replayed, computed and live tokens in /v1/sessions) is the same."""
+    caplog.set_level(logging.INFO, logger="ds4_mlx.server")
+    keys, victim, prober = TENANT_PAIRS[pair]
+    with BackgroundServer(demo_server(ctx=CTX, sessions=1, access=Access(api_keys=keys))) as bg:
+        seen = {True: set(), False: set()}
+        guesses = ["4082", SECRET, "1234", SECRET]
+        for guess in guesses:
+            victim.chat(bg, conversation(SECRET))
+            usage = prober.chat(bg, conversation(guess))["usage"]
+            last = prober.sessions(bg)["requests"][-1]
+            seen[guess == SECRET].add((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+                                       *(last[k] for k in ("reused_tokens", "replayed_tokens", "computed_tokens",
+                                                           "live_tokens", "miss"))))
+        assert seen[True] == seen[False] and len(seen[True]) == 1, seen
+        prompt_tokens, cached, reused, replayed, computed, live, miss = seen[True].pop()
+        assert (cached, reused, replayed, computed, live) == (0, 0, 0, prompt_tokens, 0)
+    # the log says what happened: the other tenant's tokens were dropped whole, nothing reused
+    takeovers = [line for line in request_lines(caplog) if "another tenant's conversation" in line["line"]]
+    assert len(takeovers) == 2 * len(guesses) - 1  # each probe, and each of the victim's resends after the first
+    assert all(line["reused"] == "0" and ": 0 reused" in line["line"] for line in takeovers)
+
+
+def test_sessions_show_nothing_of_the_slot_s_previous_tenant():
+    """While the prober's request runs in the slot the victim used, /v1/sessions shows the prober none of
+    the victim's figures."""
+    victim, prober = Tenant("key-A"), Tenant("key-B")
+    with BackgroundServer(demo_server(ctx=CTX, sessions=1, access=Access(api_keys=("key-A", "key-B")))) as bg:
+        victim.chat(bg, conversation(SECRET))
+        body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1000,
+                "temperature": 0, "stream": True}
+        with requests.post(bg.url + "/v1/chat/completions", json=body, headers=prober.headers, stream=True,
+                           timeout=120) as stream:
+            assert stream.status_code == 200, stream.text
+            first = next(line for line in stream.iter_lines() if line.startswith(b"data:"))  # the request runs
+            slot = prober.sessions(bg)["slots"][0]
+        assert slot["busy"] and slot["last_request"] is None, (slot, first)
+
+
+def test_the_policy_marks_a_takeover_of_another_tenant_s_slot():
+    class Held:
+        def __init__(self, tokens):
+            self.tokens = list(tokens)
+
+    prompt = list(range(1000))
+    mine, theirs = Slot(0, Held(prompt[:600]), busy=True, namespace="me"), Slot(1, Held(prompt[:900]), namespace="them")
+    fork = place([mine, theirs], prompt, "me")  # a fork from my busy slot into theirs: nothing of theirs kept
+    assert (fork.slot, fork.source, fork.common, fork.foreign) == (theirs, mine, 600, True)
+    mine.busy = False
+    mine.session.tokens = [-1] * 10
+    assert place([mine, theirs], prompt, "me").foreign is False  # my own slot goes first
+    alone = place([theirs], prompt, "me")
+    assert (alone.common, alone.foreign, alone.miss) == (0, True, "other-tenant(live=900)")
