@@ -8,6 +8,8 @@ import logging
 import pytest
 import requests
 
+from ds4_mlx.server import openai_api
+from ds4_mlx.server.assembly import AnswerMemory
 from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.middleware import Access
 from ds4_mlx.server.slots import Slot, place
@@ -104,3 +106,27 @@ def test_the_policy_marks_a_takeover_of_another_tenant_s_slot():
     assert place([mine, theirs], prompt, "me").foreign is False  # my own slot goes first
     alone = place([theirs], prompt, "me")
     assert (alone.common, alone.foreign, alone.miss) == (0, True, "other-tenant(live=900)")
+
+
+# ---------------------------------------------------------------- the answer memory
+
+
+def test_an_answer_is_remembered_for_its_own_tenant_only():
+    """A tenant that sends back an answer the server gave to another tenant gets it tokenized as text, as
+    a fresh server would: its prompt and its output do not depend on the other's history."""
+    owner, other = Tenant("key-A"), Tenant("key-B")
+    question = [{"role": "user", "content": "Name three colours."}]
+    with BackgroundServer(demo_server(ctx=CTX, sessions=2, access=Access(api_keys=("key-A", "key-B")))) as bg:
+        answer = owner.chat(bg, question, max_tokens=12)["choices"][0]["message"]["content"]
+        follow_up = question + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+        body = {"model": "deepseek-chat", "messages": follow_up}
+        as_text = len(bg.server.worker.tokenizer.encode(
+            openai_api.parse_chat(body, bg.server.info, AnswerMemory()).prompt_text))
+        owns = owner.chat(bg, follow_up)["usage"]["prompt_tokens"]
+        assert owns != as_text  # the answer's sampled tokens are not its text re-tokenized: the memory shows
+        assert other.chat(bg, follow_up)["usage"]["prompt_tokens"] == as_text
+        counted = requests.post(bg.url + "/v1/messages/count_tokens", headers=other.headers, timeout=60,
+                                json={"model": "deepseek-chat", "messages": follow_up}).json()
+        assert counted["input_tokens"] == as_text
+        salted = Tenant("key-A", "another-namespace")  # the same key under another cache_salt is another tenant
+        assert salted.chat(bg, follow_up)["usage"]["prompt_tokens"] == as_text
