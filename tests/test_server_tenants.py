@@ -130,3 +130,25 @@ def test_an_answer_is_remembered_for_its_own_tenant_only():
         assert counted["input_tokens"] == as_text
         salted = Tenant("key-A", "another-namespace")  # the same key under another cache_salt is another tenant
         assert salted.chat(bg, follow_up)["usage"]["prompt_tokens"] == as_text
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+def test_metrics_answer_the_metrics_key_only_once_tenants_have_keys():
+    def metrics(bg, key=None):
+        return requests.get(bg.url + "/metrics", headers={"x-api-key": key} if key else {}, timeout=60)
+
+    with BackgroundServer(demo_server(ctx=CTX, access=Access(api_keys=("key-A", "key-B")))) as bg:
+        for key in ("key-A", "key-B", None):  # without --metrics-key, /metrics is off
+            refused = metrics(bg, key)
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "metrics_key_required"
+    access = Access(api_keys=("key-A",), metrics_key="key-M")
+    with BackgroundServer(demo_server(ctx=CTX, access=access)) as bg:
+        assert metrics(bg, "key-A").status_code == 403
+        assert metrics(bg, None).status_code == 401
+        scraped = metrics(bg, "key-M")
+        assert scraped.status_code == 200 and "ds4_mlx_ready" in scraped.text
+        # the metrics key is no tenant key
+        assert requests.get(bg.url + "/v1/models", headers={"x-api-key": "key-M"}, timeout=60).status_code == 401
+        assert requests.get(bg.url + "/v1/models", headers={"x-api-key": "key-A"}, timeout=60).status_code == 200

@@ -4,7 +4,8 @@ Counters: HTTP responses by route and status; generation requests by endpoint an
 prompt tokens by how they were served (reused from a live session, replayed after a trim, computed);
 completion tokens; prefill and decode seconds. Gauges read at scrape time: prefill and decode tokens
 per second over all requests so far, queued and running requests, the sessions' tokens and bytes,
-MLX memory, whether the model is loaded, and the process's memory (Linux).
+MLX memory, whether the model is loaded, and the process's memory (Linux). The counters sum over every
+tenant: with API keys, only the `--metrics-key` reads them (`middleware`).
 """
 
 from aiohttp import web
