@@ -4,9 +4,13 @@ tenant, is the operator's. And two edges that must stay quiet: a client gone bef
 headers, and a disk store folder the server cannot write."""
 
 import logging
+import socket
+import struct
+import time
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from ds4_mlx.server import openai_api
 from ds4_mlx.server.assembly import AnswerMemory
@@ -152,3 +156,44 @@ def test_metrics_answer_the_metrics_key_only_once_tenants_have_keys():
         # the metrics key is no tenant key
         assert requests.get(bg.url + "/v1/models", headers={"x-api-key": "key-M"}, timeout=60).status_code == 401
         assert requests.get(bg.url + "/v1/models", headers={"x-api-key": "key-A"}, timeout=60).status_code == 200
+
+
+# ---------------------------------------------------------------- a client gone before the headers
+
+
+def _samples(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_stream_whose_client_left_before_the_headers_is_quiet_and_counted_as_dropped(caplog):
+    caplog.set_level(logging.INFO)
+    server = demo_server(ctx=CTX)
+    tokenize = server._tokenize
+
+    async def slow_tokenize(text):  # the client's reset arrives meanwhile
+        import asyncio
+
+        await asyncio.sleep(0.5)
+        return await tokenize(text)
+
+    server._tokenize = slow_tokenize
+    body = (b'{"model": "deepseek-chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, '
+            b'"stream": true}')
+    with BackgroundServer(server) as bg:
+        with socket.create_connection(("127.0.0.1", bg.port)) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                           b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            counted = _samples(requests.get(bg.url + "/metrics", timeout=60).text)
+            if any(name == "ds4_mlx_requests_total" for name, _ in counted):
+                break
+            time.sleep(0.1)
+    requests_seen = {labels: v for (name, labels), v in counted.items() if name == "ds4_mlx_requests_total"}
+    assert requests_seen == {(("endpoint", "chat"), ("finish_reason", "dropped")): 1.0}
+    statuses = {dict(labels)["status"]: v for (name, labels), v in counted.items()
+                if name == "ds4_mlx_http_requests_total" and dict(labels)["route"] == "/v1/chat/completions"}
+    assert statuses == {"499": 1.0}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -194,9 +194,9 @@ class Server:
                   asyncio.get_running_loop(), client_gone=lambda: _client_gone(request))
         answer = Answer(thinking=prepared.thinking, tools=prepared.tools, memory=self.answer_memory.of(namespace),
                         tool_id_prefix=prepared.tool_id_prefix)
-        self.worker.submit(job)
         if prepared.stream:
             return await self._stream(request, job, answer, responder)
+        self.worker.submit(job)
         return await self._collect(job, answer, responder)
 
     async def _collect(self, job: Job, answer: Answer, responder):
@@ -219,10 +219,20 @@ class Server:
         return web.json_response(responder.body(payload, answer))
 
     async def _stream(self, request: web.Request, job: Job, answer: Answer, responder):
+        """Send the headers, then submit the job and stream its events. A client gone before the headers
+        went out is counted as dropped, and its job never submitted; one gone later is aborted, counted
+        when the worker has let go of its job."""
         response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionError:
+            log.info(f"{job.request.label} dropped: the client left before the response began")
+            self.metrics.finished(job.request.label, None)
+            return response
+        self.worker.submit(job)
         keepalive = getattr(responder, "keepalive", COMMENT_KEEPALIVE)
         last_write = time.monotonic()
+        done = False
         try:
             while True:
                 timeout = max(0.0, last_write + self.keepalive_s - time.monotonic())
@@ -231,6 +241,7 @@ class Server:
                 except asyncio.TimeoutError:
                     kind, payload = "keepalive", None
                 if kind == "done":
+                    done = True
                     self.metrics.finished(job.request.label, payload)
                     if payload is not None and payload.finish_reason not in ("abort", "error"):
                         await self._write(response, responder.end(payload, answer))
@@ -252,6 +263,11 @@ class Server:
                     last_write = time.monotonic()
         except (ConnectionError, RuntimeError):  # the client went away mid-stream
             job.cancel()
+            while not done:  # the worker stops the job at its next step
+                kind, payload = await job.events.get()
+                if kind == "done":
+                    done = True
+                    self.metrics.finished(job.request.label, payload)
         return response
 
     @staticmethod
