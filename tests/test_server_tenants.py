@@ -4,6 +4,8 @@ tenant, is the operator's. And two edges that must stay quiet: a client gone bef
 headers, and a disk store folder the server cannot write."""
 
 import logging
+import os
+import signal
 import socket
 import struct
 import time
@@ -17,7 +19,7 @@ from ds4_mlx.server.assembly import AnswerMemory
 from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.server.middleware import Access
 from ds4_mlx.server.slots import Slot, place
-from ds4_mlx.tools.testing import demo_server, request_lines
+from ds4_mlx.tools.testing import demo_server, request_lines, serve_process
 
 CTX = 4096
 SECRET = "4081"
@@ -197,3 +199,48 @@ def test_a_stream_whose_client_left_before_the_headers_is_quiet_and_counted_as_d
                 if name == "ds4_mlx_http_requests_total" and dict(labels)["route"] == "/v1/chat/completions"}
     assert statuses == {"499": 1.0}
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+# ---------------------------------------------------------------- a disk store folder the server cannot write
+
+
+def unwritable_folder(tmp_path):
+    """A folder whose lock file cannot be opened for writing, as on a read-only file system: here `.lock` is
+    a folder, which no user, root included, can open as a file."""
+    folder = tmp_path / "kv"
+    (folder / ".lock").mkdir(parents=True)
+    return folder
+
+
+def test_an_unwritable_disk_store_folder_leaves_the_server_serving_without_it(tmp_path):
+    process, url = serve_process("--ctx", "2048", "--sessions", "1", "--kv-disk-dir", str(unwritable_folder(tmp_path)))
+    try:
+        r = requests.post(url + "/v1/chat/completions", timeout=120,
+                          json={"model": "deepseek-chat", "messages": [{"role": "user", "content": "Hi"}],
+                                "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=60)[0]
+    assert process.returncode == 0, output
+    warnings = [line for line in output.splitlines() if "kv disk" in line]
+    assert len(warnings) == 1 and "cannot use" in warnings[0] and "without the disk store" in warnings[0], output
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_read_only_disk_store_folder_is_skipped_with_one_warning(tmp_path, caplog):
+    import argparse
+
+    from ds4_mlx.cache import add_disk_arguments, disk_store_from_args
+
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    folder.chmod(0o500)
+    parser = argparse.ArgumentParser()
+    add_disk_arguments(parser)
+    try:
+        assert disk_store_from_args(parser.parse_args(["--kv-disk-dir", str(folder)])) is None
+    finally:
+        folder.chmod(0o700)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("kv disk: cannot use"), warnings
