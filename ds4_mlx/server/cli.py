@@ -40,6 +40,8 @@ def run_serve(args):
         raise ValueError("--max-body-mb must be more than 0")
     if any(not key.strip() for key in args.api_key or ()):
         raise ValueError("--api-key must not be empty")
+    if args.metrics_key is not None and (not args.metrics_key.strip() or args.metrics_key in (args.api_key or ())):
+        raise ValueError("--metrics-key must not be empty nor one of the --api-key keys")
 
     def load():  # runs on the worker thread once the app starts, so `server` below is set
         model, tokenizer, is_demo = load_for_cli(args.model)
@@ -60,7 +62,8 @@ def run_serve(args):
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
                           max_connections=fit_connection_cap(args.max_connections),
                           access=Access(api_keys=tuple(args.api_key or ()), cors_origins=tuple(args.cors or ()),
-                                        allowed_hosts=tuple(h.lower() for h in args.allowed_host or ())))
+                                        allowed_hosts=tuple(h.lower() for h in args.allowed_host or ()),
+                                        metrics_key=args.metrics_key))
     sock = listen(args.host, args.port)
     code = asyncio.run(serve(server, sock, log))
     # Everything is answered, saved and closed by now. Leave without the interpreter's teardown: it frees
@@ -187,6 +190,9 @@ def register(subparsers):
                    help="require this key from clients, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
                         "(/health stays open); repeatable: each key is a tenant whose cached prefixes no other "
                         "key reuses or learns about")
+    p.add_argument("--metrics-key", metavar="KEY",
+                   help="the key /metrics asks for; its counters sum over every tenant, so with --api-key it "
+                        "answers this key only, and without --metrics-key it is refused")
     p.add_argument("--cors", action="append", metavar="ORIGIN",
                    help="let web pages from ORIGIN call the server (repeatable; * for any origin); requests "
                         "from other pages than the server's own are refused")

@@ -35,7 +35,8 @@ def openapi_spec(info) -> dict:
             "/health": _get("server status: slots (busy or not), queue length; 503 while loading or if the worker died"),
             "/v1/models": _get("the served model, with its context_length"),
             "/metrics": _get("Prometheus metrics: requests, prompt tokens reused and computed, prefill and decode "
-                             "speed, queue, memory (text exposition format)"),
+                             "speed, queue, memory (text exposition format); with API keys, only the "
+                             "--metrics-key reads it"),
             "/tokenize": _post("token ids of a text, as is (special-token strings become their ids unless "
                                "parse_special is false; add_special puts BOS first)", ["content"], {
                 "content": S, "with_pieces": B, "add_special": B, "parse_special": B}),

@@ -62,6 +62,7 @@ class Outcome:
     source: int | None = None  # the slot a fork started from (slots.place)
     namespace: str = ""
     from_disk: int = 0  # prompt tokens loaded from the disk store before the prefill
+    foreign: bool = False  # the slot held another tenant's tokens (`live`), dropped whole
     cut_off: bool = False  # ended by the shutdown while running; then the figures are what the slot holds
 
     @property
@@ -79,17 +80,22 @@ class Outcome:
         if self.cut_off:
             return (f"{label} cut off by the shutdown after {self.reused + self.computed} of {self.prompt_tokens} "
                     f"prompt tokens and {self.completion_tokens} answer tokens; {slot} keeps them")
+        dropped = (f"another tenant's {self.live} tokens were dropped" if self.foreign
+                   else f"its own {self.live} were dropped")
         if self.from_disk:
             kind = (f"disk hit: {slot} starts from a stored session sharing {self.from_disk} tokens with the prompt"
-                    + (f" (its own {self.live} were dropped)" if self.live else ""))
+                    + (f" ({dropped})" if self.live else ""))
         elif self.miss is None:
             kind = "hit: " + (f"{slot} already holds this prompt (a resend)" if self.prompt_tokens <= self.live
                               else f"{slot} continues its conversation")
         elif self.source is not None:
             kind = (f"partial hit: {slot} starts from a snapshot of slot {self.source}'s conversation "
-                    f"({self.common} tokens in common" + (f"; its own {self.live} were dropped)" if self.live else ")"))
+                    f"({self.common} tokens in common" + (f"; {dropped})" if self.live else ")"))
         elif self.live == 0:
             kind = f"miss: new conversation in empty {slot}"
+        elif self.foreign:
+            kind = (f"miss: {slot} held another tenant's conversation ({self.live} tokens), dropped whole for "
+                    "this one (--sessions keeps more)")
         elif self.miss.startswith("diverged"):
             kind = (f"partial hit: the prompt leaves {slot}'s conversation at token {self.common} of "
                     f"{self.live} (an edited or regenerated turn)")
@@ -333,11 +339,16 @@ class Worker:
             job.emit("done", None)
 
     def _start(self, job: Job, placement: Placement) -> _Running:
-        request, session = job.request, placement.slot.session
+        request, slot = job.request, placement.slot
+        session = slot.session
         kept = placement.common if placement.source is None else 0  # a fork replaces the slot's tokens
         if self.disk is not None and len(session.tokens) - kept >= self.disk.min_tokens:
-            self.disk.save(session, "evict", placement.slot.namespace)  # the request will discard these tokens
-        placement.slot.namespace = request.namespace
+            self.disk.save(session, "evict", slot.namespace)  # the request will discard these tokens
+        if placement.foreign:
+            session.reset()  # else `Session.sync` would reuse the other tenant's prefix, and its time tell it
+        if slot.namespace != request.namespace:  # nothing of the previous tenant's shows in /v1/sessions
+            slot.namespace, slot.last_outcome, slot.last_used = request.namespace, None, time.monotonic()
+            slot.nbytes = session.nbytes
         if placement.source is not None:  # start from the snapshot of a slot sharing a long prefix
             session.restore(placement.source.session.snapshot())
         shared = placement.common
@@ -442,7 +453,8 @@ class Worker:
             replayed=stats.replayed_tokens, computed=stats.computed_tokens, prefill_s=stats.prefill_seconds,
             decode_s=stats.decode_seconds, miss=placement.miss,
             source=placement.source.index if placement.source is not None else None,
-            namespace=run.job.request.namespace, from_disk=run.from_disk, cut_off=cut_off)
+            namespace=run.job.request.namespace, from_disk=run.from_disk, foreign=placement.foreign,
+            cut_off=cut_off)
 
     def _keep_within_budget(self, just_used: Slot):
         """Empty idle slots, least recently used first, until the sessions fit the byte budget."""
