@@ -127,7 +127,7 @@ def bench_convert(size_gb=4.0, workdir=None) -> dict:
         code = ("import sys; from ds4_mlx.convert.cli import convert; "
                 "convert(sys.argv[1], sys.argv[2], progress=False, log=lambda m: None)")
         t0 = time.perf_counter()
-        child = subprocess.Popen([sys.executable, "-c", code, src, out], stderr=subprocess.PIPE)
+        child = subprocess.Popen([sys.executable, "-c", code, src, out], stdout=2, stderr=subprocess.PIPE)
         _, status, usage = os.wait4(child.pid, 0)
         convert_s = time.perf_counter() - t0
         err = child.stderr.read().decode(errors="replace").strip()
