@@ -1,0 +1,63 @@
+"""The reasoning-effort preambles of the two releases' templates: the original ("legacy") release puts
+its Think Max preamble before a `max` effort's thinking prompt; V4 Flash 0731's template puts a new one
+there and the original one before `high` (llama.cpp PR 26398, DeepSeek's 0731 encoder). Which applies
+is read from the model file."""
+
+import pytest
+
+from ds4_mlx.chat import release_of, render
+
+B, U, A = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+# the preambles as the releases' encoders write them, typed out here rather than imported
+ORIGINAL_MAX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, "
+    "rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
+    "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+NEW_MAX = (
+    "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively decompose "
+    "the problem into its most fundamental components, trace every causal chain to its root, and resolve the "
+    "underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are certain "
+    "that no assumption remains unchecked and no error remains undiscovered.\n\n")
+ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]
+
+# (release, effort) -> the preamble between BOS and the system block
+EXPECTED = {
+    ("legacy", "max"): ORIGINAL_MAX, ("legacy", "high"): "", ("legacy", None): "", ("legacy", "low"): "",
+    ("0731", "max"): NEW_MAX, ("0731", "high"): ORIGINAL_MAX, ("0731", None): "", ("0731", "low"): "",
+}
+
+
+@pytest.mark.parametrize("release,effort", list(EXPECTED), ids=lambda v: str(v))
+def test_each_release_puts_its_preamble_before_the_system_block(release, effort):
+    assert render(ASK, reasoning_effort=effort, release=release) == \
+        f"{B}{EXPECTED[release, effort]}Be brief.{U}q{A}<think>"
+    # not in chat mode, nor with thinking turned off by the effort
+    assert render(ASK, reasoning_effort=effort, release=release, thinking=False) == f"{B}Be brief.{U}q{A}</think>"
+    assert render(ASK, reasoning_effort="none", release=release) == f"{B}Be brief.{U}q{A}</think>"
+
+
+def test_the_original_release_is_the_default_and_an_unknown_one_is_refused():
+    assert render(ASK, reasoning_effort="max") == render(ASK, reasoning_effort="max", release="legacy")
+    with pytest.raises(ValueError, match="unknown chat template release '0801'"):
+        render(ASK, release="0801")
+
+
+# the part of each release's jinja template that writes the preamble (llama.cpp's, abridged)
+LEGACY_TEMPLATE = ("{{ bos_token }}{%- if thinking and reasoning_effort == 'max' -%}Reasoning Effort: Absolute "
+                   "maximum with no shortcuts permitted.\n...{%- endif -%}")
+TEMPLATE_0731 = ("{{ bos_token }}{%- if reasoning_effort == 'max' -%}Reasoning Effort: Beyond maximum — exhaustive, "
+                 "relentless, and uncompromising.\n...{%- elif reasoning_effort == 'high' -%}Reasoning Effort: "
+                 "Absolute maximum with no shortcuts permitted.\n...{%- endif -%}")
+
+
+def test_the_release_is_read_from_the_file():
+    assert release_of(TEMPLATE_0731) == "0731"
+    assert release_of(LEGACY_TEMPLATE) == "legacy"
+    assert release_of(LEGACY_TEMPLATE, "ds4f-q2-0731.gguf") == "legacy"  # the template is what counts
+    assert release_of(None, "/models/ds4f-q2-q4-0731.gguf") == "0731"  # a file without a template: its name
+    assert release_of("", "DeepSeek V4 Flash 0731") == "0731"
+    assert release_of(None, "/models/ds4f-q2.gguf") == release_of(None) == "legacy"
