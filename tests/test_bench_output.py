@@ -40,15 +40,23 @@ def test_convert_bench_prints_a_table(capsys, monkeypatch):
     monkeypatch.setattr(convert_bench, "bench_convert", lambda size_gb: {"gguf_gb": size_gb, "mb_per_s": 812.5,
                                                                           "within_bound": True})
     out = bench(capsys, "convert", "--size-gb", "0.5", "--rows", "32").out  # few rows: the projection in a second
-    figures, types = out.split("\n\ntypes:\n")
+    figures, files, paths, types = out.rstrip("\n").split("\n\n")
     lines = figures.splitlines()
     assert lines[0].split() == ["figure", "value"] and set(lines[1]) == {"-", " "}
     rows = dict(line.split(None, 1) for line in lines[2:])
     assert (rows["gguf_gb"], rows["mb_per_s"], rows["within_bound"]) == ("0.5", "812.50", "True")
     assert rows["q2_gguf_gib"] == "80.76" and rows["q2_ratio_target"] == "1.02"
+    files = files.splitlines()
+    assert files[0] == "files_0731:" and files[1].split()[:3] == ["file", "gguf_gib", "native_gib"]
+    assert [line.split()[0] for line in files[3:]] == ["ds4f-q2-0731", "ds4f-q2-q4-0731", "ds4f-q4-0731",
+                                                       "ds4f-mxfp4-0731"]
+    paths = paths.splitlines()
+    assert paths[0] == "experts_0731:" and paths[1].split() == ["file", "backend", "experts"]
+    assert [line.split()[:2] for line in paths[3:6]] == [["ds4f-q2-0731", "metal"], ["ds4f-q2-0731", "cuda"],
+                                                         ["ds4f-q2-0731", "cpu"]]
     types = types.splitlines()
-    assert types[0].split() == ["type", "format", "bytes_per_weight", "rel_rms", "weights_per_s"]
-    assert [line.split()[0] for line in types[2:]] == ["IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"]
+    assert types[0] == "types:" and types[1].split() == ["type", "format", "bytes_per_weight", "rel_rms", "weights_per_s"]
+    assert [line.split()[0] for line in types[3:]] == ["IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"]
 
 
 def test_help_shows_defaults(capsys):
