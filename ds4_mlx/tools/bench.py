@@ -199,7 +199,10 @@ def _bench_rewind_options(q):
 
 
 def bench_convert(a):
-    """Converter: the published q2/q4 files' converted size, error and speed; a synthetic GGUF's peak RSS and MB/s."""
+    """Converter: the published files' converted sizes; a synthetic GGUF's peak RSS and MB/s.
+
+    V4 Flash 0731's four files with the path their experts take on Metal, CUDA and the CPU; the original
+    q2/q4 files with the requantization's error and speed."""
     from ds4_mlx.tools.bench_convert import run
 
     return run(size_gb=a.size_gb, rows=a.rows, expert_bits=a.expert_bits, group_size=a.group_size)
