@@ -61,3 +61,19 @@ def test_the_release_is_read_from_the_file():
     assert release_of(None, "/models/ds4f-q2-q4-0731.gguf") == "0731"  # a file without a template: its name
     assert release_of("", "DeepSeek V4 Flash 0731") == "0731"
     assert release_of(None, "/models/ds4f-q2.gguf") == release_of(None) == "legacy"
+
+
+@pytest.mark.parametrize("template,release", [(TEMPLATE_0731, "0731"), (LEGACY_TEMPLATE, "legacy")])
+def test_a_gguf_files_template_chooses_its_release(tmp_path, template, release):
+    """The chat template a GGUF file carries reaches the loaded tokenizer, which `serve` reads the
+    release from; the file's name does not overrule it."""
+    import ds4_mlx
+    from ds4_mlx.demo import _tokenizer_dir, random_gguf_tensors
+    from ds4_mlx.tools import testing
+
+    args = testing.tiny_args(0)
+    path = testing.write_gguf(tmp_path / "ds4f-q2-0731.gguf",
+                              {**testing.gguf_metadata(args), "tokenizer.chat_template": template},
+                              random_gguf_tensors(args), tokenizer_json=_tokenizer_dir() / "tokenizer.json")
+    _, tokenizer = ds4_mlx.load(path, quant_sim=False)
+    assert release_of(tokenizer.config.get("chat_template"), path) == release
