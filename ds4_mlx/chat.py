@@ -2,9 +2,10 @@
 
 Rendering follows ds4's server template: BOS, the optional reasoning-effort preamble (the original
 release's or V4 Flash 0731's, `EFFORT_PREFIXES`), the system block (tools prompt first, then the
-system and developer messages joined by a blank line), `<｜User｜>` turns, tool results as `<tool_result>` blocks after one `<｜User｜>`, and
-assistant turns `<｜Assistant｜>` + reasoning marker + content + DSML tool calls + EOS. The prompt ends
-with `<｜Assistant｜><think>` (thinking) or `<｜Assistant｜></think>`.
+system and developer messages joined by a blank line), `<｜User｜>` turns, tool results as
+`<tool_result>` blocks after one `<｜User｜>`, and assistant turns `<｜Assistant｜>` + reasoning marker +
+content + DSML tool calls + EOS. The prompt ends with `<｜Assistant｜><think>` (thinking) or
+`<｜Assistant｜></think>`.
 
 Parsing (`OutputParser`) splits streamed model text into reasoning, content and tool calls. Pure
 Python: no arrays here.

@@ -55,7 +55,8 @@ def test_convert_bench_prints_a_table(capsys, monkeypatch):
     assert [line.split()[:2] for line in paths[3:6]] == [["ds4f-q2-0731", "metal"], ["ds4f-q2-0731", "cuda"],
                                                          ["ds4f-q2-0731", "cpu"]]
     types = types.splitlines()
-    assert types[0] == "types:" and types[1].split() == ["type", "format", "bytes_per_weight", "rel_rms", "weights_per_s"]
+    assert types[0] == "types:"
+    assert types[1].split() == ["type", "format", "bytes_per_weight", "rel_rms", "weights_per_s"]
     assert [line.split()[0] for line in types[3:]] == ["IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"]
 
 

@@ -198,7 +198,8 @@ def expert_paths(types) -> dict:
         return f"MLX affine {bits}-bit g{group} (requantized)"
 
     blocks = "file's blocks (exact)"
-    ways = {"metal": lambda t: f"{blocks} with the kquant extra, else {in_mlx(t)}" if T[t] in NATIVE_TYPES else in_mlx(t),
+    ways = {"metal": lambda t: f"{blocks} with the kquant extra, else {in_mlx(t)}" if T[t] in NATIVE_TYPES
+            else in_mlx(t),
             "cuda": lambda t: blocks if T[t] in NATIVE_TYPES else in_mlx(t),
             "cpu": in_mlx}
     out = {}
