@@ -77,3 +77,33 @@ def test_a_gguf_files_template_chooses_its_release(tmp_path, template, release):
                               random_gguf_tensors(args), tokenizer_json=_tokenizer_dir() / "tokenizer.json")
     _, tokenizer = ds4_mlx.load(path, quant_sim=False)
     assert release_of(tokenizer.config.get("chat_template"), path) == release
+
+
+def test_every_chat_endpoint_renders_with_the_servers_release():
+    """The chat completions, responses and messages endpoints render with `ServerInfo.chat_release`
+    (set on load from the file): a 0731 server's `high` effort prompt holds the original release's
+    Think Max preamble, a legacy server's nothing more."""
+    import requests
+
+    from ds4_mlx.chat import THINK_MAX_PREFIX
+    from ds4_mlx.demo import load_for_cli
+    from ds4_mlx.tools.testing import served
+
+    preamble = len(load_for_cli(None)[1].encode(THINK_MAX_PREFIX))
+    bodies = {
+        "/v1/chat/completions": ({"messages": [{"role": "user", "content": "q"}], "reasoning_effort": "high"},
+                                 lambda r: r["usage"]["prompt_tokens"]),
+        "/v1/responses": ({"input": "q", "reasoning": {"effort": "high"}}, lambda r: r["usage"]["input_tokens"]),
+        "/v1/messages": ({"messages": [{"role": "user", "content": "q"}], "thinking": {"type": "enabled"},
+                          "output_config": {"effort": "high"}}, lambda r: r["usage"]["input_tokens"]),
+    }
+    with served() as (bg, _):
+        for path, (body, prompt_tokens) in bodies.items():
+            counts = {}
+            for release in ("legacy", "0731"):
+                bg.server.info.chat_release = release
+                reply = requests.post(bg.url + path, json={"model": "deepseek-v4-flash", "max_tokens": 1, **body},
+                                   timeout=60)
+                assert reply.status_code == 200, reply.text
+                counts[release] = prompt_tokens(reply.json())
+            assert counts["0731"] - counts["legacy"] == preamble, (path, counts)
