@@ -63,20 +63,29 @@ def test_the_release_is_read_from_the_file():
     assert release_of(None, "/models/ds4f-q2.gguf") == release_of(None) == "legacy"
 
 
-@pytest.mark.parametrize("template,release", [(TEMPLATE_0731, "0731"), (LEGACY_TEMPLATE, "legacy")])
-def test_a_gguf_files_template_chooses_its_release(tmp_path, template, release):
-    """The chat template a GGUF file carries reaches the loaded tokenizer, which `serve` reads the
-    release from; the file's name does not overrule it."""
-    import ds4_mlx
-    from ds4_mlx.demo import _tokenizer_dir, random_gguf_tensors
+def test_serve_renders_with_the_gguf_files_release(tmp_path):
+    """`ds4-mlx serve -m FILE` reads the release from the chat template the file carries: a `high`
+    effort's prompt is the one 0731's template renders (the legacy default's has no preamble)."""
+    import requests
+
+    from ds4_mlx.demo import _tokenizer_dir, demo_args, load_for_cli, random_gguf_tensors
     from ds4_mlx.tools import testing
 
-    args = testing.tiny_args(0)
-    path = testing.write_gguf(tmp_path / "ds4f-q2-0731.gguf",
-                              {**testing.gguf_metadata(args), "tokenizer.chat_template": template},
+    args = demo_args()  # the real tokenizer's vocabulary, tiny widths
+    path = testing.write_gguf(tmp_path / "m.gguf",
+                              {**testing.gguf_metadata(args), "tokenizer.chat_template": TEMPLATE_0731},
                               random_gguf_tensors(args), tokenizer_json=_tokenizer_dir() / "tokenizer.json")
-    _, tokenizer = ds4_mlx.load(path, quant_sim=False)
-    assert release_of(tokenizer.config.get("chat_template"), path) == release
+    messages = [{"role": "user", "content": "q"}]
+    want = len(load_for_cli(None)[1].encode(render(messages, reasoning_effort="high", release="0731")))
+    process, url = testing.serve_process("-m", str(path), "--ctx", "4096")
+    try:
+        reply = requests.post(url + "/v1/chat/completions", timeout=60,
+                              json={"messages": messages, "reasoning_effort": "high", "max_tokens": 1})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens"] == want
+    finally:
+        process.terminate()
+        process.communicate(timeout=60)
 
 
 def test_every_chat_endpoint_renders_with_the_servers_release():
