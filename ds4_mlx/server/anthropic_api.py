@@ -212,7 +212,8 @@ def parse_messages(body: dict, info: ServerInfo, memory: AnswerMemory, *, counti
     choice = tool_choice(get(body, "tool_choice", dict))
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     thinking, effort, shown = thinking_mode(body, model, info)
-    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort,
+                  release=info.chat_release)
     protocol.log_replay_notes(text, "messages")
     defaults = protocol.SamplingParams()
     sampling = protocol.SamplingParams(

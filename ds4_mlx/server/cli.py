@@ -20,6 +20,7 @@ THINKING_NOTE = ("thinking is on by default for the OpenAI APIs: answers start w
 
 
 def run_serve(args):
+    from ds4_mlx.chat import release_of
     from ds4_mlx.demo import DEMO_NOTE, load_for_cli
     from ds4_mlx.server.build import build_server
     from ds4_mlx.server.connections import fit_connection_cap
@@ -48,6 +49,7 @@ def run_serve(args):
         if is_demo:
             log.info(DEMO_NOTE)
         server.info.ctx = fit_context(args.ctx, model.args.max_position_embeddings, log)
+        server.info.chat_release = release_of(tokenizer and tokenizer.config.get("chat_template"), args.model)
         return model, tokenizer
 
     from ds4_mlx.cache import disk_store_from_args

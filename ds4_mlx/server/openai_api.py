@@ -78,7 +78,8 @@ def parse_chat(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepared:
     choice = get(body, "tool_choice", (str, dict))
     tools = protocol.resolve_tool_choice(choice, protocol.function_tools(get(body, "tools", list)))
     thinking, effort = protocol.thinking_mode(body, model, info)
-    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort,
+                  release=info.chat_release)
     protocol.log_replay_notes(text, "chat")
     sampling = dataclasses.replace(protocol.sampling(body), logprobs=chat_logprobs(body))
     grammar = forced_tool_grammar(choice, tools) or response_format_grammar(body)

@@ -78,6 +78,7 @@ class ServerInfo:
     model_id: str
     ctx: int
     max_tokens: int | None = None  # caps every request's output (`serve --max-tokens`)
+    chat_release: str = "legacy"  # whose chat template renders prompts (`chat.release_of`): set on load
 
     def model_name(self, body: dict, *, anthropic: bool = False) -> str:
         """The requested model, checked: the loaded model answers to its id and the DeepSeek names

@@ -108,7 +108,8 @@ def parse_responses(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepa
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     effort = get(get(body, "reasoning", dict, {}), "effort", str)
     thinking, effort = protocol.thinking_mode(body, model, info, effort=effort)
-    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort,
+                  release=info.chat_release)
     protocol.log_replay_notes(text, "responses")
     grammar = forced_tool_grammar(choice, tools) or response_format_grammar(get(body, "text", dict, {}), "format")
     sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"), grammar=grammar)

@@ -1,10 +1,11 @@
 """`ds4-mlx bench`: speed and memory figures. Every sub-command prints a table of its figures, or with
---json one JSON object with them on the last line.
+--json one JSON object with them, alone on stdout: progress goes to stderr.
 
 On a CPU the model benches default to the tiny preset (seconds); real widths there take hours, so they
 first measure a few tokens and say how long the whole run will take."""
 
 import argparse
+import contextlib
 import json
 import sys
 import statistics
@@ -27,13 +28,13 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def register(subparsers):
     p = subparsers.add_parser("bench", help="speed and memory benchmarks",
                               description="Speed and memory benchmarks. Each prints a table of its figures, "
-                                          "or with --json one JSON object on the last line. On a CPU, model, "
+                                          "or with --json one JSON object instead (progress goes to stderr). On a CPU, model, "
                                           "rewind and speed use the tiny test model unless --preset real.")
     sub = p.add_subparsers(dest="bench", required=True)
     for name, fn, extra in BENCHES:
         q = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__,
                            formatter_class=_HelpWithDefaults)
-        q.add_argument("--json", action="store_true", help="print one JSON object on the last line instead of a table")
+        q.add_argument("--json", action="store_true", help="print one JSON object, alone on stdout, instead of a table")
         q.add_argument("--device", choices=["cpu", "gpu"], default=None, help="(default: MLX's default device)")
         extra(q)
         q.set_defaults(func=lambda a, fn=fn: _run(fn, a))
@@ -50,9 +51,11 @@ def _run(fn, args):
     # the model benches' contexts: a 32k prefill takes minutes on a CPU even for the tiny model
     if hasattr(args, "preset") and getattr(args, "contexts", "") is None:
         args.contexts = "2048,8192" if on_cpu else "2048,8192,32768"
-    figures = fn(args)
+    # progress, and anything a library prints, goes to stderr: stdout holds the table or the JSON alone
+    with contextlib.redirect_stdout(sys.stderr):
+        figures = fn(args)
     figures["device"] = str(mx.default_device())
-    print(json.dumps(figures) if args.json else format_figures(figures))
+    print(json.dumps(figures) if args.json else format_figures(figures), flush=True)
     return 0
 
 
@@ -196,7 +199,10 @@ def _bench_rewind_options(q):
 
 
 def bench_convert(a):
-    """Converter: the published q2/q4 files' converted size, error and speed; a synthetic GGUF's peak RSS and MB/s."""
+    """Converter: the published files' converted sizes; a synthetic GGUF's peak RSS and MB/s.
+
+    V4 Flash 0731's four files with the path their experts take on Metal, CUDA and the CPU; the original
+    q2/q4 files with the requantization's error and speed."""
     from ds4_mlx.tools.bench_convert import run
 
     return run(size_gb=a.size_gb, rows=a.rows, expert_bits=a.expert_bits, group_size=a.group_size)

@@ -7,6 +7,7 @@ real model, and `session.nbytes` is what a real prefill of that many tokens woul
 """
 
 import gc
+import sys
 
 import mlx.core as mx
 
@@ -84,7 +85,7 @@ def bench_memory(a):
         print(f"{ctx:>9,} tokens: {session.nbytes / 1e9:6.3f} GB  (rings {parts['rings'] / 1e9:.3f}, "
               f"compressed rows {parts['rows'] / 1e9:.3f}, checkpoints {parts['checkpoints'] / 1e9:.3f}; "
               f"{row['bytes_per_token']:,.0f} B/token, {row['checkpoints_kept']} checkpoints); "
-              f"saved file <= {file_bytes / 1e9:.3f} GB", flush=True)
+              f"saved file <= {file_bytes / 1e9:.3f} GB", file=sys.stderr, flush=True)
     del session
     gc.collect()
     return {"layers": ModelArgs().num_hidden_layers, "quant_sim": not a.float32, "results": results}

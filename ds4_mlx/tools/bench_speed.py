@@ -5,6 +5,7 @@ and with `--profile` where one decode step and one prefill chunk spend their tim
 import gc
 import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 
@@ -215,7 +216,7 @@ def dense_products(a):
                 if row["dequantize_ms"] < row["quantized_ms"] and name not in crossover:
                     crossover[name] = rows
                 print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-                      flush=True)
+                      file=sys.stderr, flush=True)
     finally:
         if forced is None:
             os.environ.pop("DS4_MLX_DENSE_PATH", None)
@@ -334,7 +335,7 @@ def bench_speed(a):
         rows.append(row)
         print(f"ctx {context:>6}: prefill {row['prefill_tok_s']:8.0f} tok/s ({row['prefill_s']:.2f} s), decode "
               f"{row['decode_tok_s']:6.1f} tok/s ({row['decode_ms']:.2f} ms), peak {row['peak_gib']:.1f} GiB"
-              + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
+              + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), file=sys.stderr, flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts, "expert_bits": expert_bits(a), "like": a.like,
                "expert_format": a.expert_format if a.preset == "real" else "affine",
@@ -344,7 +345,7 @@ def bench_speed(a):
     if a.profile:
         figures["profile"] = profile(model, max(a.chunk * 2, a.profile_context), a.chunk, rng)
         for part, times in figures["profile"].items():
-            print(part, " ".join(f"{k} {v}" for k, v in times.items()), "(ms)")
+            print(part, " ".join(f"{k} {v}" for k, v in times.items()), "(ms)", file=sys.stderr)
     if a.peer:
         args = model.args
         del model
@@ -354,13 +355,13 @@ def bench_speed(a):
         figures["peer"] = {"name": "transformers eager bf16, dense experts", "results": peer}
         for ours, theirs in zip(rows, peer):
             if "error" in theirs:
-                print(f"ctx {ours['context']:>6}: transformers {theirs['error']}")
+                print(f"ctx {ours['context']:>6}: transformers {theirs['error']}", file=sys.stderr)
                 continue
             for key in ("prefill_tok_s", "decode_tok_s"):
                 ours[f"{key}_vs_peer"] = ours[key] / theirs[key]
             print(f"ctx {ours['context']:>6}: transformers prefill {theirs['prefill_tok_s']:.0f} tok/s, decode "
                   f"{theirs['decode_tok_s']:.1f} tok/s; ours x{ours['prefill_tok_s_vs_peer']:.2f} prefill, "
-                  f"x{ours['decode_tok_s_vs_peer']:.2f} decode", flush=True)
+                  f"x{ours['decode_tok_s_vs_peer']:.2f} decode", file=sys.stderr, flush=True)
     return figures
 
 
