@@ -37,7 +37,7 @@ def _parse_int(text: str) -> int:
 def parse_body(raw: bytes) -> dict:
     """A request body as a JSON object, or a 400: malformed JSON or UTF-8, nesting deeper than
     `MAX_DEPTH`, strings that are not Unicode (lone surrogates), integers of more than `MAX_INT_DIGITS`
-    digits inside a field (a field itself that large fails its range check, which names it)."""
+    digits deeper than a field's own fields (a field that large fails its range check, which names it)."""
     try:
         body = json.loads(raw, parse_int=_parse_int)
     except RecursionError:
@@ -60,7 +60,7 @@ def _check_values(body: dict):
                     value.encode()
                 except UnicodeEncodeError:
                     raise APIError(400, "the body holds a string that is not valid Unicode (a lone surrogate)") from None
-        elif isinstance(value, OversizedInt) and depth > 2:
+        elif isinstance(value, OversizedInt) and depth > 3:  # deeper than a field's own fields
             raise APIError(400, f"the body holds an integer of more than {MAX_INT_DIGITS} digits")
         elif isinstance(value, (dict, list)):
             if depth > MAX_DEPTH:

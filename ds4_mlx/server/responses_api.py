@@ -101,10 +101,6 @@ def parse_responses(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepa
     note_ignored(body, schema.RESPONSES, "responses")
     protocol.refuse_unsupported(body, ("store",))
     model = info.model_name(body)
-    for name in ("previous_response_id", "conversation"):
-        if body.get(name) is not None:
-            raise APIError(400, f"'{name}' is not supported: this server is stateless, replay the full input",
-                           param=name)
     messages = chat_messages(get(body, "instructions", str), get(body, "input", (str, list), required=True))
     choice = get(body, "tool_choice", (str, dict))
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
@@ -177,7 +173,8 @@ class ResponsesResponder:
         self.items.append(item)
         return out + [self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
 
-    def _close(self) -> list:
+    def _close(self, status: str = "completed") -> list:
+        """Close the open item: `completed`, or `incomplete` when the answer was cut in it."""
         if self.open is None:
             return []
         item, index = self.items[-1], len(self.items) - 1
@@ -194,7 +191,7 @@ class ResponsesResponder:
                                content_index=0, text=part["text"]),
                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                content_index=0, part=part)]
-        item["status"] = "completed"
+        item["status"] = status
         self.open = None
         return out + [self._event("response.output_item.done", output_index=index, item=item)]
 
@@ -239,7 +236,7 @@ class ResponsesResponder:
 
     def end(self, outcome, answer) -> list:
         status = self._status(outcome)
-        out = self._close()
+        out = self._close(status)
         return out + [self._event(f"response.{status}", response=self._response(status, outcome, answer))]
 
     def error(self, message: str) -> list:
@@ -249,7 +246,7 @@ class ResponsesResponder:
 
     def body(self, outcome, answer) -> dict:
         self.deltas(answer_events(answer))
-        self._close()
+        self._close(self._status(outcome))
         return self._response(self._status(outcome), outcome, answer)
 
 

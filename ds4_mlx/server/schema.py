@@ -20,7 +20,8 @@ _JSON_TYPES = {"string": "a string", "integer": "an integer", "number": "a numbe
 @dataclass(frozen=True)
 class Field:
     """One request field: its JSON types, and for numbers a closed range, for strings the allowed values,
-    for objects the fields inside that are checked too, for arrays the type of their items."""
+    for objects the fields inside that are checked too, for arrays the type of their items; or a field
+    the server refuses, and why."""
 
     types: tuple
     doc: str = ""
@@ -30,6 +31,7 @@ class Field:
     properties: dict | None = None
     items: "Field | None" = None
     required: bool = False
+    refused: str | None = None  # why a request that sets it is a 400 (a field of the API not implemented)
 
 
 def string(doc="", *, choices=None, required=False) -> Field:
@@ -88,6 +90,7 @@ THINKING = {
     "reasoning_effort": string("how hard to think; max is Think Max where the context allows it",
                                choices=EFFORTS),
 }
+STATELESS = "this server is stateless, replay the full input"
 PARALLEL = boolean("false: the answer calls one tool at most")
 TOOL_CHOICE = either("string", "object", doc="none, auto, required or a named function")
 SALT = {"cache_salt": string("requests reuse each other's sessions only under the same API key and salt")}
@@ -110,7 +113,7 @@ CHAT = {
     "logprobs": boolean("each token's log probability"),
     "top_logprobs": integer(0, 20, "alternatives per token, with logprobs"),
     "response_format": obj("text, json_object or json_schema",
-                           type=string(choices=("text", "json_object", "json_schema"))),
+                           type=string(choices=("text", "json_object", "json_schema"), required=True)),
     "logit_bias": LOGIT_BIAS,
     "store": boolean("only false: nothing is stored"),
     **SALT,
@@ -134,7 +137,7 @@ COMPLETIONS = {
 }
 
 ANTHROPIC_TOOL_CHOICE = obj("auto, any, tool (with a name) or none",
-                            type=string(choices=("auto", "any", "tool", "none")),
+                            type=string(choices=("auto", "any", "tool", "none"), required=True),
                             name=string("the tool, with type tool"),
                             disable_parallel_tool_use=boolean("true: the answer calls one tool at most"))
 ANTHROPIC_THINKING = obj("{type: enabled | adaptive | disabled, display: summarized | omitted}",
@@ -178,11 +181,11 @@ RESPONSES = {
     "max_tokens": OUTPUT_TOKENS,
     **SAMPLING,
     "text": obj("{format: {type: text | json_object | json_schema, schema}}",
-                format=obj(type=string(choices=("text", "json_object", "json_schema")))),
+                format=obj(type=string(choices=("text", "json_object", "json_schema"), required=True))),
     "metadata": obj("echoed in the response"),
     "store": boolean("only false: nothing is stored"),
-    "previous_response_id": string("refused: the server is stateless, replay the whole input"),
-    "conversation": either("string", "object", doc="refused: the server is stateless, replay the whole input"),
+    "previous_response_id": Field(("string",), refused=STATELESS),
+    "conversation": Field(("string", "object"), refused=STATELESS),
     **SALT,
 }
 
@@ -233,6 +236,8 @@ def check(body: dict, fields: dict, where: str = ""):
             if spec.required:
                 raise APIError(400, f"missing required field '{path}'", param=path)
             continue
+        if spec.refused:
+            raise APIError(400, f"'{path}' is not supported: {spec.refused}", param=path)
         check_value(value, spec, path)
 
 
@@ -267,8 +272,8 @@ def json_schema(spec: Field) -> dict:
     """The JSON Schema of one field, as /openapi.json lists it."""
     types = list(spec.types)
     out = {"type": types[0] if len(types) == 1 else types}
-    if spec.doc:
-        out["description"] = spec.doc
+    if spec.doc or spec.refused:
+        out["description"] = spec.doc or f"refused (a 400): {spec.refused}"
     if spec.minimum is not None:
         out["minimum"], out["maximum"] = spec.minimum, spec.maximum
     if spec.choices is not None:
