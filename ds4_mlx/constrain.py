@@ -174,6 +174,7 @@ class OutputConstraint:
         self.matcher = None
         self.single_call = single_call and grammar is None
         self.answer = ""  # the answer's text so far, while `single_call` watches for the first call's end
+        self.held = []  # tokens of a character not complete yet
         if grammar is not None:
             self._follow(grammar)
 
@@ -206,7 +207,11 @@ class OutputConstraint:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"constrained decoding: {self.matcher.get_error()}")
         elif self.single_call and token != self.eos_id:
-            piece = self.tokenizer.decode([token])
+            self.held.append(token)  # a character's bytes may span tokens: decoded once complete
+            piece = self.tokenizer.decode(self.held)
+            if piece.endswith("\ufffd") and len(self.held) < 4:
+                return
+            self.held = []
             self.answer += piece
             rest = _block_end_after_first_call(self.answer) if ">" in piece else None
             if rest is not None:

@@ -123,7 +123,7 @@ def _good(path: str, field: str, spec: schema.Field):
 
 
 def _wrong_type(spec: schema.Field):
-    return next(v for v in ("x", 1.5, True, [], {}) if not schema._matches(v, spec.types))
+    return next(v for v in ("x", 1.5, True, [], {}) if not schema.matches_type(v, spec.types))
 
 
 def _out_of_range(spec: schema.Field) -> list:

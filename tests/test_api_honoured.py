@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import requests
 
-from ds4_mlx.chat import THINK_END, THINK_START, ToolCall, MalformedBlock, OutputParser, render_tool_calls
+from ds4_mlx.chat import (DSML, TAG_PREFIXES, THINK_END, THINK_START, MalformedBlock, OutputParser, ToolCall,
+                          render_tool_calls)
+from ds4_mlx.constrain import OutputConstraint
 from ds4_mlx.generate import Sampler, SamplingParams, stream_generate
 from ds4_mlx.server.build import BackgroundServer
 from ds4_mlx.tools.testing import DEMO_MODEL_ID as MODEL, demo_server
@@ -96,6 +98,32 @@ def test_parallel_tool_calls_false_gives_one_call_in_every_api(clients):
             "name": "get_weather", "input_schema": WEATHER["parameters"]}], tool_choice={
             **choice, "disable_parallel_tool_use": True}, messages=[{"role": "user", "content": "Weather?"}])
         assert [(b.type, b.input) for b in message.content] == [("tool_use", {"city": "Paris"})], choice
+
+
+@pytest.mark.parametrize("prefix", TAG_PREFIXES)
+def test_the_one_call_constraint_closes_the_block_after_its_first_call(demo, prefix):
+    """Whichever tag spelling the parser reads as a tool-call block, the answer cannot go on to a second call."""
+    tokenizer = demo[1]
+    two = "Let me look.\n\n" + TWO_CALLS.strip().replace(DSML, prefix)
+    first_end = two.index(f"</{prefix}invoke>") + len(f"</{prefix}invoke>")
+    constraint = OutputConstraint(tokenizer, thinking=False, single_call=True)
+    logits = mx.zeros((tokenizer.vocab_size,))
+    written = []
+    for token in tokenizer.encode(two):
+        if np.array(constraint.mask(logits))[token] == -np.inf:
+            break
+        constraint.advance(token)
+        written.append(token)
+    while True:  # only one way on: the block's end, then EOS
+        [token] = np.flatnonzero(np.array(constraint.mask(logits)) > -np.inf)
+        if token == tokenizer.eos_id:
+            break
+        constraint.advance(int(token))
+        written.append(int(token))
+    text = tokenizer.decode(written)
+    assert text == two[:first_end] + f"\n</{prefix}tool_calls>"
+    parser = OutputParser(thinking=False, tools=True)
+    assert len([e for e in parser.feed(text) + parser.finish() if isinstance(e, ToolCall)]) == 1
 
 
 # ---------------------------------------------------------------- a cut call, and the ones before it

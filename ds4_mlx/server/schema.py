@@ -221,7 +221,7 @@ def json_type(value) -> str | None:
     return {str: "string", list: "array", dict: "object"}.get(type(value))
 
 
-def _matches(value, types) -> bool:
+def matches_type(value, types) -> bool:
     kind = json_type(value)
     return kind in types or (kind == "integer" and "number" in types)
 
@@ -242,7 +242,7 @@ def check(body: dict, fields: dict, where: str = ""):
 
 
 def check_value(value, spec: Field, path: str):
-    if not _matches(value, spec.types):
+    if not matches_type(value, spec.types):
         expected = " or ".join(_JSON_TYPES[t] for t in spec.types)
         raise APIError(400, f"'{path}' must be {expected}", param=path)
     if spec.minimum is not None and json_type(value) in ("integer", "number"):
