@@ -47,8 +47,9 @@ class FollowScript:
             allowed = np.flatnonzero(np.array(logits.astype(mx.float32)) > -np.inf)
             token = tokenizer.encode(rest)[0] if rest else tokenizer.eos_id
             if token not in set(allowed.tolist()):
-                going_on = [t for t in allowed.tolist() if rest and rest.startswith(tokenizer.decode([t]) or "\0")]
-                token = max(going_on, key=lambda t: len(tokenizer.decode([t]))) if going_on else \
+                pieces = {t: tokenizer.decode([t]) for t in allowed.tolist()}
+                going_on = [t for t, piece in pieces.items() if piece and rest.startswith(piece)]
+                token = max(going_on, key=lambda t: len(pieces[t])) if going_on else \
                     int(allowed[np.argmax(np.array(logits.astype(mx.float32))[allowed])])
             written.append(token)
             return token
