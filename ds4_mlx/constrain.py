@@ -147,15 +147,16 @@ def _byte_tokenizer():
 def _block_end_after_first_call(text: str) -> str | None:
     """When `text` (an answer) has closed the first invoke of a tool-call block: what must follow to close
     the block there; else None."""
-    starts = [(i, prefix) for marker, prefix in TOOL_BLOCK_STARTS.items() if (i := text.find(marker)) >= 0]
-    if not starts:
+    ends = []  # (where the first invoke ends, its tag prefix), of each spelling of a block start written
+    for marker, prefix in TOOL_BLOCK_STARTS.items():
+        start = text.find(marker)
+        end = text.find(f"</{prefix}invoke>", start) if start >= 0 else -1
+        if end >= 0:
+            ends.append((end + len(f"</{prefix}invoke>"), prefix))
+    if not ends:
         return None
-    start, prefix = min(starts)
-    invoke_end = f"</{prefix}invoke>"
-    end = text.find(invoke_end, start)
-    if end < 0:
-        return None
-    written, closing = text[end + len(invoke_end):], f"\n</{prefix}tool_calls>"
+    end, prefix = min(ends)
+    written, closing = text[end:], f"\n</{prefix}tool_calls>"
     if closing.startswith(written):
         return closing[len(written):]
     return closing.lstrip("\n")
