@@ -268,3 +268,16 @@ def test_the_responses_stream_helper_reads_a_cut_answer(oai):
     assert last.type == "response.incomplete"  # what OpenAI's API sends when max_output_tokens is hit
     assert last.response.status == "incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
     assert [i.status for i in last.response.output] == ["incomplete"] and last.response.usage.output_tokens == 3
+
+
+def test_the_responses_stream_helper_reads_reasoning_and_calls(clients):
+    _, _, oai, _ = clients
+    tools = [{"type": "function", **WEATHER}]
+    with oai.responses.stream(model=MODEL, input="Weather?", tools=tools, max_output_tokens=200) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert events[-1].type == "response.completed"
+    assert [i.type for i in final.output] == ["reasoning", "function_call", "function_call"]
+    with oai.responses.stream(model=MODEL, input="Weather?", tools=tools, max_output_tokens=3) as stream:
+        events = list(stream)  # cut inside the reasoning
+    assert events[-1].type == "response.incomplete" and [i.type for i in events[-1].response.output] == ["reasoning"]
