@@ -306,7 +306,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
 
     The session is synced to `prompt_ids` (reusing its longest common prefix), then tokens are
     sampled until a stop id (default: the tokenizer's EOS), a stop string, `max_tokens`, or
-    `should_abort()` returning True (checked before each token and after each prefill chunk).
+    `should_abort()` returning True (checked before each token and after each prefill chunk). Control
+    tokens are never drawn (`constrain.ControlTokenMask`): no answer holds template markup as text.
     `on_prefill(done, total)` is called after each prefill chunk; returning True aborts too.
     `yield_prefill`: also yield a chunk with `prefill=(done, total)` (no token, no text) after each
     prefill chunk, so that a caller serving several requests can interleave them chunk by chunk.
