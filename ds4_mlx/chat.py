@@ -336,8 +336,10 @@ class ReasoningDelta:
 
 @dataclass
 class MalformedBlock:
-    """A DSML tool-call block that does not parse (or was never closed): left out of the answer."""
+    """A DSML tool-call block that does not parse, or the cut end of one the output ended inside (`cut`):
+    left out of the answer."""
     text: str
+    cut: bool = False
 
 
 @dataclass
@@ -423,8 +425,9 @@ class OutputParser:
 
     thinking=True: the output starts inside the reasoning (the prompt ended with `<think>`) and the
     first `</think>` switches to content. tools=True: DSML tool-call blocks in the content become
-    `ToolCall`s; a DSML block that is not well-formed, or never closed, is markup no client can use: it
-    becomes a `MalformedBlock` (left out of the content, for a log line); a bare `<tool_calls>` that is
+    `ToolCall`s; a DSML block that is not well-formed is markup no client can use: it becomes a
+    `MalformedBlock` (left out of the content, for a log line); of a block the output ended inside, the
+    complete calls are kept and the cut one becomes a `MalformedBlock`; a bare `<tool_calls>` that is
     not a call stays text. Only text that may be the start
     of a marker is held back, plus whitespace before a possible tool-call block (the block starts with
     a blank line that belongs to it, not to the content)."""
@@ -451,7 +454,7 @@ class OutputParser:
     def finish(self) -> list:
         events = []
         if self.state == "tool_block":
-            self._malformed(self.block_text + self.pending, events)
+            self._cut_block(events)
             self.pending = self.block_text = ""
         if self.state == "reasoning":
             events.append(ReasoningDelta(self.pending))
@@ -526,10 +529,25 @@ class OutputParser:
         """How many characters of the text fed so far are not in the events returned yet."""
         return len(self.pending) + (len(self.block_text) if self.state == "tool_block" else 0)
 
-    def _malformed(self, block: str, events):
+    def _cut_block(self, events):
+        """A block the output ended inside (cut by the token limit): its complete calls are kept, the cut
+        call after them is left out."""
+        end_tag = f"</{self.block_prefix}invoke>"
+        complete = self.pending.rfind(end_tag) + len(end_tag)
+        calls = parse_tool_block(self.pending[:complete], self.block_prefix) if complete >= len(end_tag) else None
+        if calls is None:
+            self._malformed(self.block_text + self.pending, events, cut=True)
+            return
+        block = self.block_text + self.pending
+        events.extend(ToolCall(self.make_id(), name, json.dumps(arguments, ensure_ascii=False), block)
+                      for name, arguments in calls)
+        if self.pending[complete:].strip():
+            events.append(MalformedBlock(self.pending[complete:], cut=True))
+
+    def _malformed(self, block: str, events, cut: bool = False):
         """A block that is not a tool call: DSML markup is left out; a bare `<tool_calls>` is prose."""
         if self.block_prefix:
-            events.append(MalformedBlock(block))
+            events.append(MalformedBlock(block, cut))
         else:
             events.append(ContentDelta(block))
 

@@ -14,7 +14,7 @@ import traceback
 
 from aiohttp import web
 
-from ds4_mlx.server import anthropic_api, openai_api, responses_api, webui
+from ds4_mlx.server import anthropic_api, openai_api, protocol, responses_api, webui
 from ds4_mlx.server.assembly import Answer, AnswerMemory
 from ds4_mlx.server.connections import CappedSite
 from ds4_mlx.server.errors import APIError, context_exceeded
@@ -127,16 +127,16 @@ class Server:
         return web.json_response({"status": "ok", "model": self.info.model_id, "context_length": self.info.ctx,
                                   "queued": self.worker.queued, "slots": slots})
 
-    def _model_card(self) -> dict:
-        return {"id": self.info.model_id, "object": "model", "created": 0, "owned_by": "ds4-mlx",
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "ds4-mlx",
                 "context_length": self.info.ctx, "max_model_len": self.info.ctx}
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in self.info.model_names]})
 
     async def model(self, request):
-        self.info.model_name({"model": request.match_info["model"]})
-        return web.json_response(self._model_card())
+        name = self.info.model_name({"model": request.match_info["model"]})
+        return web.json_response(self._model_card(name))
 
     async def openapi(self, request):
         return web.json_response(openapi_spec(self.info))
@@ -184,6 +184,7 @@ class Server:
 
     async def _generate(self, request: web.Request, prepared: Prepared, responder, label: str):
         self._check_length_bound(prepared)
+        protocol.check_token_ids(prepared.sampling, self.worker.tokenizer.vocab_size)
         ids = await self._tokenize(prepared.prompt_text)
         room = self.info.ctx - len(ids)
         if room <= 0:
@@ -330,6 +331,8 @@ class Server:
         except Exception as e:  # noqa: BLE001 - answered as a 500, never a traceback to the client
             log.error(f"{request.method} {request.path} failed:\n{traceback.format_exc()}")
             error = APIError(500, f"internal error: {type(e).__name__}")
+        if 400 <= error.status < 500:  # one line per refused request, so a client's mistake can be seen
+            log.info("%s %s %d: %.300s", request.method, request.path, error.status, error.message)
         body = error.anthropic_body() if is_anthropic(request) else error.openai_body()
         return web.json_response(body, status=error.status)
 

@@ -34,6 +34,7 @@ class Answer:
         self.content = ""
         self.tool_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprob] = []
+        self.reasoning_tokens = 0  # sampled tokens of the reasoning (its closing `</think>` not counted)
 
     def feed(self, text: str) -> list:
         return self._collect(self._parser.feed(text)) if text else []
@@ -41,6 +42,9 @@ class Answer:
     def feed_chunk(self, chunk) -> list:
         self._stats = chunk.stats or self._stats
         events = self.feed(chunk.text)
+        stop_token = chunk.finish_reason == "stop" and not chunk.text
+        if chunk.token is not None and self._parser.state == "reasoning" and not stop_token:
+            self.reasoning_tokens += 1  # fed and still reasoning: the token that ends it switches the state
         if chunk.logprob is not None:
             self.logprobs.append(chunk.logprob)
             events.append(chunk.logprob)
@@ -80,6 +84,9 @@ class Answer:
                 self.content += event.text
             elif isinstance(event, ToolCall):
                 self.tool_calls.append(event)
+            elif isinstance(event, MalformedBlock) and event.cut:
+                log.warning("the output ended inside a tool call, which was left out of the answer (%d characters): "
+                            "%.200r", len(event.text), event.text)
             elif isinstance(event, MalformedBlock):
                 log.warning("a tool-call block that does not parse was left out of the answer (%d characters): "
                             "%.200r", len(event.text), event.text)
