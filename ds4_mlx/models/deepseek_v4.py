@@ -20,19 +20,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ds4_mlx.cache.geometry import overlaps, window_reach
 from ds4_mlx.cache.slots import RingSlots, Slots
 from ds4_mlx.models import gguf_blocks, kernels
-from ds4_mlx.models.kernels import backend, clamped_swiglu, decode_attention, hc_mix, hc_project, routed_experts
+from ds4_mlx.models.kernels import (attend, backend, clamped_swiglu, decode_attention, hc_mix, hc_project,
+                                    routed_experts)
 from ds4_mlx.precision import exact_float32, keeps_float32
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
 # expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
 EXPERT_PATHS = {"cuda": "loop"}
-
-
-# attention over each token's own keys: "sdpa" (mx.fast.scaled_dot_product_attention, one query a batch)
-# or "matmul" (two batched products over the token's heads), for prefill chunks (T > 1); decode uses sdpa.
-# On the H200, 4 layers at 8k: prefill 8,286 tok/s with matmul against 5,806 with sdpa, decode 188 tok/s
-# with sdpa against 176 with matmul. DS4_MLX_ATTENTION overrides both.
-ATTENTION_PATHS = {"cuda": "matmul"}
 
 
 # quantized dense products (attention projections, grouped output projection, shared experts, LM head)
@@ -56,11 +50,6 @@ def dequantizes(rows):
 
 def expert_path():
     return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
-
-
-def attention_path(tokens):
-    default = ATTENTION_PATHS.get(backend(), "sdpa") if tokens > 1 else "sdpa"
-    return os.environ.get("DS4_MLX_ATTENTION") or default
 
 
 INDEXER_TILE_BYTES = 1 << 28
@@ -350,28 +339,6 @@ def hadamard_fp4_sim(x):
 def index_rounding(quant_sim):
     """What indexer rows go through before they are stored: FP4 after a Hadamard transform (ds4)."""
     return hadamard_fp4_sim if quant_sim else (lambda r: r)
-
-
-def attend(q, keys, mask, sinks, scale):
-    """Each token's heads q [T, nh, hd] over its own keys (= values) [T, K, hd] where mask [T, K] (None:
-    all), with a per-head sink logit in the softmax denominator. -> [T, nh, hd]"""
-    if attention_path(q.shape[0]) == "sdpa":
-        keys = keys[:, None]
-        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, keys, scale=scale, sinks=sinks,
-                                                   mask=None if mask is None else mask[:, None, None, :])
-        return out[:, :, 0, :]
-    # as two batched products over a token's heads (M = nh rows each)
-    scores = (q @ keys.swapaxes(-1, -2)) * scale
-    if mask is not None:
-        scores = mx.where(mask[:, None, :], scores, -mx.inf)
-    return _softmax_with_sinks(scores, sinks[:, None]) @ keys
-
-
-@partial(mx.compile, shapeless=True)
-def _softmax_with_sinks(scores, sinks):
-    top = mx.maximum(scores.max(axis=-1, keepdims=True), sinks)
-    e = mx.exp(scores - top)
-    return e / (e.sum(axis=-1, keepdims=True) + mx.exp(sinks - top))
 
 
 def _routing_weights(scores, chosen, scaling):
