@@ -116,20 +116,21 @@ def _timed_parts(times, detail=False):
         patched.append((owner, name, original))
         setattr(owner, name, staticmethod(timed) if static else timed)
 
-    wrap(dv.HyperConnection, "pre", "hc_pre")
-    wrap(dv.HyperConnection, "post", "hc_post", static=True)
-    wrap(dv.Attention, "__call__", "attention")
-    wrap(dv.MoE, "__call__", "moe")
-    wrap(dv.HyperHead, "__call__", "head")
-    if detail:  # inside attention (nested: these are part of its figure)
-        wrap(dv.Attention, "_compress", "attn.compress")
-        wrap(dv.Attention, "_top_rows", "attn.select")
-        wrap(dv, "attend", "attn.attend")
-        wrap(dv, "decode_attention", "attn.attend")
-        # quantized dense products wherever they are (attention, shared experts, head), dequantizing included
-        wrap(dv.QuantizedLinear, "__call__", "dense.quantized")
-        wrap(dv.QuantizedGroupedLinear, "__call__", "dense.quantized")
-    try:
+    try:  # a part that cannot be wrapped puts back those that were
+        wrap(dv.HyperConnection, "pre", "hc_pre")
+        wrap(dv.HyperConnection, "post", "hc_post", static=True)
+        wrap(dv.Attention, "project", "attention")
+        wrap(dv.Attention, "attend", "attention")
+        wrap(dv.MoE, "__call__", "moe")
+        wrap(dv.HyperHead, "__call__", "head")
+        if detail:  # inside attention (nested: these are part of its figure)
+            wrap(dv.Attention, "_compress", "attn.compress")
+            wrap(dv.Attention, "_top_rows", "attn.select")
+            wrap(dv, "attend", "attn.attend")
+            wrap(dv, "decode_attention", "attn.attend")
+            # quantized dense products wherever they are (attention, shared experts, head), dequantizing included
+            wrap(dv.QuantizedLinear, "__call__", "dense.quantized")
+            wrap(dv.QuantizedGroupedLinear, "__call__", "dense.quantized")
         yield
     finally:
         for owner, name, original in patched:
@@ -427,7 +428,6 @@ def plot(figures, png_path, before=None):
 
 if __name__ == "__main__":  # python -m ds4_mlx.tools.bench_speed FIGURES.json OUT.png [BEFORE.json]
     import json
-    import sys
 
     before = json.load(open(sys.argv[3]))["results"] if len(sys.argv) > 3 else None
     plot(json.load(open(sys.argv[1])), sys.argv[2], before)
