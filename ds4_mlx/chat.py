@@ -1,10 +1,11 @@
 """DeepSeek V4 chat format: render conversations to prompt text, parse model output back.
 
-Rendering follows ds4's server template: BOS, the optional Think Max
-prefix, the system block (tools prompt first, then the system and developer messages joined by a
-blank line), `<｜User｜>` turns, tool results as `<tool_result>` blocks after one `<｜User｜>`, and
-assistant turns `<｜Assistant｜>` + reasoning marker + content + DSML tool calls + EOS. The prompt ends
-with `<｜Assistant｜><think>` (thinking) or `<｜Assistant｜></think>`.
+Rendering follows ds4's server template: BOS, the optional reasoning-effort preamble (the original
+release's or V4 Flash 0731's, `EFFORT_PREFIXES`), the system block (tools prompt first, then the
+system and developer messages joined by a blank line), `<｜User｜>` turns, tool results as
+`<tool_result>` blocks after one `<｜User｜>`, and assistant turns `<｜Assistant｜>` + reasoning marker +
+content + DSML tool calls + EOS. The prompt ends with `<｜Assistant｜><think>` (thinking) or
+`<｜Assistant｜></think>`.
 
 Parsing (`OutputParser`) splits streamed model text into reasoning, content and tool calls. Pure
 Python: no arrays here.
@@ -28,6 +29,7 @@ TOOL_RESULT_END = "</tool_result>"
 
 DEFAULT_SYSTEM = "You are a helpful assistant"
 
+# the maximum-effort preamble of the original release ("legacy"); V4 Flash 0731 keeps it for "high"
 THINK_MAX_PREFIX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
@@ -36,6 +38,27 @@ THINK_MAX_PREFIX = (
     "Explicitly write out your entire deliberation process, documenting every intermediate step, "
     "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
     "unchecked.\n\n")
+# V4 Flash 0731's maximum-effort preamble
+THINK_MAX_PREFIX_0731 = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+    "decompose the problem into its most fundamental components, trace every causal chain to its root, and "
+    "resolve the underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
+    "certain that no assumption remains unchecked and no error remains undiscovered.\n\n")
+# each release's template: reasoning effort -> the preamble it puts after BOS in thinking mode
+EFFORT_PREFIXES = {"legacy": {"max": THINK_MAX_PREFIX},
+                   "0731": {"high": THINK_MAX_PREFIX, "max": THINK_MAX_PREFIX_0731}}
+
+
+def release_of(chat_template=None, *names) -> str:
+    """The release whose template a model file carries: "0731" when its chat template has 0731's
+    preamble, or, for a file without one, when a name of it (file name, `general.name`) says 0731;
+    else "legacy" (the original release's files)."""
+    if chat_template:
+        return "0731" if THINK_MAX_PREFIX_0731.split("\n", 1)[0] in chat_template else "legacy"
+    return "0731" if any("0731" in str(name) for name in names if name) else "legacy"
+
 
 TOOLS_PROMPT_HEAD = (
     "## Tools\n\n"
@@ -202,7 +225,7 @@ def _tool_calls_pieces(tool_calls) -> list:
 
 
 def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
-           reasoning_effort=None) -> Prompt:
+           reasoning_effort=None, release="legacy") -> Prompt:
     """Render OpenAI-style messages to DeepSeek V4 prompt text, a `Prompt`: tokenized, the template's
     markers become control tokens and the messages' text stays plain text.
 
@@ -213,9 +236,10 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     reasoning exactly where the template keeps it, its sampled ids are rendered, never its text
     re-tokenized; else the prompt's `replay_notes` say why not);
     a system or developer message with `in_place` set is rendered where it stands, after a blank line.
-    tools: OpenAI tool definitions, or None. thinking: thinking mode. reasoning_effort: "max" adds
-    the Think Max prefix (the caller checks the context is large enough: ds4 asks for 393216),
-    "none" turns thinking off, other values change nothing.
+    tools: OpenAI tool definitions, or None. thinking: thinking mode. reasoning_effort: in thinking
+    mode, the preamble `release`'s template gives it (`EFFORT_PREFIXES`: "max" the Think Max one, whose
+    context the caller checks: ds4 asks for 393216; 0731 also gives "high" the original release's);
+    "none" turns thinking off; other values change nothing. release: the model file's (`release_of`).
 
     Assistant turns keep their reasoning (`<think>…</think>`) in thinking mode when tools are in
     play (tools given, or a tool call or tool result in the history) or when they follow the last
@@ -231,7 +255,9 @@ def render(messages, *, tools=None, thinking=True, add_generation_prompt=True,
     system_parts += [[Client(content_text(m.get("content")))] for m in messages
                      if m.get("role") in ("system", "developer") and not m.get("in_place")]
 
-    out = [BOS, THINK_MAX_PREFIX if thinking and reasoning_effort == "max" else ""]
+    if release not in EFFORT_PREFIXES:
+        raise ValueError(f"unknown chat template release {release!r}")
+    out = [BOS, EFFORT_PREFIXES[release].get(reasoning_effort, "") if thinking else ""]
     for i, part in enumerate(system_parts):
         out += (["\n\n"] if i else []) + part
     awaiting_assistant = in_tool_results = False
@@ -310,8 +336,10 @@ class ReasoningDelta:
 
 @dataclass
 class MalformedBlock:
-    """A DSML tool-call block that does not parse (or was never closed): left out of the answer."""
+    """A DSML tool-call block that does not parse, or the cut end of one the output ended inside (`cut`):
+    left out of the answer."""
     text: str
+    cut: bool = False
 
 
 @dataclass
@@ -397,8 +425,9 @@ class OutputParser:
 
     thinking=True: the output starts inside the reasoning (the prompt ended with `<think>`) and the
     first `</think>` switches to content. tools=True: DSML tool-call blocks in the content become
-    `ToolCall`s; a DSML block that is not well-formed, or never closed, is markup no client can use: it
-    becomes a `MalformedBlock` (left out of the content, for a log line); a bare `<tool_calls>` that is
+    `ToolCall`s; a DSML block that is not well-formed is markup no client can use: it becomes a
+    `MalformedBlock` (left out of the content, for a log line); of a block the output ended inside, the
+    complete calls are kept and the cut one becomes a `MalformedBlock`; a bare `<tool_calls>` that is
     not a call stays text. Only text that may be the start
     of a marker is held back, plus whitespace before a possible tool-call block (the block starts with
     a blank line that belongs to it, not to the content)."""
@@ -425,7 +454,7 @@ class OutputParser:
     def finish(self) -> list:
         events = []
         if self.state == "tool_block":
-            self._malformed(self.block_text + self.pending, events)
+            self._cut_block(events)
             self.pending = self.block_text = ""
         if self.state == "reasoning":
             events.append(ReasoningDelta(self.pending))
@@ -500,10 +529,25 @@ class OutputParser:
         """How many characters of the text fed so far are not in the events returned yet."""
         return len(self.pending) + (len(self.block_text) if self.state == "tool_block" else 0)
 
-    def _malformed(self, block: str, events):
+    def _cut_block(self, events):
+        """A block the output ended inside (cut by the token limit): its complete calls are kept, the cut
+        call after them is left out."""
+        end_tag = f"</{self.block_prefix}invoke>"
+        complete = self.pending.rfind(end_tag) + len(end_tag)
+        calls = parse_tool_block(self.pending[:complete], self.block_prefix) if complete >= len(end_tag) else None
+        if calls is None:
+            self._malformed(self.block_text + self.pending, events, cut=True)
+            return
+        block = self.block_text + self.pending
+        events.extend(ToolCall(self.make_id(), name, json.dumps(arguments, ensure_ascii=False), block)
+                      for name, arguments in calls)
+        if self.pending[complete:].strip():
+            events.append(MalformedBlock(self.pending[complete:], cut=True))
+
+    def _malformed(self, block: str, events, cut: bool = False):
         """A block that is not a tool call: DSML markup is left out; a bare `<tool_calls>` is prose."""
         if self.block_prefix:
-            events.append(MalformedBlock(block))
+            events.append(MalformedBlock(block, cut))
         else:
             events.append(ContentDelta(block))
 

@@ -19,9 +19,11 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.chat import DSML, PARAMETER_END, THINK_END, TOOL_CALLS_START, escape_attribute
+from ds4_mlx.chat import (DSML, PARAMETER_END, THINK_END, THINK_START, TOOL_BLOCK_STARTS, TOOL_CALLS_START,
+                          escape_attribute)
 
 _ll_tokenizers = weakref.WeakKeyDictionary()  # tokenizer -> llguidance's view of it (seconds to build)
+_control_ids = weakref.WeakKeyDictionary()  # tokenizer -> ids of its added tokens
 
 
 def _ll_tokenizer(tokenizer):
@@ -106,26 +108,82 @@ def tool_call_grammar(tools: list[dict], *, repeat: bool) -> str:
 
 
 def check_grammar(grammar: str) -> str:
-    """`grammar`, or a ValueError saying why llguidance cannot use it."""
+    """`grammar`, or a ValueError saying why llguidance cannot use it, or that it admits no output at
+    all (a schema whose `$ref`s only lead to each other: llguidance accepts it, then allows no token)."""
     import llguidance
+    import llguidance.numpy
 
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(error)
+    tokenizer = _byte_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    llguidance.numpy.fill_next_token_bitmask(matcher, llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size))
+    if matcher.is_error():
+        raise ValueError("no output can satisfy it (a $ref cycle, or constraints that exclude every value)")
     return grammar
 
 
+_byte_tokenizers = []
+
+
+def _byte_tokenizer():
+    """An llguidance tokenizer of the 256 bytes and an end token: enough to ask whether a grammar admits
+    any output before a request's tokenizer is at hand."""
+    if not _byte_tokenizers:
+        import llguidance
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens(["<end>"])
+        _byte_tokenizers.append(llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=len(alphabet) + 1,
+                                                       eos_token=len(alphabet)))
+    return _byte_tokenizers[0]
+
+
+def _block_end_after_first_call(text: str) -> str | None:
+    """When `text` (an answer) has closed the first invoke of a tool-call block: what must follow to close
+    the block there; else None."""
+    ends = []  # (where the first invoke ends, its tag prefix), of each spelling of a block start written
+    for marker, prefix in TOOL_BLOCK_STARTS.items():
+        start = text.find(marker)
+        end = text.find(f"</{prefix}invoke>", start) if start >= 0 else -1
+        if end >= 0:
+            ends.append((end + len(f"</{prefix}invoke>"), prefix))
+    if not ends:
+        return None
+    end, prefix = min(ends)
+    written, closing = text[end:], f"\n</{prefix}tool_calls>"
+    if closing.startswith(written):
+        return closing[len(written):]
+    return closing.lstrip("\n")
+
+
 class OutputConstraint:
-    def __init__(self, tokenizer, *, thinking: bool, grammar: str | None = None):
+    """`grammar`: the answer follows it. `single_call` (without a grammar): the answer is free until it
+    has written the first call of a tool-call block; then the block closes and the answer ends, so that
+    it calls one tool at most (`parallel_tool_calls: false`)."""
+
+    def __init__(self, tokenizer, *, thinking: bool, grammar: str | None = None, single_call: bool = False):
+        self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_id
         self.think_end_id = tokenizer.id_of(THINK_END)
         self.phase = "thinking" if thinking else "answer"
         self.matcher = None
+        self.single_call = single_call and grammar is None
+        self.answer = ""  # the answer's text so far, while `single_call` watches for the first call's end
+        self.held = []  # tokens of a character not complete yet
         if grammar is not None:
-            import llguidance
+            self._follow(grammar)
 
-            self.ll_tokenizer = _ll_tokenizer(tokenizer)
-            self.matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+    def _follow(self, grammar: str):
+        import llguidance
+
+        self.ll_tokenizer = _ll_tokenizer(self.tokenizer)
+        self.matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar)
 
     def mask(self, logits: mx.array) -> mx.array:
         """`logits` ([vocab]) with the tokens not allowed next set to -inf."""
@@ -149,9 +207,62 @@ class OutputConstraint:
         elif self.matcher is not None and token != self.eos_id:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"constrained decoding: {self.matcher.get_error()}")
+        elif self.single_call and token != self.eos_id:
+            self.held.append(token)  # a character's bytes may span tokens: decoded once complete
+            piece = self.tokenizer.decode(self.held)
+            if piece.endswith("\ufffd") and len(self.held) < 4:
+                return
+            self.held = []
+            self.answer += piece
+            rest = _block_end_after_first_call(self.answer) if ">" in piece else None
+            if rest is not None:
+                self._follow(f"start: {_literal(rest)}" if rest else 'start: ""')
 
 
 def _without(logits: mx.array, token: int) -> mx.array:
     drop = mx.arange(logits.shape[-1]) == token
     return mx.where(drop, -mx.inf, logits)
 
+
+
+def _added_token_ids(tokenizer) -> dict:
+    """{text: id} of the tokenizer's added tokens (none for a tokenizer without a tokenizer.json)."""
+    if not hasattr(tokenizer, "to_json"):
+        return {}
+    if tokenizer not in _control_ids:
+        added = json.loads(tokenizer.to_json()).get("added_tokens", [])
+        _control_ids[tokenizer] = {t["content"]: t["id"] for t in added}
+    return _control_ids[tokenizer]
+
+
+class ControlTokenMask:
+    """Keeps control tokens out of an answer: the template's markers, placeholders and the like (the
+    tokenizer's added tokens) are markup, never text a client should read. EOS ends the answer and
+    `DSML` spells tool calls, so both stay; `</think>` may end the reasoning, once, when the prompt
+    opened it (its last token is `<think>`)."""
+
+    def __init__(self, tokenizer, prompt_ids):
+        ids = _added_token_ids(tokenizer)
+        self.think_end_id = ids.get(THINK_END)
+        kept = {getattr(tokenizer, "eos_id", None), ids.get(DSML), self.think_end_id}
+        self.banned = [i for i in ids.values() if i not in kept]
+        self.reasoning = bool(prompt_ids) and ids.get(THINK_START) is not None \
+            and prompt_ids[-1] == ids[THINK_START]
+        self._masks = None  # (in the reasoning, in the answer): [vocab] booleans, True where banned
+
+    def mask(self, logits: mx.array) -> mx.array:
+        if not self.banned and self.think_end_id is None:
+            return logits
+        if self._masks is None:
+            vocab = logits.shape[-1]
+            banned = np.zeros(vocab, dtype=bool)
+            banned[[i for i in self.banned if i < vocab]] = True
+            in_answer = banned.copy()
+            if self.think_end_id is not None and self.think_end_id < vocab:
+                in_answer[self.think_end_id] = True
+            self._masks = mx.array(banned), mx.array(in_answer)
+        return mx.where(self._masks[0 if self.reasoning else 1], -mx.inf, logits)
+
+    def advance(self, token: int):
+        if token == self.think_end_id:
+            self.reasoning = False

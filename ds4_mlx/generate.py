@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 
 from ds4_mlx.chat import ContentDelta, OutputParser, ReasoningDelta, partial_marker_len
+from ds4_mlx.constrain import ControlTokenMask
 from ds4_mlx.session import SyncInterrupted
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
@@ -48,7 +49,9 @@ class SamplingParams:
     factory `constraint(tokenizer)` of an object with `mask(logits) -> logits` (disallowed tokens at
     -inf) and `advance(token)`, applied before each draw (`ds4_mlx.constrain`). logit_bias: None, or
     {token id: value} added to those tokens' logits before every draw (greedy too); an id outside the
-    vocabulary names no token, so its bias changes nothing."""
+    vocabulary names no token, so its bias changes nothing. presence_penalty and frequency_penalty as
+    OpenAI defines them, over the tokens this generation drew: a token's logit loses
+    count * frequency_penalty + (count > 0) * presence_penalty before every draw (greedy too)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -58,6 +61,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     constraint: Optional[Callable] = None
     logit_bias: Optional[dict] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 def filter_logits(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -88,6 +93,7 @@ class Sampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed % 2**64)  # any integer: MLX takes 64 bits
         self.bias = None  # the logit bias as a [vocab] array, made at the first draw
+        self.counts = None  # how often each token was drawn, [vocab], while a penalty asks for it
 
     def __call__(self, logits: mx.array) -> int:
         return int(self.draw(logits).item())
@@ -101,10 +107,20 @@ class Sampler:
                 self.bias = mx.zeros((vocab,)).at[mx.array(ids, dtype=mx.int32)].add(
                     mx.array([self.params.logit_bias[i] for i in ids])) if ids else mx.zeros((vocab,))
             logits = logits.astype(mx.float32) + self.bias
+        penalized = self.params.presence_penalty or self.params.frequency_penalty
+        if penalized:
+            if self.counts is None:
+                self.counts = mx.zeros((logits.shape[-1],), dtype=mx.float32)
+            logits = (logits.astype(mx.float32) - self.counts * self.params.frequency_penalty
+                      - (self.counts > 0) * self.params.presence_penalty)
         if self.params.temperature < GREEDY_BELOW:
-            return mx.argmax(logits)
-        self.key, draw_key = mx.random.split(self.key)
-        return mx.random.categorical(filter_logits(logits, self.params), key=draw_key)
+            drawn = mx.argmax(logits)
+        else:
+            self.key, draw_key = mx.random.split(self.key)
+            drawn = mx.random.categorical(filter_logits(logits, self.params), key=draw_key)
+        if penalized:  # counted in the graph: no sync to read the id
+            self.counts = self.counts.at[drawn].add(1.0)
+        return drawn
 
 
 class Detokenizer:
@@ -290,7 +306,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
 
     The session is synced to `prompt_ids` (reusing its longest common prefix), then tokens are
     sampled until a stop id (default: the tokenizer's EOS), a stop string, `max_tokens`, or
-    `should_abort()` returning True (checked before each token and after each prefill chunk).
+    `should_abort()` returning True (checked before each token and after each prefill chunk). Control
+    tokens are never drawn (`constrain.ControlTokenMask`): no answer holds template markup as text.
     `on_prefill(done, total)` is called after each prefill chunk; returning True aborts too.
     `yield_prefill`: also yield a chunk with `prefill=(done, total)` (no token, no text) after each
     prefill chunk, so that a caller serving several requests can interleave them chunk by chunk.
@@ -311,6 +328,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     sampled = []
 
     constraint = sampling.constraint(tokenizer) if sampling.constraint else None
+    controls = ControlTokenMask(tokenizer, prompt_ids)  # no control token is drawn as answer text
 
     def finish(reason, token=None, text="", logprob=None):
         if watcher.stop_at is None:  # the end of the text may still reveal a stop string in the content
@@ -375,6 +393,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     def draw(logits):
         """Start drawing the next token without waiting for it (a constraint's mask and a scripted
         sampler need the id at once, so they sync)."""
+        logits = controls.mask(logits)
         if constraint:
             logits = constraint.mask(logits)
         drawn = sample.draw(logits) if sampler is None else mx.array(sampler(logits))
@@ -395,6 +414,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
             yield finish(FINISH_ABORT)
             return
         sampled.append(token)
+        controls.advance(token)
         if constraint:
             constraint.advance(token)
         if token in stop_ids:

@@ -20,7 +20,10 @@ def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool, pac
     weights = unpack_floats(weights, packed_floats or {})
     model = dsv4.Model(args, quant_sim=quant_sim, layers=layers)
     model.apply_quantization(quantization)
-    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    try:
+        model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    except ValueError as e:  # MLX lists every name, one a line: thousands for a foreign checkpoint
+        raise ValueError(_names_in_short(str(e))) from None
     mx.eval(model.parameters())
     return model
 
@@ -34,6 +37,16 @@ def held_part(named: dict, args, layers: range) -> dict:
         if held is not None:
             out[held] = value
     return out
+
+
+def _names_in_short(message: str) -> str:
+    """MLX's "Received N parameters not in model: \\na,\\nb..." as one line naming the first two."""
+    head, _, names = message.partition(":")
+    names = [n.strip(" ,.") for n in names.split("\n") if n.strip(" ,.")]
+    if not names:
+        return " ".join(message.split())
+    more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+    return f"the weights do not fit the model: {head.strip().lower()} ({', '.join(names[:2])}{more})"
 
 
 def unpack_floats(weights: dict, packed: dict) -> dict:
@@ -99,7 +112,11 @@ def load(path, *, quant_sim=None, progress=True, layers=None):
 def _load_folder(path, quant_sim, layers=None):
     from ds4_mlx.tokenizer import Tokenizer
 
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'}: not JSON ({' '.join(str(e).split())})") from None
+    _check_converted(path, config)
     quantization = config.pop("quantization", {})
     packed = config.pop("packed_floats", {})
     weights = {}
@@ -107,9 +124,29 @@ def _load_folder(path, quant_sim, layers=None):
         weights.update(mx.load(str(f)))  # lazy: a stage of a pipeline reads only the arrays it keeps
     args = dsv4.ModelArgs.from_dict(config)
     tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-    model = build_model(args, weights, quantization, quant_sim=quant_sim, packed_floats=packed, layers=layers)
+    try:
+        model = build_model(args, weights, quantization, quant_sim=quant_sim, packed_floats=packed, layers=layers)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     model.weight_files = [(f.name, f.stat().st_size) for f in sorted(path.glob("*.safetensors"))]
     return model, tok
+
+
+_MADE_BY_CONVERT = "give the model's .gguf file, or a folder made from it by `ds4-mlx convert MODEL.gguf OUT_DIR`"
+
+
+def _check_converted(path, config):
+    """Refuse, in one line, a folder `ds4-mlx convert` did not make: it writes `quantization` and no
+    `architectures` (which transformers checkpoints, and folders made from them, carry)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: config.json is not a ds4-mlx model's; {_MADE_BY_CONVERT}")
+    architectures = config.get("architectures")
+    if architectures:
+        kind = "an mlx-lm" if "quantization" in config else "a Hugging Face transformers"
+        raise ValueError(f"{path}: {kind} checkpoint ({', '.join(map(str, architectures))}), which ds4-mlx does not "
+                         f"load (it reads DeepSeek V4 Flash from GGUF files): {_MADE_BY_CONVERT}")
+    if "quantization" not in config:
+        raise ValueError(f"{path}: config.json is not a ds4-mlx model's (no `quantization` entry); {_MADE_BY_CONVERT}")
 
 
 def converted_folder(g) -> Path:

@@ -3,20 +3,27 @@
 Rewind policy (README, "How a session goes back"):
 - within the last `frontier_horizon` tokens: every layer trims in place (the rings still hold the raw
   and compressor rows), nothing is recomputed;
-- within the last `rewind_slack` tokens: the raw ring still holds the window, and a lane (the few
-  compressor rows a position that is a multiple of every compression ratio needs, 128 in V4 Flash) is
-  kept at each such position, so the session restores the lane at or before the target and replays
-  fewer than 128 tokens;
-- deeper: restore the nearest checkpoint at or before the target (taken every `checkpoint_every`
-  tokens, a few rows a layer) and replay from there. The newest `recent_checkpoints` checkpoints are
+- further back, the session restores the nearest checkpoint at or before the target and replays from
+  there, in the chunks a cold run computes (chunks end on a grid of absolute positions, multiples of
+  `max_chunk` and `checkpoint_every`, and every checkpoint sits on that grid), so a replayed token
+  gets the numbers of a cold prefill of the same tokens. Full checkpoints are taken every
+  `checkpoint_every` tokens (a few rows a layer); between them, within the last `rewind_slack` tokens
+  (the raw ring still holds the window there), a lane: the few compressor rows a grid position needs
+  (a multiple of every compression ratio too). The newest `recent_checkpoints` checkpoints are
   `checkpoint_every` apart; further back the spacing doubles each time the distance doubles, so a
   million-token session keeps a few dozen, and a rewind replays at most about as many tokens as it
   goes back;
 - the next-token logits come from feeding the last prompt token again, or are kept when the prompt
   equals the live tokens;
 - a chunk that fails (an exception, out of memory) leaves the session at the tokens computed before it
-  when the chunk is no longer than the rewind slack (the rings still hold what it overwrote), else empty.
+  when the chunk is no longer than the rewind slack (the rings still hold what it overwrote), else empty;
+- `exact_rewinds`: every token's rows as a cold prefill computes them, bit for bit, whatever the
+  session held before: no trim in place, no extension of a partial chunk or of decoded tokens; the
+  session goes back to the last grid position before which every row came from whole grid chunks and
+  replays from there (up to a chunk more to compute a request).
 """
+
+import math
 
 import mlx.core as mx
 
@@ -37,21 +44,27 @@ def common_prefix(a, b):
 
 class Session:
     def __init__(self, model, *, rewind_slack=4096, checkpoint_every=2048, max_chunk=2048,
-                 frontier_horizon=512, recent_checkpoints=4):
+                 frontier_horizon=512, recent_checkpoints=4, exact_rewinds=False):
         if checkpoint_every <= 0 or max_chunk <= 0 or recent_checkpoints <= 0:
             raise ValueError("checkpoint_every, max_chunk and recent_checkpoints must be positive")
         if rewind_slack < 0 or frontier_horizon < 0:
             raise ValueError("rewind_slack and frontier_horizon must be >= 0")
         self.model = model
         self.rewind_slack, self.checkpoint_every, self.max_chunk = rewind_slack, checkpoint_every, max_chunk
+        # set by a server while other streams run: a chunk's layers are evaluated this many at a time, each
+        # piece a yield of `sync_steps`, so the others' tokens run between them (same chunks, same numbers)
+        self.layers_per_turn = None
         self.frontier_horizon, self.recent_checkpoints = frontier_horizon, recent_checkpoints
+        self.exact_rewinds = exact_rewinds
         self.reset()
 
     def reset(self):
         self.cache: list[LayerCache] = self.model.make_cache(
             history=self.rewind_slack, frontier_history=self.frontier_horizon)
-        self.lane_every = lane_every(self.cache)
+        ratios = lane_every(self.cache)  # a position whose compressor state is a lane
+        self.lane_every = math.lcm(ratios, self.max_chunk) if ratios else None  # and on the chunk grid
         self.tokens: list[int] = []
+        self.clean = 0  # the tokens before it were computed in whole grid chunks, as a cold prefill does
         # position -> per-layer checkpoint, on the live history: full ones at multiples of
         # checkpoint_every, lanes (no raw rows) at the other multiples of lane_every
         self.checkpoints: dict[int, list] = {}
@@ -110,24 +123,37 @@ class Session:
             self.tokens[-1] = int(self.tokens[-1].item())
         return self.tokens[-1]
 
-    def trim(self, n):
-        """Keep the first n tokens."""
+    def trim(self, n, *, logits=None):
+        """Keep the first n tokens; `logits`: the next-token logits after them, when the caller has them
+        (a verify's row), else they are computed when needed."""
         if not 0 <= n <= len(self.tokens):
             raise ValueError(f"cannot trim {len(self.tokens)} tokens to {n}")
         if n < len(self.tokens):
             self._feed(self._rewind(n))
+            if logits is not None:
+                self.logits = logits
+
+    def verify(self, ids):
+        """Append drafted tokens in one forward that keeps the logits of every row: -> logits [T, vocab],
+        row i the next-token logits after ids[: i + 1]. Keep the accepted ones with `trim` (exact: rows
+        are only trimmed, nothing is recomputed)."""
+        rows = []
+        for _ in self._feed_steps([int(t) for t in ids], rows=rows):
+            pass
+        return mx.concatenate(rows) if len(rows) > 1 else rows[0]
 
     def snapshot(self):
         """A handle on the current state: O(1), arrays are shared until either side writes."""
-        return (list(self.tokens), self.logits, dict(self.checkpoints), [c.snapshot() for c in self.cache])
+        return (list(self.tokens), self.logits, dict(self.checkpoints), [c.snapshot() for c in self.cache],
+                self.clean)
 
     def restore(self, snapshot):
-        tokens, self.logits, checkpoints, layers = snapshot
+        tokens, self.logits, checkpoints, layers, self.clean = snapshot
         self.tokens, self.checkpoints = list(tokens), dict(checkpoints)
         for c, s in zip(self.cache, layers):
             c.restore(s)
 
-    def save(self, path, *, history=512):
+    def save(self, path, *, history=256):
         """Write the session to one safetensors file (`ds4_mlx.cache.state`), with what a rewind of up
         to `history` tokens needs after loading; returns the file size."""
         from ds4_mlx.cache.state import export_session, write_state_file
@@ -152,17 +178,20 @@ class Session:
     def _rewind(self, target):
         """Go back to `target` tokens: trim in place, or restore the newest checkpoint at or before it (or
         start over). Returns the tokens to replay from there to reach the target (the caller feeds them)."""
-        if target == len(self.tokens):
+        if target == len(self.tokens) and (not self.exact_rewinds or target == self.clean):
             return []
         self.logits = None
         self.checkpoints = {p: cp for p, cp in self.checkpoints.items() if p <= target}
-        if self._everywhere(all(c.can_trim(target) for c in self.cache)):
+        if not self.exact_rewinds and self._everywhere(all(c.can_trim(target) for c in self.cache)):
             for c in self.cache:
                 c.trim(target)
             del self.tokens[target:]
+            self.clean = min(self.clean, target)
             return []
-        start = max((q for q, cp in sorted(self.checkpoints.items())
-                     if self._everywhere(all(c.can_restore(layer) for c, layer in zip(self.cache, cp)))), default=0)
+        limit = min(target, self.clean) if self.exact_rewinds else target
+        start = max((q for q, cp in sorted(self.checkpoints.items()) if q <= limit
+                     and self._everywhere(all(c.can_restore(layer) for c, layer in zip(self.cache, cp)))), default=0)
+        self.clean = min(self.clean, start)
         replay = self.tokens[start:target]
         if start:
             for c, cp in zip(self.cache, self.checkpoints[start]):
@@ -173,20 +202,18 @@ class Session:
         return replay
 
     def _undo_chunk(self, n):
-        """A chunk of n tokens failed (an exception or out of memory mid-graph): some layers may have
-        advanced or written rows past `self.tokens`, others not. Take every layer to the chunk's end, so
-        each knows which ring slots were overwritten, then back to `self.tokens`; when that cannot be
-        done or the arrays cannot be evaluated, start over empty. Either way the layers agree with
-        `self.tokens`. (Holding the arrays of before the chunk instead would cost a copy of every ring
-        per chunk: MLX could no longer update them in place.)"""
+        """A chunk of n tokens failed (an exception or out of memory mid-graph). A forward commits every
+        layer or none (`Model.__call__`): if it committed, its arrays may not evaluate, so go back to
+        `self.tokens` and evaluate what is left; when that cannot be done, start over empty. Either way the
+        layers agree with `self.tokens`. (Holding the arrays of before the chunk instead would cost a copy
+        of every ring per chunk: MLX could no longer update them in place.)"""
         start = len(self.tokens)
         try:
-            for c in self.cache:
-                c.advance(start + n - c.pos)
-            if not all(c.can_trim(start) for c in self.cache):
-                raise RuntimeError("the rings no longer hold the state")
-            for c in self.cache:
-                c.trim(start)
+            if any(c.pos != start for c in self.cache):
+                if not all(c.can_trim(start) for c in self.cache):
+                    raise RuntimeError("the rings no longer hold the state")
+                for c in self.cache:
+                    c.trim(start)
             mx.eval([c.arrays() for c in self.cache])
         except Exception:  # noqa: BLE001 - nothing of the arrays can be trusted
             self.reset()
@@ -197,26 +224,48 @@ class Session:
             pass
         return self.logits
 
-    def _feed_steps(self, ids):
+    def _feed_steps(self, ids, rows=None):
         """Run ids through the model in chunks that end on checkpoint positions; yield the count done
-        after each."""
+        after each. `rows`: a list that takes the logits of every row of each chunk."""
         done = 0
         while done < len(ids):
             pos = len(self.tokens)
-            to_checkpoint = self.checkpoint_every - pos % self.checkpoint_every
-            n = min(self.max_chunk, len(ids) - done, to_checkpoint)
+            # chunks end on a grid of absolute positions, whatever came before: the same prompt is computed
+            # in the same chunks alone, beside other streams, or replayed from a checkpoint
+            n = min(len(ids) - done, self.max_chunk - pos % self.max_chunk,
+                    self.checkpoint_every - pos % self.checkpoint_every)
             chunk = ids[done : done + n]
             try:
-                logits = self.model(mx.array([chunk], dtype=mx.int32), self.cache, last_only=True)[0, -1]
+                views = [[c.view(n) for c in self.cache]]
+                run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32), views, last_only=rows is None,
+                                               layers_per_step=self.layers_per_turn)
+                while True:
+                    try:
+                        next(run)
+                    except StopIteration as finished:
+                        logits, written = finished.value
+                        break
+                    yield done  # a piece of the chunk: other work may run before the next
+                for c, arrays in zip(self.cache, written[0]):  # every layer or none
+                    c.commit(arrays, n)
+                logits = logits[0]
                 mx.eval(logits, [c.arrays() for c in self.cache])
+                if rows is not None:
+                    rows.append(logits)
+                logits = logits[-1]
             except BaseException:
                 self._undo_chunk(n)
                 raise
+            if pos == self.clean and self._on_grid(pos + n):
+                self.clean = pos + n
             self.tokens.extend(chunk)
             self.logits = logits
             done += n
             self._take_checkpoints(pos, len(self.tokens))
             yield done
+
+    def _on_grid(self, p):
+        return p % self.max_chunk == 0 or p % self.checkpoint_every == 0
 
     def _take_checkpoints(self, start, end):
         """After feeding (start, end]: a lane at each multiple of `lane_every` in it, a full checkpoint
@@ -254,20 +303,25 @@ class Session:
 
 
 def step_together(sessions, tokens):
-    """`Session.step_async` for several sessions of one model in one forward (`Model.decode_batch`):
-    `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their evaluation
-    started; call each session's `settle()` before using it again."""
+    """`Session.step_async` for several sessions of one model in one forward (`Model.forward` over B
+    sessions): `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their
+    evaluation started; call each session's `settle()` before using it again."""
     own = getattr(type(sessions[0]), "step_together", None)  # sessions in lockstep over several machines
     if own is not None:
         return own(sessions, tokens)
     if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
         raise ValueError("step_together takes distinct sessions of one model")
     try:
-        logits = sessions[0].model.decode_batch(tokens.astype(mx.int32), [s.cache for s in sessions])
+        views = [[c.view(1) for c in s.cache] for s in sessions]
+        logits, written = sessions[0].model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
+        for s, steps in zip(sessions, written):
+            for c, arrays in zip(s.cache, steps):
+                c.commit(arrays, 1)
     except BaseException:  # as in `_feed`: every layer of every session back at its last token
         for s in sessions:
             s._undo_chunk(1)
         raise
+    logits = logits[:, 0]
     for b, s in enumerate(sessions):
         s._stepped(tokens[b], logits[b])
     mx.async_eval(logits, [c.arrays() for s in sessions for c in s.cache])

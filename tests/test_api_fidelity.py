@@ -109,11 +109,11 @@ def test_anthropic_thinks_only_when_asked(claude):
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
         {"type": "text", "text": "ok"}, {"type": 3}]}]}]}, 400, "messages[0].content[0].content[1] must be a"),
     ({"messages": [{"role": "critic", "content": "x"}]}, 422, "role"),
-    ({"thinking": {"type": "sometimes"}}, 422, "thinking.type"),
-    ({"thinking": {"type": "adaptive", "display": "loud"}}, 422, "thinking.display"),
-    ({"output_config": {"effort": "extreme"}}, 422, "effort"),
+    ({"thinking": {"type": "sometimes"}}, 400, "thinking.type"),
+    ({"thinking": {"type": "adaptive", "display": "loud"}}, 400, "thinking.display"),
+    ({"output_config": {"effort": "extreme"}}, 400, "effort"),
     ({"output_config": "high"}, 400, "output_config"),
-    ({"max_tokens": 0}, 422, "max_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
 ])
 def test_malformed_used_fields_and_unreadable_content_are_clean_errors(bg, change, status, words):
     response = post_messages(bg, claude_code_body(**change))
@@ -262,8 +262,8 @@ IMAGE_URL = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA
     ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
                       "tool_choice": {"type": "any"}}, "has no tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "bogus"},
-     "reasoning_effort must be one of"),
-    ("/v1/responses", {"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning_effort must be one of"),
+     "'reasoning_effort' must be one of"),
+    ("/v1/responses", {"input": "hi", "reasoning": {"effort": "bogus"}}, "'reasoning.effort' must be one of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "store": True}, "'store'"),
     ("/v1/responses", {"input": "hi", "store": True}, "'store'"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "'best_of'"),
@@ -294,7 +294,7 @@ def test_logit_bias_steers_the_draw(bg, oai):
                                   logit_bias={str(target): 100})
     assert done.choices[0].text == tokenizer.decode([target] * 3)
     chat = oai.chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       logit_bias={str(target): 100, "999999999": -100})  # no such token: no effect
+                                       logit_bias={str(target): 100})
     assert chat.choices[0].message.content == tokenizer.decode([target] * 2)
 
 

@@ -13,7 +13,8 @@ from ds4_mlx.tools.testing import tiny_args
 
 
 def test_bench_memory_runs_with_its_defaults():
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    root = str(Path(__file__).parents[1])  # before the paths already set (a GPU machine's MLX)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "bench", "memory", "--json"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -1,5 +1,5 @@
-"""`ds4-mlx bench`: a table without --json, one JSON object on the last line with it, defaults in --help,
-and the tiny preset by default on a CPU."""
+"""`ds4-mlx bench`: a table without --json, one JSON object alone on stdout with it (progress on stderr),
+defaults in --help, and the tiny preset by default on a CPU."""
 
 import json
 
@@ -40,15 +40,24 @@ def test_convert_bench_prints_a_table(capsys, monkeypatch):
     monkeypatch.setattr(convert_bench, "bench_convert", lambda size_gb: {"gguf_gb": size_gb, "mb_per_s": 812.5,
                                                                           "within_bound": True})
     out = bench(capsys, "convert", "--size-gb", "0.5", "--rows", "32").out  # few rows: the projection in a second
-    figures, types = out.split("\n\ntypes:\n")
+    figures, files, paths, types = out.rstrip("\n").split("\n\n")
     lines = figures.splitlines()
     assert lines[0].split() == ["figure", "value"] and set(lines[1]) == {"-", " "}
     rows = dict(line.split(None, 1) for line in lines[2:])
     assert (rows["gguf_gb"], rows["mb_per_s"], rows["within_bound"]) == ("0.5", "812.50", "True")
     assert rows["q2_gguf_gib"] == "80.76" and rows["q2_ratio_target"] == "1.02"
+    files = files.splitlines()
+    assert files[0] == "files_0731:" and files[1].split()[:3] == ["file", "gguf_gib", "native_gib"]
+    assert [line.split()[0] for line in files[3:]] == ["ds4f-q2-0731", "ds4f-q2-q4-0731", "ds4f-q4-0731",
+                                                       "ds4f-mxfp4-0731"]
+    paths = paths.splitlines()
+    assert paths[0] == "experts_0731:" and paths[1].split() == ["file", "backend", "experts"]
+    assert [line.split()[:2] for line in paths[3:6]] == [["ds4f-q2-0731", "metal"], ["ds4f-q2-0731", "cuda"],
+                                                         ["ds4f-q2-0731", "cpu"]]
     types = types.splitlines()
-    assert types[0].split() == ["type", "format", "bytes_per_weight", "rel_rms", "weights_per_s"]
-    assert [line.split()[0] for line in types[2:]] == ["IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"]
+    assert types[0] == "types:"
+    assert types[1].split() == ["type", "format", "bytes_per_weight", "rel_rms", "weights_per_s"]
+    assert [line.split()[0] for line in types[3:]] == ["IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"]
 
 
 def test_help_shows_defaults(capsys):
@@ -83,3 +92,41 @@ def test_speed_bench_profiles_a_decode_step(capsys):
     profile = json.loads(last)["profile"]
     for part in ("prefill_chunk", "decode_step"):
         assert all(profile[part][k] > 0 for k in ("hc_pre", "attention", "moe", "total", "graph_build"))
+
+
+# every bench that runs in seconds on a CPU, with small settings (`load` starts servers for minutes)
+QUICK = {
+    "model": ["--prompt", "16", "--decode", "2"],
+    "rewind": ["--contexts", "64", "--repeats", "1", "--generated", "2"],
+    "convert": ["--size-gb", "0", "--rows", "32"],
+    "speed": ["--preset", "tiny", "--contexts", "64", "--decode", "2", "--chunk", "32"],
+    "dense": ["--preset", "tiny", "--rows", "1,8", "--repeats", "1"],
+    "memory": ["--contexts", "256"],
+    "parity": ["--tokens", "16", "--decode", "2", "--modes", "exact"],
+    "batch": ["--streams", "1", "--context", "32", "--decode", "1"],
+}
+
+
+def test_every_bench_is_listed():
+    from ds4_mlx.tools.bench import BENCHES
+
+    assert set(QUICK) | {"load"} == {name for name, _, _ in BENCHES}
+
+
+@pytest.mark.parametrize("name", list(QUICK))
+def test_stdout_holds_the_figures_alone(capsys, name):
+    """With --json, stdout is one line, a JSON object; without, the table alone: a "figure value" table,
+    then a titled table per list of rows. Progress goes to stderr either way."""
+    if name == "parity":
+        pytest.importorskip("transformers")
+    out = bench(capsys, name, *QUICK[name], "--json").out
+    assert len(out.splitlines()) == 1, out
+    assert isinstance(json.loads(out), dict)
+    sections = bench(capsys, name, *QUICK[name]).out.rstrip("\n").split("\n\n")
+    assert sections[0].splitlines()[0].split() == ["figure", "value"], sections[0]
+    for section in sections:
+        lines = section.splitlines()
+        if section is not sections[0]:
+            assert lines[0].endswith(":") and " " not in lines[0], section
+            lines = lines[1:]
+        assert len(lines) >= 3 and set(lines[1]) == {"-", " "}, section

@@ -236,7 +236,8 @@ def test_malformed_dsml_is_left_out_of_the_content(block):
         events = parse(text, cuts, thinking=False, tools=True)
         if block.startswith("<｜DSML｜"):  # markup: never shown; one never closed takes the rest with it
             closed = "</｜DSML｜tool_calls>" in block
-            assert events == [ContentDelta("Before."), MalformedBlock("\n\n" + block + ("" if closed else " after"))] \
+            assert events == [ContentDelta("Before."), MalformedBlock("\n\n" + block + ("" if closed else " after"),
+                                                                      cut=not closed)] \
                 + ([ContentDelta(" after")] if closed else [])
         else:  # a bare <tool_calls> in prose stays text
             assert events == [ContentDelta(text)]

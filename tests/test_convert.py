@@ -198,17 +198,20 @@ def _q2_mix(name):
     return T.IQ2_XXS if "_exps" in name and "down" not in name else T.Q2_K if "down_exps" in name else T.Q8_0
 
 
-def _write_model(tmp_path, dtype=None, quant=None, llama_cpp=False, every_matrix=False, experts_only=False):
+def _write_model(tmp_path, dtype=None, quant=None, llama_cpp=False, every_matrix=False, experts_only=False,
+                 types=None):
     """A tiny GGUF with its matrices in `quant` (a type, or "q2" for the published q2 mix) or float
     `dtype`, and the transformers model holding exactly the values the file encodes. Exact types get
     random valid blocks, Q2_K / IQ2_XXS the codes the reference quantizer gives for the weights.
     `every_matrix`: as llama.cpp's converter writes `--outtype q8_0`, every float matrix (embedding,
     router, HC and compressor projections included) quantized from its weights by the `gguf` package.
-    `experts_only`: only the routed experts quantized, from random valid blocks; the rest float32."""
+    `experts_only`: only the routed experts quantized, from random valid blocks; the rest float32.
+    `types`: {GGUF tensor name: type} of every tensor (a whole file's layout, the options above aside):
+    Q8_0 quantized from the weights, other quantized types random valid blocks, F16 rounded."""
     import torch
     from ds4_mlx.tools import testing
 
-    args = _tiny(quant)
+    args = _tiny(quant or types)
     hf = testing.hf_tiny_model(args, seed=0)
     tensors = testing.hf_to_gguf_tensors(hf)
     rng = np.random.default_rng(5)
@@ -218,7 +221,20 @@ def _write_model(tmp_path, dtype=None, quant=None, llama_cpp=False, every_matrix
         path = G.dsv4.mlx_name(name)
         quant = _q2_mix(name) if mix == "q2" else mix
         block = GGML_QUANT_SIZES[quant][0] if quant else 1
-        if experts_only and "_exps" in name:
+        if types is not None:
+            t = types[name]
+            if t == T.Q8_0:
+                tensors[name] = (gguf.quants.quantize(a, t), t)
+                values[name] = gguf.quants.dequantize(tensors[name][0], t)
+            elif t == T.F16:
+                tensors[name] = a.astype(np.float16)
+                values[name] = tensors[name].astype(np.float32)
+            elif t in (T.F32, T.I32):
+                values[name] = a
+            else:
+                raw, values[name] = random_blocks(t, a.shape, rng, std=float(a.std()))
+                tensors[name] = (raw, t)
+        elif experts_only and "_exps" in name:
             raw, values[name] = random_blocks(quant, a.shape, rng, std=float(a.std()))
             tensors[name] = (raw, quant)
         elif experts_only:
@@ -410,8 +426,10 @@ def _assert_holds_the_gguf_values(path, out, but=()):
             got = mx.dequantize(arrays[name], f32(arrays[stem + ".scales"]), f32(arrays[stem + ".biases"]),
                                 group_size=fmt["group_size"], bits=fmt["bits"], dtype=mx.float32)
         else:
-            got = arrays[name]
-            assert got.dtype == (mx.int32 if t.tensor_type == T.I32 else mx.float32), (name, got.dtype)
+            got = arrays[name]  # float types as they are in the file, the rest float32
+            kept = {T.I32: mx.int32, T.F16: mx.float16, T.BF16: mx.bfloat16}.get(t.tensor_type, mx.float32)
+            assert got.dtype == kept, (name, got.dtype)
+            got = got if kept == mx.int32 else got.astype(mx.float32)
         assert np.array_equal(np.array(got).reshape(want.shape), want.astype(np.array(got).dtype)), name
 
 

@@ -27,7 +27,8 @@ print(os.environ.get("MLX_ENABLE_TF32"))
 def forward_sets(quant_sim, half=False, **env):
     """MLX_ENABLE_TF32 in a fresh process after a model's first forward pass (and stderr)."""
     environ = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
-    environ.update(PYTHONPATH=str(Path(__file__).parents[1]), **env)
+    root = str(Path(__file__).parents[1])  # before the paths already set (a GPU machine's MLX)
+    environ.update(PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), **env)
     out = subprocess.run([sys.executable, "-c", PROBE.format(quant_sim=quant_sim, half=half)], env=environ,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -62,7 +63,8 @@ def test_bench_parity_exact_mode_matches_transformers():
     """`ds4-mlx bench parity` at the real cache geometry, tiny widths: the exact mode's prefill and decode
     logits equal transformers' float32 ones."""
     pytest.importorskip("transformers")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    root = str(Path(__file__).parents[1])  # before the paths already set (a GPU machine's MLX)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "bench", "parity", "--device", "cpu", "--tokens",
                           "300", "--decode", "4", "--modes", "exact", "--json"], env=env, capture_output=True,
                          text=True, timeout=600)

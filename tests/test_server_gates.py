@@ -21,11 +21,13 @@ from ds4_mlx.server.middleware import Access
 from ds4_mlx.tools.testing import demo_server, wait_healthy
 
 KEY = "secret-key"
+METRICS_KEY = "metrics-key"
 ORIGIN = "http://localhost:5173"
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
-SERVER_OPTIONS = {"access": Access(api_keys=(KEY,), cors_origins=(ORIGIN,))}  # the `bg` fixture's
+# the `bg` fixture's
+SERVER_OPTIONS = {"access": Access(api_keys=(KEY,), cors_origins=(ORIGIN,), metrics_key=METRICS_KEY)}
 
 
 def test_api_key_bearer_and_x_api_key(bg):
@@ -68,7 +70,7 @@ def test_cors_preflight_and_headers(bg):
 
 
 def _metrics(bg) -> dict:
-    text = requests.get(bg.url + "/metrics", headers={"x-api-key": KEY}).text
+    text = requests.get(bg.url + "/metrics", headers={"x-api-key": METRICS_KEY}).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -164,8 +166,8 @@ def test_serve_startup_lines_and_ctx_clamped():
         assert log.index(f"listening on {url}") < log.index("gibberish")  # bound before the load
         assert "--ctx 1000000 is more than this model's context of 32768 tokens: serving 32768" in log
         assert "thinking is on by default for the OpenAI APIs" in log and "/v1/messages thinks only when" in log
-        [model] = requests.get(url + "/v1/models").json()["data"]
-        assert model["context_length"] == 32768
+        models = requests.get(url + "/v1/models").json()["data"]
+        assert models and all(model["context_length"] == 32768 for model in models)
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0

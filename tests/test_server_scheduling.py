@@ -100,7 +100,7 @@ def test_a_prompt_alone_is_computed_in_long_chunks():
             yield chunk
 
     long_prompt = [{"role": "user", "content": " ".join(f"w{i}" for i in range(600))}]
-    server = demo_server(ctx=8192, generate=recording, prefill_chunk=512, shared_prefill_chunk=64)
+    server = demo_server(ctx=8192, generate=recording, prefill_chunk=512)
     with BackgroundServer(server) as bg:
         client = OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
         client.chat.completions.create(model=MODEL, messages=long_prompt, temperature=0, max_tokens=1)

@@ -31,8 +31,8 @@ class Float32Rows:
     def make_cache(self, **kwargs):
         return make_caches(self.args, row_dtype=mx.float32, **kwargs)
 
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
+    def forward_steps(self, *args, **kwargs):
+        return self.model.forward_steps(*args, **kwargs)
 
 
 def assert_exact(session, logits):
@@ -252,27 +252,27 @@ def test_nbytes_counts_slack_and_checkpoints():
 @pytest.mark.parametrize("quant_sim", [False, True])
 @pytest.mark.parametrize("compile_decode", ["1", "0"])
 def test_decode_steps_equal_cold_prefill(monkeypatch, quant_sim, compile_decode):
-    """Decoded tokens go through `DecoderLayer.decode` (compiled, or as plain MLX with DS4_MLX_COMPILE=0):
-    across compressor blocks, the indexer starting to select, and compressed-row buffers that grow."""
+    """Decoded tokens go through a layer's compiled step (or its plain MLX with DS4_MLX_COMPILE=0): across
+    compressor blocks, the indexer starting to select, and compressed-row buffers that grow."""
     from ds4_mlx.cache.layers import RowBuffer
     from ds4_mlx.models.deepseek_v4 import DecoderLayer
 
     monkeypatch.setattr(RowBuffer, "step", 4)  # the buffers grow while decoding
     monkeypatch.setenv("DS4_MLX_COMPILE", compile_decode)
-    original, decoded = DecoderLayer.decode, []
+    original, decoded = DecoderLayer._compiled_step, []
 
     def counted(self, *args):
         decoded.append(1)
         return original(self, *args)
 
-    monkeypatch.setattr(DecoderLayer, "decode", counted)
+    monkeypatch.setattr(DecoderLayer, "_compiled_step", counted)
     model = random_model(tiny_args(0), seed=0, quant_sim=quant_sim)  # fresh: no compiled methods cached
     tokens = [int(t) for t in np.random.default_rng(7).integers(0, model.args.vocab_size, 100)]
     session = Session(model, max_chunk=61)
     session.sync(tokens[:12])
     for t in tokens[12:]:
         logits = session.step(t)
-    assert decoded, "no step went through DecoderLayer.decode"
+    assert decoded, "no step went through the compiled step"
     assert_exact(session, logits)
 
 
@@ -290,7 +290,7 @@ def test_an_error_while_a_step_is_traced_leaves_the_model_whole(monkeypatch):
         raise RuntimeError("broken while traced")
 
     with monkeypatch.context() as m:
-        m.setattr(Attention, "decode_attend", broken)
+        m.setattr(Attention, "_attend_one", broken)
         with pytest.raises(RuntimeError, match="broken while traced"):
             session.step(tokens[30])
     assert len(session.tokens) == 30
@@ -308,9 +308,9 @@ class CountingModel:
     def make_cache(self, **kwargs):
         return self.model.make_cache(**kwargs)
 
-    def __call__(self, inputs, *args, **kwargs):
-        self.calls.append(inputs.shape[-1])
-        return self.model(inputs, *args, **kwargs)
+    def forward_steps(self, ids, *args, **kwargs):
+        self.calls.append(ids.shape[-1])
+        return self.model.forward_steps(ids, *args, **kwargs)
 
 
 def test_a_deep_rewind_replays_in_chunks_between_yields():

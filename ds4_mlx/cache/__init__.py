@@ -10,11 +10,23 @@ def add_disk_arguments(parser):
 
 
 def disk_store_from_args(args, **options):
-    """A `DiskStore` for the parsed flags, or None without --kv-disk-dir."""
+    """A `DiskStore` for the parsed flags; None without --kv-disk-dir, or when the folder cannot be used
+    (read-only, not a folder, not ours to write): then one warning says so and the caller goes on without
+    the store, as it does when a save fails. A folder that another process holds stops the caller."""
     if not args.kv_disk_dir:
         return None
     if args.kv_disk_space_mb <= 0:
         raise ValueError("--kv-disk-space-mb must be positive")
-    from ds4_mlx.cache.store import DiskStore
+    import logging
 
-    return DiskStore(args.kv_disk_dir, args.kv_disk_space_mb, **options)
+    from ds4_mlx.cache.store import DiskStore, FolderInUse
+
+    try:
+        return DiskStore(args.kv_disk_dir, args.kv_disk_space_mb, **options)
+    except FolderInUse:
+        raise
+    except OSError as e:
+        logging.getLogger("ds4_mlx.kv_disk").warning(
+            f"kv disk: cannot use {args.kv_disk_dir} ({e}); going on without the disk store: no session is "
+            "saved or restored")
+        return None

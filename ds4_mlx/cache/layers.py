@@ -12,8 +12,9 @@ Rows the model has already rounded to float16 (with `quant_sim`: the FP8/float16
 KV rows, the FP4/float16 indexer rows) are stored as float16, which is exact; the compressor inputs
 are float32 in the reference and stay so. Without `quant_sim` every row stays float32.
 
-Arrays are only ever replaced (`mx.slice_update` and rebinding), never written through a shared
-handle, so holding the old arrays is a valid snapshot and writing after a snapshot copies on write.
+Arrays are only ever replaced (the model's scatters return new arrays, which MLX writes in place only
+when nothing else holds the old one), never written through a shared handle, so holding the old arrays is
+a valid snapshot and writing after a snapshot copies on write.
 
 State protocol: `state` is the named arrays position `pos` needs, in position
 order; `meta_state` a dict of counters; `load_state(state, meta_state)` rebuilds the cache from them.
@@ -21,8 +22,9 @@ order; `meta_state` a dict of counters; `load_state(state, meta_state)` rebuilds
 
 import mlx.core as mx
 
-from ds4_mlx.cache.geometry import (block_of, compressor_reach, frontier_needs, in_block, lane_every as lcm_lane,
-                                    ring_slot, rows_done, rows_visible, window_reach)
+from ds4_mlx.cache.geometry import (compressor_reach, frontier_needs, lane_every as lcm_lane, ring_slot, rows_done,
+                                    window_reach)
+from ds4_mlx.cache.slots import make_slots
 
 RING_NAMES = ("raw", "frontier", "index_frontier")
 BUFFER_NAMES = ("rows", "index_rows")
@@ -30,27 +32,21 @@ BUFFER_NAMES = ("rows", "index_rows")
 
 class TokenRing:
     """One row per position for the last `capacity` positions: position p in slot `ring_slot(p, capacity)`.
+    A step longer than the ring keeps only its last `capacity` rows (a step never runs past a lane's
+    position, and the session copies a lane as soon as a step ends on it: no lane loses its rows)."""
 
-    A chunk longer than the ring keeps only its last `capacity` rows. Lanes (`lane_every`) need the
-    `lane_rows` positions before each multiple of `lane_every`; where a chunk drops such rows, `log`
-    copies them aside first (`dropped_lanes`, until the next chunk), so a lane is taken from rows that
-    still hold its positions."""
-
-    def __init__(self, capacity, width, dtype=mx.float32, *, lane_every=None, lane_rows=0):
+    def __init__(self, capacity, width, dtype=mx.float32):
         self.capacity, self.width, self.dtype = capacity, width, dtype
-        self.lane_every, self.lane_rows = (lane_every, lane_rows) if lane_rows else (None, 0)
         self.rows = None
         self.floor = 0  # the oldest position whose row is still held
-        self.dropped_lanes = {}  # lane position -> its rows, copied from the last chunk before it dropped them
 
     def write(self, start, rows):
         """Store rows for positions start, start + 1, ... (at most `capacity` of them)."""
         n = rows.shape[0]
         if n > self.capacity:
-            raise ValueError(f"{n} rows for a ring of {self.capacity}: a chunk goes through `log`")
-        if self.rows is None:  # also for no rows: a decoded token writes into the array (a state loaded at a
-            # multiple of 128 holds no rows of the ratio-128 compressor)
-            self.rows = mx.zeros((self.capacity, self.width), self.dtype)
+            raise ValueError(f"{n} rows for a ring of {self.capacity}")
+        self.allocate()  # also for no rows: a step writes into the array (a state loaded at a multiple of 128
+        # holds no rows of the ratio-128 compressor)
         if n == 0:
             return
         rows = rows.astype(self.dtype)
@@ -60,23 +56,11 @@ class TokenRing:
         if first < n:
             self.rows = mx.slice_update(self.rows, rows[first:], mx.array([0]), axes=(0,))
 
-    def log(self, start, rows):
-        """Store a chunk's rows (positions start, start + 1, ...): the ring keeps the last `capacity`;
-        the lanes' rows among those it drops are copied aside first."""
-        n, kept = rows.shape[0], min(rows.shape[0], self.capacity)
-        self.dropped_lanes = {}
-        every, need = self.lane_every, self.lane_rows
-        lanes = range(start - start % every + every, start + n - kept + need, every) if every and n > kept else ()
-        if lanes:  # one gather for all of them (a lane's rows before the chunk are still in the ring)
-            spans = [(q, max(q - need, start)) for q in lanes]
-            picked = rows[mx.array([p - start for q, first in spans for p in range(first, q)])].astype(self.dtype)
-            at = 0
-            for q, first in spans:
-                mine, at = picked[at : at + q - first], at + q - first
-                before = self.copy(q - need, first)
-                if before is not None:  # else the ring had lost them before this chunk: no lane there
-                    self.dropped_lanes[q] = mx.concatenate([before, mine]) if before.shape[0] else mine
-        self.write(start + n - kept, rows[n - kept :])
+    def allocate(self):
+        """The rows array, zeros until written (a step writes into it)."""
+        if self.rows is None:
+            self.rows = mx.zeros((self.capacity, self.width), self.dtype)
+        return self.rows
 
     def gather(self, positions):
         """Rows at the given positions (an int array of any shape; negative positions give junk rows
@@ -90,12 +74,8 @@ class TokenRing:
         return self.gather(mx.arange(start, stop))
 
     def copy(self, start, stop):
-        """A copy of the rows of positions [start, stop): from the ring while it holds them, else the
-        rows the last chunk set aside for a lane at `stop`; None when neither has them."""
-        if start >= min(self.floor, stop):
-            return self.read(start, stop)
-        kept = self.dropped_lanes.get(stop)
-        return kept if kept is not None and kept.shape[0] == stop - start else None
+        """A copy of the rows of positions [start, stop), or None when the ring no longer holds them."""
+        return self.read(start, stop) if start >= min(self.floor, stop) else None
 
     def passed(self, pos):
         """The ring has been written up to `pos`: rows older than one capacity are gone."""
@@ -116,14 +96,6 @@ class RowBuffer:
         self.width, self.dtype = width, dtype
         self.rows = None
         self.count = 0
-
-    def append(self, rows):
-        n = rows.shape[0]
-        if n == 0:
-            return
-        self.reserve(self.count + n)
-        self.rows = mx.slice_update(self.rows, rows.astype(self.dtype), mx.array([self.count]), axes=(0,))
-        self.count += n
 
     def reserve(self, need):
         """Room for `need` rows. Rows past `count` may be stale (a trim only lowers the count)."""
@@ -155,21 +127,17 @@ class LayerCache:
     `frontier_history`, so any rewind that deep restores the state with no recomputation.
     """
 
-    def __init__(self, *, window, head_dim, ratio=0, comp_width=0, index_dim=0, index_width=0,
-                 history=0, frontier_history=None, row_dtype=mx.float32, lane_every=None):
-        self.window, self.ratio, self.pos = window, ratio, 0
+    def __init__(self, *, window, head_dim, ratio=0, comp_width=0, index_dim=0, index_width=0, index_topk=0,
+                 history=0, frontier_history=None, row_dtype=mx.float32):
+        self.window, self.ratio, self.index_topk, self.pos = window, ratio, index_topk, 0
         frontier_history = history if frontier_history is None else min(frontier_history, history)
-        # a chunk reads rows back to p0 - reach from the rings and its own rows from itself (the model's
-        # log_and_read), so the rings hold the reach and the rewind history, whatever the chunk length
+        # a step reads the rows before it from the rings and its own rows from itself, so the rings hold the
+        # reach and the rewind history, whatever the step's length
         self.raw = TokenRing(window_reach(window) + history, head_dim, row_dtype)
-        # the positions before p that a decoded token at p reads from the rings
-        self.reach = max(window_reach(window), compressor_reach(ratio) if ratio else 0)
-        if ratio:  # lanes restore the compressor rows from copies, the raw rows from the ring
-            lanes = {"lane_every": lane_every, "lane_rows": frontier_needs(lane_every, ratio) if lane_every else 0}
-            frontier_capacity = compressor_reach(ratio) + frontier_history
-        self.frontier = TokenRing(frontier_capacity, 2 * comp_width, **lanes) if ratio else None
+        frontier_capacity = compressor_reach(ratio) + frontier_history if ratio else 0
+        self.frontier = TokenRing(frontier_capacity, 2 * comp_width) if ratio else None
         self.rows = RowBuffer(head_dim, row_dtype) if ratio else None
-        self.index_frontier = TokenRing(frontier_capacity, 2 * index_width, **lanes) if index_dim else None
+        self.index_frontier = TokenRing(frontier_capacity, 2 * index_width) if index_dim else None
         self.index_rows = RowBuffer(index_dim, row_dtype) if index_dim else None
         # the rings and buffers this layer kind has, by name, listed once (a decoded token asks often)
         self._named_rings = tuple((n, r) for n, r in zip(RING_NAMES, (self.raw, self.frontier, self.index_frontier))
@@ -185,37 +153,31 @@ class LayerCache:
         return self._buffers
 
     def arrays(self):
-        """The arrays a step writes (its rings' and buffers' rows, the lane rows a chunk set aside): what to
+        """The arrays a step writes (its rings' and buffers' rows): what to
         evaluate with the logits (set-aside rows evaluated later would hold the whole chunk until then)."""
-        return [x.rows for x in self.rings() + self.buffers()] + [
-            rows for ring in self.rings() for rows in ring.dropped_lanes.values()]
+        return [x.rows for x in self.rings() + self.buffers()]
 
-    def decode_arrays(self):
-        """The arrays one decoded token reads and writes, by name: the rings' rows, and the buffers' with
-        room for one more row (a decode step is a pure function of these: see DecoderLayer.decode)."""
+    def view(self, tokens):
+        """What a step of `tokens` tokens from `pos` needs: (`Slots`, the arrays it reads and writes by name:
+        the rings' rows, and the buffers' with room for the rows the step reads). The model returns the
+        arrays written, for `commit`."""
+        slots = make_slots(self.pos, tokens, window=self.window, ratio=self.ratio, raw_capacity=self.raw.capacity,
+                           frontier_capacity=self.frontier.capacity if self.ratio else 0,
+                           index_capacity=self.index_frontier.capacity if self.index_frontier else 0,
+                           index_topk=self.index_topk, row_bucket=RowBuffer.step)
         for b in self.buffers():
-            b.reserve(b.count + 1)
-        return {name: x.rows for name, x in self.named_rings() + self.named_buffers()}
+            b.reserve(slots.rows)
+        return slots, {name: x.allocate() if x in self._rings else x.rows
+                       for name, x in self.named_rings() + self.named_buffers()}
 
-    def decode_slots(self):
-        """Where a decoded token at `pos` writes and reads, as ints (computed here once, not in every
-        layer's graph): its slot in each ring, the slot of its window's first row, its offset in its
-        block, the buffer row its block fills, and the compressed rows visible to it."""
-        p, m = self.pos, self.ratio
-        slots = {"pos": p, "raw": ring_slot(p, self.raw.capacity),
-                 "window": ring_slot(p - window_reach(self.window), self.raw.capacity),
-                 "visible": rows_visible(p, m) if m else 0}
-        if m:
-            slots.update(frontier=ring_slot(p, self.frontier.capacity), in_block=in_block(p, m), row=block_of(p, m))
-        return slots
-
-    def decoded(self, arrays):
-        """Take the arrays a decode step wrote, and move on one position."""
-        for name, x in self.named_rings() + self.named_buffers():
-            x.rows = arrays[name]
-        for b in self.buffers():
-            b.count = rows_done(self.pos + 1, self.ratio)
-        self.advance(1)
+    def commit(self, written, tokens):
+        """Take the arrays a step of `tokens` tokens wrote (by name, `view`'s), and move on that many
+        positions."""
+        for name, ring in self.named_rings():
+            ring.rows = written[name]
+        for name, buf in self.named_buffers():
+            buf.rows, buf.count = written[name], rows_done(self.pos + tokens, self.ratio)
+        self.advance(tokens)
 
     def advance(self, n):
         self.pos += n
@@ -238,14 +200,13 @@ class LayerCache:
         self.pos = p
         for b in self.buffers():
             b.count = rows_done(p, self.ratio)
-        self._forget_dropped_lanes()
 
     # Checkpoints and snapshots ---------------------------------------------------------------
     def checkpoint(self, p=None, *, raw=True):
         """Copy what position p (default `pos`) needs from the rings: a few rows; without `raw`, only
         the compressor rows (a lane: the raw ring must still hold p's window when it is restored).
         Compressed rows are not copied: they stay valid while the live history passes through p.
-        None when a ring no longer holds a row p needs (nor set it aside: `TokenRing.log`)."""
+        None when a ring no longer holds a row p needs."""
         p = self.pos if p is None else p
         rows = [ring.copy(p - n, p) if raw or ring is not self.raw else None
                 for ring, n in zip(self.rings(), self.ring_needs(p))]
@@ -280,12 +241,6 @@ class LayerCache:
             ring.rows, ring.floor = rows, floor
         for buf, (rows, count) in zip(self.buffers(), buffers):
             buf.rows, buf.count = rows, count
-        self._forget_dropped_lanes()
-
-    def _forget_dropped_lanes(self):
-        """Rows a chunk set aside belong to that chunk's history: gone once the cache moves elsewhere."""
-        for ring in self.rings():
-            ring.dropped_lanes = {}
 
     # State protocol --------------------------------------------------------------------------
     def named_rings(self):
@@ -294,12 +249,14 @@ class LayerCache:
     def named_buffers(self):
         return self._named_buffers
 
-    def export_state(self, raw_from=None):
-        """`state`, with the raw rows from `raw_from` on (if held) rather than only the window."""
+    def export_state(self, back_to=None):
+        """`state`, with every ring's rows back to what the state at `back_to` needs (as far as the rings
+        hold them), so that the loaded cache trims back that far in place."""
         p = self.pos
         out = {}
-        for (name, ring), n in zip(self.named_rings(), self.ring_needs(p)):
-            start = p - n if raw_from is None or ring is not self.raw else max(min(raw_from, p - n), ring.floor)
+        back = self.ring_needs(p) if back_to is None else [back_to - n for n in self.ring_needs(back_to)]
+        for (name, ring), n, first in zip(self.named_rings(), self.ring_needs(p), back):
+            start = p - n if back_to is None else max(min(first, p - n), ring.floor)
             out[name] = ring.read(start, p)
         for name, buf in self.named_buffers():
             out[name] = buf.view()
@@ -326,7 +283,7 @@ class LayerCache:
             if rows.ndim != 2 or rows.shape[1] != ring.width or not n <= rows.shape[0]:
                 raise ValueError(f"{name}: rows of shape {rows.shape} for position {p}")
             rows = rows[-ring.capacity:]
-            ring.rows, ring.floor, ring.dropped_lanes = None, p - rows.shape[0], {}
+            ring.rows, ring.floor = None, p - rows.shape[0]
             ring.write(p - rows.shape[0], rows)
         for name, buf in self.named_buffers():
             rows = state[name]
@@ -343,7 +300,6 @@ class LayerCache:
 def make_caches(args, *, history=0, frontier_history=None, row_dtype=mx.float32):
     """The per-layer caches of a V4 model (`ModelArgs`)."""
     ratios = args.compress_ratios[: args.num_hidden_layers]
-    lanes = lcm_lane(ratios)
     caches = []
     for ratio in ratios:
         csa = ratio == 4
@@ -351,7 +307,8 @@ def make_caches(args, *, history=0, frontier_history=None, row_dtype=mx.float32)
             window=args.sliding_window, head_dim=args.head_dim, ratio=ratio,
             comp_width=args.head_dim * (2 if csa else 1) if ratio else 0,
             index_dim=args.index_head_dim if csa else 0, index_width=2 * args.index_head_dim if csa else 0,
-            history=history, frontier_history=frontier_history, row_dtype=row_dtype, lane_every=lanes))
+            index_topk=args.index_topk,
+            history=history, frontier_history=frontier_history, row_dtype=row_dtype))
     return caches
 
 

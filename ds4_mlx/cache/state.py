@@ -10,6 +10,7 @@ Writes are atomic (a temporary file, fsync, rename). A file that is truncated, a
 another model, `quant_sim` or row dtype raises `StateFileError` and is never applied.
 """
 
+import bisect
 import hashlib
 import json
 import os
@@ -39,17 +40,20 @@ def _row_dtype(session):
     return str(session.cache[0].raw.dtype).split(".")[-1]
 
 
-def export_session(session, history=512):
+def export_session(session, history=256):
     """(arrays, header) for `session` at its current position."""
     pos = len(session.tokens)
     # lanes, and full checkpoints used as lanes: their raw rows come from the saved run of raw rows
     lanes = sorted(q for q, cp in session.checkpoints.items()
                    if pos - history <= q < pos and all(c.can_restore(layer) and q - c.ring_needs(q)[0] >= c.raw.floor
                                                        for c, layer in zip(session.cache, cp)))
+    # the rows a trim in place back to `trim_from` needs (what the live session could still trim to)
+    lowest = max(0, pos - history)
+    trim_from = lowest + bisect.bisect_left(range(lowest, pos + 1), True,  # trimmable from some position on
+                                            key=lambda q: all(c.can_trim(q) for c in session.cache))
     arrays = {}
     for i, c in enumerate(session.cache):
-        raw_from = min([pos] + [q - c.ring_needs(q)[0] for q in lanes])
-        for name, rows in c.export_state(raw_from=raw_from).items():
+        for name, rows in c.export_state(back_to=min([trim_from] + lanes)).items():
             arrays[f"layers.{i}.{name}"] = rows
         names = [n for n, _ in c.named_rings()]
         for q in lanes:
@@ -60,7 +64,8 @@ def export_session(session, history=512):
         arrays["logits"] = session.logits.astype(mx.float32)
     header = {"format": FORMAT_VERSION, "model": model_identity(session.model),
               "quant_sim": bool(getattr(session.model, "quant_sim", False)), "row_dtype": _row_dtype(session),
-              "tokens": list(session.tokens), "layers": [c.meta_state for c in session.cache], "lanes": lanes}
+              "tokens": list(session.tokens), "layers": [c.meta_state for c in session.cache], "lanes": lanes,
+              "clean": session.clean, "trim_from": trim_from}
     return {k: v for k, v in arrays.items() if v.size}, header  # empty arrays are implied by the header
 
 
@@ -164,6 +169,7 @@ def import_session(session, arrays, header):
                 lane.append({"pos": int(q), "rows": rows})
             session.checkpoints[int(q)] = lane
         session.tokens = tokens
+        session.clean = min(int(header.get("clean", 0)), len(tokens))
         session.logits = mx.array(arrays["logits"]) if "logits" in arrays else None
         mx.eval([c.arrays() for c in session.cache], [] if session.logits is None else session.logits)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the session is as it was

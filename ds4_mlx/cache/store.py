@@ -81,7 +81,7 @@ def _never_raises(default=None):
 
 
 class DiskStore:
-    def __init__(self, directory, budget_mb, *, history=512, index_every=128, min_tokens=256,
+    def __init__(self, directory, budget_mb, *, history=256, index_every=128, min_tokens=256,
                  prefill_every=8192, half_life_s=6 * 3600, clock=time.time):
         self.dir = Path(directory)
         self.budget = int(budget_mb * 2**20)
@@ -124,7 +124,7 @@ class DiskStore:
         except Exception as e:  # noqa: BLE001 - a failed save must not fail the request
             log.warning(f"kv disk: saving a {n}-token session failed: {type(e).__name__}: {e}")
             return None
-        entry = Entry(name, identity, n, self._keys(session.tokens, header["lanes"], namespace), size, reason,
+        entry = Entry(name, identity, n, self._keys(session.tokens, header, namespace), size, reason,
                       last_used=self.clock(), namespace=namespace)
         for old in [e for e in self.entries.values() if e.model == identity and e.name != name
                     and e.namespace == namespace
@@ -300,14 +300,15 @@ class DiskStore:
             path.unlink(missing_ok=True)
             return None
         stat = path.stat()
-        return Entry(path.name, identity, len(tokens), self._keys(tokens, header["lanes"], namespace), stat.st_size,
+        return Entry(path.name, identity, len(tokens), self._keys(tokens, header, namespace), stat.st_size,
                      "found", last_used=stat.st_mtime, created=stat.st_mtime, namespace=namespace)
 
-    def _keys(self, tokens, lanes, namespace: str) -> dict:
+    def _keys(self, tokens, header, namespace: str) -> dict:
         """Prefix hashes at the end and at each `index_every`-th position whose previous position (where
-        a prompt of exactly that length rewinds to) the file restores cheaply: from its oldest lane on."""
+        a prompt of exactly that length rewinds to) the file restores cheaply: from where its rows trim in
+        place, or its oldest lane, on."""
         n = len(tokens)
-        lowest = max(min(lanes, default=n) + 1, self.min_tokens, 1)
+        lowest = max(min(header["lanes"] + [header.get("trim_from", n)]) + 1, self.min_tokens, 1)
         lengths = [q for q in range(n - n % self.index_every, lowest - 1, -self.index_every)] + [n]
         return {str(k): v for k, v in prefix_hashes(tokens, lengths, namespace).items()}
 

@@ -24,7 +24,8 @@ def register(subparsers):
     p.add_argument("--experts", choices=("native", "affine"), default=None,
                    help="native: routed experts in Q2_K / IQ2_XXS / Q4_K keep the file's blocks (exact, the "
                         "file's size); affine: requantize them to MLX affine (--expert-bits). Default: native "
-                        "where the machine runs them fast (mlx-kquant installed, or a CUDA GPU), else affine")
+                        "where the machine runs them fast (mlx-kquant installed, or a CUDA GPU), else affine. "
+                        "MXFP4 experts become MLX mxfp4 either way (exact)")
     p.add_argument("--expert-bits", "--q-bits", type=int, choices=EXPERT_BITS, default=None,
                    help="affine experts: bits Q2_K and IQ2_XXS experts are requantized to (default 2; "
                         "3 or 4 cost memory and cut the added error)")

@@ -10,30 +10,23 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from functools import partial
+from functools import partial, wraps
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4_mlx.cache.geometry import (closes_block, compressor_reach, frontier_start, in_block, overlaps, rows_done,
-                                    rows_visible, window_reach)
+from ds4_mlx.cache.geometry import overlaps, window_reach
+from ds4_mlx.cache.slots import RingSlots, Slots
 from ds4_mlx.models import gguf_blocks, kernels
-from ds4_mlx.models.kernels import (backend, clamped_swiglu, decode_attention, hc_mix, hc_project, ring_rows,
+from ds4_mlx.models.kernels import (attend, backend, clamped_swiglu, decode_attention, hc_mix, hc_project,
                                     routed_experts)
 from ds4_mlx.precision import exact_float32, keeps_float32
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
 # expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
 EXPERT_PATHS = {"cuda": "loop"}
-
-
-# attention over each token's own keys: "sdpa" (mx.fast.scaled_dot_product_attention, one query a batch)
-# or "matmul" (two batched products over the token's heads), for prefill chunks (T > 1); decode uses sdpa.
-# On the H200, 4 layers at 8k: prefill 8,286 tok/s with matmul against 5,806 with sdpa, decode 188 tok/s
-# with sdpa against 176 with matmul. DS4_MLX_ATTENTION overrides both.
-ATTENTION_PATHS = {"cuda": "matmul"}
 
 
 # quantized dense products (attention projections, grouped output projection, shared experts, LM head)
@@ -57,11 +50,6 @@ def dequantizes(rows):
 
 def expert_path():
     return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
-
-
-def attention_path(tokens):
-    default = ATTENTION_PATHS.get(backend(), "sdpa") if tokens > 1 else "sdpa"
-    return os.environ.get("DS4_MLX_ATTENTION") or default
 
 
 INDEXER_TILE_BYTES = 1 << 28
@@ -364,28 +352,6 @@ def index_rounding(quant_sim):
     return hadamard_fp4_sim if quant_sim else (lambda r: r)
 
 
-def attend(q, keys, mask, sinks, scale):
-    """Each token's heads q [T, nh, hd] over its own keys (= values) [T, K, hd] where mask [T, K] (None:
-    all), with a per-head sink logit in the softmax denominator. -> [T, nh, hd]"""
-    if attention_path(q.shape[0]) == "sdpa":
-        keys = keys[:, None]
-        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, keys, scale=scale, sinks=sinks,
-                                                   mask=None if mask is None else mask[:, None, None, :])
-        return out[:, :, 0, :]
-    # as two batched products over a token's heads (M = nh rows each)
-    scores = (q @ keys.swapaxes(-1, -2)) * scale
-    if mask is not None:
-        scores = mx.where(mask[:, None, :], scores, -mx.inf)
-    return _softmax_with_sinks(scores, sinks[:, None]) @ keys
-
-
-@partial(mx.compile, shapeless=True)
-def _softmax_with_sinks(scores, sinks):
-    top = mx.maximum(scores.max(axis=-1, keepdims=True), sinks)
-    e = mx.exp(scores - top)
-    return e / (e.sum(axis=-1, keepdims=True) + mx.exp(sinks - top))
-
-
 def _routing_weights(scores, chosen, scaling):
     weights = mx.take_along_axis(scores, chosen, axis=-1)
     return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
@@ -410,45 +376,31 @@ def route_hashed(logits, chosen, scaling):
 # Modules
 
 
-_step_ints = (None, {})
-
-
-def int_array(value, step):
-    """mx.array(value), made once for all the layers computing position `step` (a tuple of positions for
-    sessions stepped together; the cache is one tuple, swapped whole: safe across threads)."""
-    global _step_ints
-    s, made = _step_ints
-    if s != step:
-        made = {}
-        _step_ints = (step, made)
-    if value not in made:
-        made[value] = mx.array(value)
-    return made[value]
-
-
-def position_array(p):
-    """mx.array(p), made once for all the layers of a step."""
-    return int_array(p, p)
-
-
 def _row(a, i):
     """a[i] as a view (integer indexing would gather a copy)."""
     return a[i : i + 1].squeeze(0)
 
 
-def compiled(module, method):
-    """`module.method` through `mx.compile`, reading the module's current parameters at every call (so
-    loading, quantizing or casting later is seen); fewer graph nodes and no Python per op. Traced anew
-    when custom kernels are switched on or off. The plain method when DS4_MLX_COMPILE=0."""
-    if os.environ.get("DS4_MLX_COMPILE", "1") == "0":
-        return getattr(module, method)
-    cache = module.__dict__.setdefault("_compiled", {})
-    if cache.get("kernels") != kernels.generation():
-        cache.clear()
-        cache["kernels"] = kernels.generation()
-    if method not in cache:
-        cache[method] = _traced_safely(getattr(module, method), module.state, lambda: cache.pop(method, None))
-    return cache[method]
+def compiled(method):
+    """A module method through `mx.compile`, traced per module instance and reading the module's current
+    parameters at every call (so loading, quantizing or casting later is seen): fewer graph nodes and no
+    Python per op. Traced anew when custom kernels are switched on or off; the plain method when
+    DS4_MLX_COMPILE=0. Arguments that are not arrays are constants of a trace (a new value, a new trace)."""
+    name = method.__name__
+
+    @wraps(method)
+    def call(module, *args):
+        if os.environ.get("DS4_MLX_COMPILE", "1") == "0":
+            return method(module, *args)
+        traces = module.__dict__.setdefault("_compiled", {})
+        if traces.get("kernels") != kernels.generation():
+            traces.clear()
+            traces["kernels"] = kernels.generation()
+        if name not in traces:
+            traces[name] = _traced_safely(partial(method, module), module.state, lambda: traces.pop(name, None))
+        return traces[name](*args)
+
+    return call
 
 
 def _traced_safely(fn, state, forget):
@@ -726,25 +678,12 @@ class HyperHead(nn.Module):
         return (w[:, :, None] * streams).sum(axis=1)
 
 
-def log_and_read(ring, p0, back, fresh):
-    """Log a chunk's rows `fresh` (positions p0, p0 + 1, ...) in `ring` and return them after the `back`
-    positions before p0 that the ring holds: the rows the chunk reads. A chunk reads its own rows from
-    here, not from the ring, and the ring keeps only its last `capacity` of them, so the ring need not
-    grow with the chunk. Rows are rounded to the ring's dtype either way, so a row reads the same from
-    this chunk as from the ring."""
-    fresh = fresh.astype(ring.dtype)
-    rows = mx.concatenate([ring.gather(mx.arange(p0 - back, p0)), fresh]) if back else fresh  # read first
-    ring.log(p0, fresh)
-    return rows
-
-
-def write_row(rows, row, index):
-    """`rows` [n, width] with `row` [1, width] at `index` (an int array: a ring slot, a buffer row). A
+def write_rows(rows, at, values):
+    """`rows` [n, width] with `values` [k, width] at rows `at` [k] (int32: ring slots, buffer rows). A
     scatter, which MLX runs in place when nothing else holds `rows` (one launch; a slice update at a
     computed index is two on CUDA, and a kernel writing a copy is slower: the rings hold the rewind
     history)."""
-    index = index.reshape(1, 1)
-    return mx.put_along_axis(rows, mx.broadcast_to(index, row.shape), row.astype(rows.dtype), axis=0)
+    return mx.put_along_axis(rows, mx.broadcast_to(at[:, None], values.shape), values.astype(rows.dtype), axis=0)
 
 
 class Compressor(nn.Module):
@@ -763,38 +702,27 @@ class Compressor(nn.Module):
         self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
         self.width = width
 
-    def __call__(self, xn, p0, ring, first_row, n_rows):
-        """Log this chunk's kv and score rows in `ring`, then return the `n_rows` new pooled rows
-        (before norm and RoPE), starting at row `first_row`."""
-        T, m = xn.shape[0], self.ratio
-        lo = frontier_start(p0, m)  # where the open block starts (the one before it, with overlap)
-        back = p0 - lo if n_rows else 0  # nothing to pool: only log
-        fresh = self.project(xn, in_block(mx.arange(p0, p0 + T), m))
-        source = log_and_read(ring, p0, back, fresh)  # positions p0 - back, ...
-        if n_rows == 0:
-            return None
-        tokens = (mx.arange(first_row, first_row + n_rows)[:, None] * m + mx.arange(m)[None, :])  # [n, m]
-        if not self.overlap:
-            return self.pool(source[tokens - lo])
-        return self.pool(source[tokens - lo], source[mx.maximum(tokens - m - lo, 0)], (tokens - m >= 0)[..., None])
+    def project(self, xn, in_blocks):
+        """The rows to log for tokens at offsets `in_blocks` in their blocks: kv | score, float32 (pooling is
+        a softmax)."""
+        return self.kv_gate(xn).astype(mx.float32) + self.ape[in_blocks]
 
-    def decode(self, fresh, slots, ring, pooling):
-        """One token (`slots`: `LayerCache.decode_slots` as arrays; `fresh`: its `project` row), on the ring's
-        rows array: log its row and, if it closes a block (`pooling`), pool that block. -> (the ring's rows,
-        the pooled row [1, head_dim] or None)."""
+    def step(self, fresh, ring, at: RingSlots, slots: Slots):
+        """Log a step's rows `fresh` [T, 2 * width] (`project`'s) in the ring's rows array, and pool the blocks
+        the step completes. -> (the ring's rows written, pooled rows [slots.pooled, head_dim] before norm and
+        RoPE, or None)."""
         m = self.ratio
         fresh = fresh.astype(ring.dtype)
-        # the block's earlier rows, read before the write below
-        source = mx.concatenate([ring_rows(ring, slots["pos"], compressor_reach(m)), fresh]) if pooling else None
-        ring = write_row(ring, fresh, slots["frontier"])
-        if not pooling:
+        source = mx.concatenate([ring[at.read], fresh]) if slots.pooled else None  # read before the write
+        ring = write_rows(ring, at.write, fresh[fresh.shape[0] - at.write.shape[0] :])
+        if not slots.pooled:
             return ring, None
-        return ring, self.pool(source[None, -m:], source[None, :m] if self.overlap else None)
-
-    def project(self, xn, in_block):
-        """The rows to log for tokens at offsets `in_block` in their blocks: kv | score, float32 (pooling is
-        a softmax)."""
-        return self.kv_gate(xn).astype(mx.float32) + self.ape[in_block]
+        blocks = mx.arange(slots.pooled)
+        tokens = slots.pool_offset + blocks[:, None] * m + mx.arange(m)[None, :]  # [rows, m] in `source`
+        if not self.overlap:
+            return ring, self.pool(source[tokens])
+        prev_valid = (slots.first_row + blocks >= 1)[:, None, None]  # the very first block has none before it
+        return ring, self.pool(source[tokens], source[mx.maximum(tokens - m, 0)], prev_valid)
 
     def pool(self, logged, prev=None, prev_valid=None):
         """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap,
@@ -846,40 +774,10 @@ class Attention(nn.Module):
         if self.kind == CSA:
             self.indexer = Indexer(args)
 
-    def _store_kv(self, kv, quant_sim):
-        if not quant_sim:
-            return kv
-        nope = self.head_dim - self.args.qk_rope_head_dim
-        return f16_round(mx.concatenate([fp8_e4m3_sim(kv[:, :nope]), kv[:, nope:]], axis=-1))
-
-    def _compress(self, compressor, xn, cache, ring, buffer, quant):
-        """Run a compressor over the chunk and append its finished rows to `buffer`."""
-        p0, T, m = cache.pos, xn.shape[0], compressor.ratio
-        first, last = rows_done(p0, m), rows_done(p0 + T, m)
-        pooled = compressor(xn, p0, ring, first, last - first)
-        if pooled is not None:
-            buffer.append(self._finish_rows(compressor, pooled, first * m, quant))
-
-    def _finish_rows(self, compressor, pooled, start, quant):
-        """Pooled rows of the blocks from position `start` on -> compressed rows (norm, RoPE, rounding)."""
-        rows = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
-        return quant(self.rope(rows, start, compressor.ratio))
-
-    def _decode_compress(self, compressor, fresh, slots, arrays, ring, buffer, pooling, quant):
-        """`_compress` for one token (its projected row `fresh`), on the named `arrays`. -> the buffer's rows
-        array (its whole capacity: rows from slots["visible"] on are not valid)."""
-        arrays[ring], pooled = compressor.decode(fresh, slots, arrays[ring], pooling)
-        if pooled is not None:
-            start = slots["pos"] + 1 - compressor.ratio
-            row = self._finish_rows(compressor, pooled, start, quant).astype(arrays[buffer].dtype)
-            arrays[buffer] = write_row(arrays[buffer], row, slots["row"])
-        return arrays[buffer]
-
-    def decode_project(self, x, positions, in_blocks, selecting, quant_sim):
-        """What a decoded token past the first window computes from itself alone, reading no cache, so that
-        several sessions' tokens run it together: x [T, H] at `positions` [T], `in_blocks` [T] their offsets
-        in their compressed blocks; `selecting`: the indexer picks the rows (more than index_topk of them).
-        -> rows by name, [T, ...] each (`decode_attend` takes one session's)."""
+    def project(self, x, positions, in_blocks, selecting, quant_sim):
+        """What the step's tokens compute from themselves alone, reading no cache (so the tokens of several
+        sessions run it together): x [N, H] at `positions` [N], `in_blocks` [N] their offsets in their
+        compressed blocks; `selecting`: some session's indexer picks its rows. -> rows by name, [N, ...] each."""
         qr, q, kv = self._project(x, positions)
         rows = {"q": q, "kv": self._store_kv(kv, quant_sim)}
         if self.kind != SLIDING:
@@ -890,102 +788,111 @@ class Attention(nn.Module):
                     rows["index_q"], rows["index_w"] = self._index_query(qr, x, positions, quant_sim)
         return rows
 
-    def decode_attend(self, rows, slots, arrays, pooling, selecting, quant_sim):
-        """The part of a decoded token that reads and writes its session's cache (`slots`:
-        `LayerCache.decode_slots` as arrays, on the cache's `arrays`, `LayerCache.decode_arrays`: a pure
-        function, so that it compiles whole), from its `decode_project` rows; `pooling`: the token closes a
-        compressed block. -> (attention output [nh, hd] with RoPE still on, the arrays written)."""
-        W, pos = self.args.sliding_window, slots["pos"]
+    def attend(self, rows, steps, quant_sim, attend_one):
+        """Each session's cache part of the step (`attend_one`: `_attend_one` or its compiled graph) on its
+        own rows of `rows` (`project`'s). -> (outputs [N, nh, hd] with RoPE still on, each session's arrays
+        written)."""
+        T = steps[0][0].tokens
+        outs, written = [], []
+        for b, (slots, arrays) in enumerate(steps):
+            mine = {name: r[b * T : (b + 1) * T] for name, r in rows.items()} if len(steps) > 1 else rows
+            out, arrays = attend_one(mine, slots, arrays, quant_sim)
+            outs.append(out)
+            written.append(arrays)
+        return mx.concatenate(outs) if len(outs) > 1 else outs[0], written
+
+    def _attend_one(self, rows, slots: Slots, arrays, quant_sim):
+        """One session's part of a step: write its rows into its cache arrays and attend over its window and
+        compressed rows. -> (attention output [T, nh, hd] with RoPE still on, the arrays written)."""
         arrays = dict(arrays)
-        fresh = rows["kv"].astype(arrays["raw"].dtype)
-        ring = arrays["raw"]  # read before the write: it may hold just the window's other rows
-        arrays["raw"] = write_row(ring, fresh, slots["raw"])
+        ring = arrays["raw"]  # read before the write: a decoded token's window reads it in place
+        kv = rows["kv"].astype(ring.dtype)
+        arrays["raw"] = write_rows(ring, slots.raw.write, kv[kv.shape[0] - slots.raw.write.shape[0] :])
         compressed = selected = None
         if self.kind != SLIDING:
-            compressed = self._decode_compress(self.compressor, rows["frontier"], slots, arrays, "frontier", "rows",
-                                               pooling, lambda r: self._store_kv(r, quant_sim))
+            compressed = self._compress(self.compressor, rows["frontier"], slots, slots.frontier, arrays, "frontier",
+                                        "rows", lambda r: self._store_kv(r, quant_sim))
             if self.kind == CSA:
-                index_rows = self._decode_compress(self.indexer.compressor, rows["index_frontier"], slots, arrays,
-                                                   "index_frontier", "index_rows", pooling, index_rounding(quant_sim))
-            if selecting:
-                visible = slots["visible"].reshape(1, 1)
-                selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, visible)[0]
-        return decode_attention(rows["q"][0], ring, fresh, compressed, selected, pos, self.sinks, W, self.ratio,
-                                slots), arrays
+                index_rows = self._compress(self.indexer.compressor, rows["index_frontier"], slots,
+                                            slots.index_frontier, arrays, "index_frontier", "index_rows",
+                                            index_rounding(quant_sim))
+                if slots.selecting:
+                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
+        if slots.steady:  # one decoded token: the fused kernel reads its window from the ring in place
+            out = decode_attention(rows["q"][0], ring, kv, compressed, None if selected is None else selected[0],
+                                   slots.positions[0], self.sinks, slots.window, self.ratio, slots.raw.read[0],
+                                   slots.visible)
+            return out[None], arrays
+        window = mx.concatenate([ring[slots.raw.read], kv])  # the raw rows from start - (W - 1) on
+        return self._attend_rows(rows["q"], window, compressed, selected, slots), arrays
 
-    def __call__(self, x, cache, quant_sim):
-        args, hd = self.args, self.head_dim
-        T, p0 = x.shape[0], cache.pos
-        positions = mx.arange(p0, p0 + T)
-        start = position_array(p0)  # an array, so that the compiled parts do not retrace at every position
-        qr, q, kv = compiled(self, "_project")(x, start)
+    _compiled_attend_one = compiled(_attend_one)
 
-        # raw window: the last `window` positions up to and including each query
-        W = args.sliding_window
-        back = min(window_reach(W), p0)
-        rows = log_and_read(cache.raw, p0, back, self._store_kv(kv, quant_sim))  # positions p0 - back, ...
-        window_pos = positions[:, None] - window_reach(W) + mx.arange(W)[None, :]
-        keys = [rows[mx.maximum(window_pos - (p0 - back), 0)]]
-        masks = [window_pos >= 0]
-
-        if self.kind != SLIDING:
-            m = self.ratio
-            self._compress(self.compressor, x, cache, cache.frontier, cache.rows,
-                           lambda r: self._store_kv(r, quant_sim))
-            rows = cache.rows.view()
-            visible = rows_visible(positions, m)[:, None]  # rows visible to each query
-            C = rows.shape[0]
-            selected = None
-            if self.kind == CSA:
-                idx = self.indexer
-                self._compress(idx.compressor, x, cache, cache.index_frontier, cache.index_rows,
-                               index_rounding(quant_sim))
-                if C > args.index_topk:
-                    selected = self._select(qr, x, p0, cache.index_rows.view(), visible, quant_sim)
-            if selected is None:
-                if C:
-                    keys.append(mx.broadcast_to(rows[None], (T, C, hd)))
-                    masks.append(mx.arange(C)[None, :] < visible)
-            else:
-                keys.append(rows[selected])
-                masks.append(selected < visible)
-
+    def _attend_rows(self, q, window, compressed, selected, slots: Slots):
+        """Each token's heads q [T, nh, hd] over its window (from `window`: the raw rows of positions
+        start - (W - 1) on) and its compressed rows (`selected` ones, else all visible). -> [T, nh, hd]"""
+        T, W = slots.tokens, slots.window
+        reach = mx.arange(T)[:, None] + mx.arange(W)[None, :]  # [T, W] into `window`
+        keys = [window[reach] if T > 1 else window[None]]
+        masks = [(slots.positions[:, None] - window_reach(W) + mx.arange(W)[None, :]) >= 0]
+        visible = None if compressed is None else slots.visible[:, None]
+        if selected is not None:
+            keys.append(compressed[selected])
+            masks.append(selected < visible)
+        elif compressed is not None:
+            keys.append(mx.broadcast_to(compressed[None], (T,) + compressed.shape))
+            masks.append(mx.arange(compressed.shape[0])[None, :] < visible)
         f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
-        keys = mx.concatenate(keys, axis=1).astype(f32) if len(keys) > 1 else keys[0].astype(f32)  # [T, K, hd]
-        mask = mx.concatenate(masks, axis=1)
-        out = attend(q.astype(f32), keys, mask, self.sinks.astype(f32), hd ** -0.5)
-        return compiled(self, "_project_out")(out, start)
+        keys = mx.concatenate(keys, axis=1) if len(keys) > 1 else keys[0]
+        return attend(q.astype(f32), keys.astype(f32), mx.concatenate(masks, axis=1) if len(masks) > 1 else masks[0],
+                      self.sinks.astype(f32), self.head_dim ** -0.5)
 
-    def _project(self, x, start):
-        """-> (q_a output [T, q_lora_rank], queries [T, nh, hd], kv rows [T, hd]) at positions start, ..."""
+    def _compress(self, compressor, fresh, slots: Slots, at: RingSlots, arrays, ring, buffer, rounding):
+        """A compressor's part of a step on the named arrays: log its rows, pool the blocks the step
+        completes into finished rows of `buffer`. -> the buffer's first `slots.rows` rows (rows from a
+        token's visible count on are not valid for it)."""
+        arrays[ring], pooled = compressor.step(fresh, arrays[ring], at, slots)
+        if pooled is not None:
+            m = compressor.ratio
+            finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
+            finished = rounding(self.rope(finished, slots.first_row * m, m))
+            arrays[buffer] = write_rows(arrays[buffer], slots.first_row + mx.arange(slots.pooled), finished)
+        return arrays[buffer][: slots.rows]
+
+    def _store_kv(self, kv, quant_sim):
+        if not quant_sim:
+            return kv
+        nope = self.head_dim - self.args.qk_rope_head_dim
+        return f16_round(mx.concatenate([fp8_e4m3_sim(kv[:, :nope]), kv[:, nope:]], axis=-1))
+
+    @compiled
+    def _project(self, x, positions):
+        """-> (q_a output [T, q_lora_rank], queries [T, nh, hd], kv rows [T, hd]) at `positions` [T]."""
         T = x.shape[0]
         qr = self.q_a_norm(self.q_a(x))
         q = rms_norm(self.q_b(qr).reshape(T, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
-        return qr, self.rope(q, start), self.rope(self.kv_norm(self.kv(x)), start)
+        return qr, self.rope(q, positions), self.rope(self.kv_norm(self.kv(x)), positions)
 
-    def _project_out(self, out, start):
+    @compiled
+    def _project_out(self, out, positions):
         """Attention output [T, nh, hd] (RoPE still on) -> [T, H], in the compute dtype."""
         T, G = out.shape[0], self.args.o_groups
-        out = self.rope(out, start, inverse=True).astype(self.q_a_norm.weight.dtype)
+        out = self.rope(out, positions, inverse=True).astype(self.q_a_norm.weight.dtype)
         low = self.o_a(out.reshape(T, G, -1))  # each head group has its own projection
         return self.o_b(low.reshape(T, -1))
 
-    def _select(self, qr, x, p0, index_rows, visible, quant_sim):
-        """Top-k compressed rows for each query, by the indexer's scores (rows at or past `visible`
-        [T, 1] excluded)."""
-        return self._top_rows(*self._index_query(qr, x, p0, quant_sim), index_rows, visible)
-
-    def _index_query(self, qr, x, start, quant_sim):
-        """The indexer's queries [T, heads, dim] and head weights [T, heads] of tokens at `start` (as `Rope`)."""
+    def _index_query(self, qr, x, positions, quant_sim):
+        """The indexer's queries [T, heads, dim] and head weights [T, heads] of tokens at `positions`."""
         idx = self.indexer
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), start).astype(mx.float32)
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), positions).astype(mx.float32)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
         return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
 
     def _top_rows(self, qi, w, index_rows, visible):
-        """The index_topk rows of `index_rows` with the highest scores for each query (`_index_query`)."""
+        """The index_topk rows of `index_rows` with the highest scores for each query (`_index_query`),
+        rows at or past `visible` [T, 1] excluded."""
         idx, args = self.indexer, self.args
         T = qi.shape[0]
         C = index_rows.shape[0]
@@ -1020,7 +927,7 @@ class MoE(nn.Module):
 
     def __call__(self, x, ids):
         if x.shape[0] * self.args.num_experts_per_tok < FEW_PAIRS:  # one compiled graph, no sync inside
-            return compiled(self, "_forward")(x, ids)
+            return self._compiled_forward(x, ids)
         return self._forward(x, ids)
 
     def _forward(self, x, ids):
@@ -1037,6 +944,8 @@ class MoE(nn.Module):
             y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
         s = self.shared
         return y + s["down"](clamped_swiglu(s["gate"](x), s["up"](x), args.swiglu_limit))
+
+    _compiled_forward = compiled(_forward)
 
     def _fused_experts(self, x, chosen, weights):
         """The routed experts' weighted sum in two kernels for a few tokens (CUDA, affine experts)."""
@@ -1089,12 +998,6 @@ class MoE(nn.Module):
         return mx.concatenate(outs)
 
 
-def steady(cache):
-    """Whether a token at the cache's position decodes through the one-token graph: its window and its
-    compressors' reach are all in the rings."""
-    return cache.pos >= cache.reach
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -1104,73 +1007,52 @@ class DecoderLayer(nn.Module):
         self.hc_ffn = HyperConnection(args)
         self.attn = Attention(args, layer_id)
         self.ffn = MoE(args, layer_id)
+        self.few_rows = max(1, FEW_PAIRS // args.num_experts_per_tok)
 
-    def __call__(self, streams, ids, cache, quant_sim):
-        if streams.shape[0] == 1 and steady(cache):  # one token decodes as one graph
-            slots, pooling, selecting = self._decode_inputs(cache)
-            streams, arrays = compiled(self, "decode")(streams, ids, slots, cache.decode_arrays(), pooling,
-                                                       selecting, quant_sim)
-            cache.decoded(arrays)
-            return streams
-        dtype = self.attn_norm.weight.dtype  # the compute dtype; the streams stay float32
-        x, post, comb = self.hc_attn.pre(streams)
-        out = self.attn(self.attn_norm(x.astype(dtype)), cache, quant_sim)
-        cache.advance(x.shape[0])
-        streams = HyperConnection.post(out, streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams)
-        out = self.ffn(self.ffn_norm(x.astype(dtype)), ids)
-        return HyperConnection.post(out, streams, post, comb)
+    def __call__(self, streams, ids, positions, steps, quant_sim):
+        """streams [B * T, hc, H] (float32) of T tokens of each of B sessions, their ids and `positions`
+        [B * T]; `steps`: each session's (`Slots`, arrays) of this layer (`LayerCache.view`). -> (streams,
+        each session's arrays written). A few rows (decoded tokens, a verify) run as compiled graphs: one
+        for one session; for several, one for what reads no cache and one for each session's cache part
+        (a graph over all of them would be traced anew for every mix of their steps)."""
+        if streams.shape[0] >= self.few_rows:
+            return self._step(streams, ids, positions, steps, quant_sim)
+        if len(steps) == 1:
+            return self._compiled_step(streams, ids, positions, steps, quant_sim)
+        post, comb, rows = self._compiled_enter(streams, positions, _in_blocks(steps),
+                                                any(s.selecting for s, _ in steps), quant_sim)
+        out, written = self.attn.attend(rows, steps, quant_sim, self.attn._compiled_attend_one)
+        return self._compiled_leave(out, positions, streams, post, comb, ids), written
 
-    def _decode_inputs(self, cache, step=None):
-        """A decoded token's slots (`LayerCache.decode_slots` as arrays) and the static choices of its graph:
-        whether it closes a compressed block (`pooling`), whether the indexer picks the rows (`selecting`)."""
-        ints = cache.decode_slots()
-        pooling = bool(cache.ratio) and closes_block(ints["pos"], cache.ratio)
-        selecting = self.attn.kind == CSA and ints["visible"] > self.attn.args.index_topk
-        step = ints["pos"] if step is None else step  # what the int arrays are made once for (`int_array`)
-        return {name: int_array(value, step) for name, value in ints.items()}, pooling, selecting
+    def _step(self, streams, ids, positions, steps, quant_sim):
+        post, comb, rows = self._enter(streams, positions, _in_blocks(steps), any(s.selecting for s, _ in steps),
+                                       quant_sim)
+        out, written = self.attn.attend(rows, steps, quant_sim, self.attn._attend_one)
+        return self._leave(out, positions, streams, post, comb, ids), written
 
-    def decode_batch(self, streams, ids, caches, quant_sim):
-        """One token for each of B sessions (streams [B, hc, H], ids [B], one `steady` cache each): the
-        projections, hyper-connections and experts run on the B rows together; each session's cache is
-        read and written on its own (`Attention.decode_attend`), as when it decodes alone."""
-        step = tuple(c.pos for c in caches)
-        inputs = [self._decode_inputs(c, step) for c in caches]
-        positions = int_array(step, step)
-        ratio = self.attn.ratio
-        in_blocks = mx.array([in_block(c.pos, ratio) for c in caches]) if ratio else None
-        post, comb, rows = compiled(self, "_decode_in")(streams, positions, in_blocks,
-                                                        any(i[2] for i in inputs), quant_sim)
-        outs = []
-        for b, (cache, (slots, pooling, selecting)) in enumerate(zip(caches, inputs)):
-            mine = {name: r[b : b + 1] for name, r in rows.items()}
-            out, arrays = compiled(self.attn, "decode_attend")(mine, slots, cache.decode_arrays(), pooling,
-                                                              selecting, quant_sim)
-            cache.decoded(arrays)
-            outs.append(out)
-        return compiled(self, "_decode_out")(mx.stack(outs), positions, streams, post, comb, ids)
-
-    def _decode_in(self, streams, positions, in_blocks, selecting, quant_sim):
-        """Decoded tokens up to their cache reads: HC pre, the norm, `Attention.decode_project`."""
+    def _enter(self, streams, positions, in_blocks, selecting, quant_sim):
+        """Up to the cache: HC pre, the norm, `Attention.project`."""
         x, post, comb = self.hc_attn.pre(streams)
         x = self.attn_norm(x.astype(self.attn_norm.weight.dtype))
-        return post, comb, self.attn.decode_project(x, positions, in_blocks, selecting, quant_sim)
+        return post, comb, self.attn.project(x, positions, in_blocks, selecting, quant_sim)
 
-    def _decode_out(self, out, positions, streams, post, comb, ids):
-        """Decoded tokens from their attention outputs on: the output projection, HC post, the MoE."""
+    def _leave(self, out, positions, streams, post, comb, ids):
+        """From the attention outputs on: the output projection, HC post, the MoE, HC post."""
         streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         out = self.ffn(self.ffn_norm(x.astype(self.ffn_norm.weight.dtype)), ids)
         return HyperConnection.post(out, streams, post, comb)
 
-    def decode(self, streams, ids, slots, arrays, pooling, selecting, quant_sim):
-        """`__call__` for one token, as a pure function of the cache `arrays` (`Attention.decode_attend`):
-        `decode_batch`'s parts for one session, in one graph. -> (streams, the arrays written)."""
-        pos = slots["pos"].reshape(1)
-        in_blocks = slots["in_block"].reshape(1) if self.attn.ratio else None
-        post, comb, rows = self._decode_in(streams, pos, in_blocks, selecting, quant_sim)
-        out, arrays = self.attn.decode_attend(rows, slots, arrays, pooling, selecting, quant_sim)
-        return self._decode_out(out[None], pos, streams, post, comb, ids), arrays
+    _compiled_step = compiled(_step)
+    _compiled_enter = compiled(_enter)
+    _compiled_leave = compiled(_leave)
+
+
+def _in_blocks(steps):
+    """The sessions' tokens' offsets in their compressed blocks, in row order (None without compression)."""
+    if steps[0][0].in_blocks is None or len(steps) == 1:
+        return steps[0][0].in_blocks
+    return mx.concatenate([s.in_blocks for s, _ in steps])
 
 
 class Model(nn.Module):
@@ -1199,28 +1081,51 @@ class Model(nn.Module):
         return make_caches(self.args, history=history, frontier_history=frontier_history,
                            row_dtype=mx.float16 if self.quant_sim else mx.float32)[held.start : held.stop]
 
+    def forward(self, ids, views, *, last_only=False):
+        """The one forward: ids int32 [B, T], T tokens of each of B sessions; `views`: each session's
+        per-layer (`Slots`, arrays) (`LayerCache.view(T)`). Prefill chunks (B = 1), decoded tokens (T = 1),
+        a verify of drafted tokens and batched streams are all this. Changes no cache: -> (logits
+        [B, T, vocab] float32 (or [B, 1, vocab] with `last_only`), each session's per-layer arrays written,
+        for `LayerCache.commit`)."""
+        run = self.forward_steps(ids, views, last_only=last_only)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
+
+    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None):
+        """`forward` as a generator: with `layers_per_step`, it evaluates the layers so far and yields after
+        every that many layers (a server runs other streams' tokens in between; the arithmetic is the same
+        as in one piece). Its return value is `forward`'s."""
+        B, T = ids.shape
+        flat = ids.reshape(-1)
+        positions = mx.concatenate([v[0][0].positions for v in views]) if B > 1 else views[0][0][0].positions
+        streams = self._streams(flat)
+        written = [[] for _ in views]
+        for i, layer in enumerate(self.layers):
+            streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
+            for mine, step in zip(written, steps):
+                mine.append(step)
+            if layers_per_step and (i + 1) % layers_per_step == 0 and i + 1 < len(self.layers):
+                mx.eval(streams, written)
+                yield
+        if last_only:
+            streams = streams.reshape(B, T, *streams.shape[1:])[:, -1]
+        return self._logits(streams).reshape(B, -1, self.args.vocab_size), written
+
     def __call__(self, inputs, cache=None, *, last_only=False):
-        """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""
-        ids = inputs.reshape(-1)
+        """inputs int32 [1, T] after the tokens `cache` holds (a fresh cache when None); returns logits
+        [1, T, vocab] (or [1, 1, vocab] with last_only). `forward` with the cache's view and commit."""
         if cache is None:
             cache = self.make_cache()
-        streams = self._streams(ids)
-        for layer, c in zip(self.layers, cache):
-            streams = layer(streams, ids, c, self.quant_sim)
-        return self._logits(streams[-1:] if last_only else streams)[None]
-
-    def decode_batch(self, ids, caches):
-        """One token for each of B sessions: ids int32 [B], `caches` B per-layer cache lists (one each,
-        never the same twice). -> logits [B, vocab], each row as the session's own step gives it (float
-        rounding of the batched products aside). Sessions in their first window step one by one."""
-        if len(caches) == 1 or not all(steady(layer) for c in caches for layer in c):
-            return mx.concatenate([self(ids[b : b + 1][None], c, last_only=True)[0] for b, c in enumerate(caches)])
-        streams = self._streams(ids)
-        for i, layer in enumerate(self.layers):
-            streams = layer.decode_batch(streams, ids, [c[i] for c in caches], self.quant_sim)
-        return self._logits(streams)
+        logits, written = self.forward(inputs, [[c.view(inputs.shape[1]) for c in cache]], last_only=last_only)
+        for c, arrays in zip(cache, written[0]):
+            c.commit(arrays, inputs.shape[1])
+        return logits
 
     def _streams(self, ids):
+
         """Token ids [T] -> the residual streams [T, hc, H], float32 (the exact mode first switches off
         TF32 for its float32 products: `ds4_mlx.precision`)."""
         if not self.quant_sim and self.layers[0].attn_norm.weight.dtype == mx.float32:

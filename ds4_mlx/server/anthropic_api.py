@@ -14,7 +14,7 @@ import json
 import uuid
 
 from ds4_mlx.chat import render
-from ds4_mlx.server import protocol
+from ds4_mlx.server import protocol, schema
 from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, ToolCall
 from ds4_mlx.server.constraints import constrained, forced_tool_grammar
 from ds4_mlx.server.errors import APIError
@@ -31,10 +31,8 @@ TEXT_ONLY = protocol.TEXT_ONLY
 # Keys of a content block that hold no text for the model: a block of an unknown type with nothing
 # else is skipped (a newer client's marker), one that carries more is refused rather than dropped.
 META_KEYS = {"type", "cache_control", "citations", "id", "signature"}
-EFFORTS = ("low", "medium", "high", "xhigh", "max")
+EFFORTS = schema.ANTHROPIC_EFFORTS
 SIGNATURE_PREFIX = "ds4r1:"  # a thinking block's signature: this prefix, then its reasoning in base64
-BODY_FIELDS = {"model", "max_tokens", "system", "messages", "tools", "tool_choice", "thinking", "output_config",
-               "temperature", "top_p", "top_k", "stream", "stop_sequences"}
 
 
 def _other_block(block: dict, where: str):
@@ -85,6 +83,7 @@ def chat_messages(system, messages: list) -> list[dict]:
     if not messages:
         raise APIError(400, "'messages' must not be empty", param="messages")
     out = [{"role": "system", "content": system_text(system)}] if system else []
+    tool_use_ids = set()  # of the tool_use blocks so far: a tool_result answers one of them
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -99,18 +98,22 @@ def chat_messages(system, messages: list) -> list[dict]:
         elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif role == "user":
-            out += _user_blocks(content, where)
+            out += _user_blocks(content, where, tool_use_ids)
         else:
             out.append(_assistant_blocks(content, where))
+            tool_use_ids.update(call["id"] for call in out[-1].get("tool_calls", ()))
     return out
 
 
-def _user_blocks(blocks: list, where: str) -> list[dict]:
+def _user_blocks(blocks: list, where: str, tool_use_ids: set) -> list[dict]:
     out, texts = [], []
     for at, block in _typed_blocks(blocks, f"{where}.content", where):
         if block["type"] == "tool_result":
             tool_use_id = get(block, "tool_use_id", str, required=True)
             text = "".join(_text_of(block.get("content") or "", f"{at}.content"))
+            if tool_use_id not in tool_use_ids:
+                raise APIError(400, f"{at}.tool_use_id '{tool_use_id}' answers no earlier tool_use block",
+                               param=f"{at}.tool_use_id")
             out.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
         elif block["type"] == "text":
             texts.append(get(block, "text", str, ""))
@@ -164,6 +167,7 @@ def chat_tools(tools: list | None) -> list[dict] | None:
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise APIError(400, f"tools[{i}] must be an object with a name", param=f"tools[{i}]")
         if "input_schema" in tool:
+            protocol.check_parameters(tool["input_schema"], f"tools[{i}].input_schema")
             out.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description", ""), "parameters": tool["input_schema"]}})
     return out or None
@@ -203,7 +207,8 @@ def thinking_mode(body: dict, model: str, info: ServerInfo) -> tuple[bool, str |
 
 
 def parse_messages(body: dict, info: ServerInfo, memory: AnswerMemory, *, counting=False) -> Prepared:
-    note_ignored(body, BODY_FIELDS, "messages")
+    schema.check(body, schema.COUNT_TOKENS if counting else schema.MESSAGES)
+    note_ignored(body, schema.COUNT_TOKENS if counting else schema.MESSAGES, "messages")
     model = info.model_name(body, anthropic=True)
     max_tokens = positive_int(body, "max_tokens")
     if max_tokens is None and not counting:
@@ -212,14 +217,18 @@ def parse_messages(body: dict, info: ServerInfo, memory: AnswerMemory, *, counti
     choice = tool_choice(get(body, "tool_choice", dict))
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     thinking, effort, shown = thinking_mode(body, model, info)
-    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort,
+                  release=info.chat_release)
     protocol.log_replay_notes(text, "messages")
     defaults = protocol.SamplingParams()
     sampling = protocol.SamplingParams(
         temperature=number_in(body, "temperature", 0.0, 1.0, defaults.temperature),
         top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p), top_k=get(body, "top_k", int, defaults.top_k),
         min_p=defaults.min_p)
-    sampling = constrained(sampling, thinking=text.endswith("<think>"), grammar=forced_tool_grammar(choice, tools))
+    parallel = not get(get(body, "tool_choice", dict, {}), "disable_parallel_tool_use", bool, False)
+    sampling = constrained(sampling, thinking=text.endswith("<think>"),
+                           grammar=forced_tool_grammar(choice, tools, parallel=parallel),
+                           single_call=bool(tools) and not parallel)
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False), max_tokens=max_tokens, sampling=sampling,
                     stop=string_list(body, "stop_sequences"), model=model, tool_id_prefix="toolu_",

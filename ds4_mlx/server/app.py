@@ -14,7 +14,7 @@ import traceback
 
 from aiohttp import web
 
-from ds4_mlx.server import anthropic_api, openai_api, responses_api, webui
+from ds4_mlx.server import anthropic_api, openai_api, protocol, responses_api, webui
 from ds4_mlx.server.assembly import Answer, AnswerMemory
 from ds4_mlx.server.connections import CappedSite
 from ds4_mlx.server.errors import APIError, context_exceeded
@@ -127,16 +127,16 @@ class Server:
         return web.json_response({"status": "ok", "model": self.info.model_id, "context_length": self.info.ctx,
                                   "queued": self.worker.queued, "slots": slots})
 
-    def _model_card(self) -> dict:
-        return {"id": self.info.model_id, "object": "model", "created": 0, "owned_by": "ds4-mlx",
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "ds4-mlx",
                 "context_length": self.info.ctx, "max_model_len": self.info.ctx}
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in self.info.model_names]})
 
     async def model(self, request):
-        self.info.model_name({"model": request.match_info["model"]})
-        return web.json_response(self._model_card())
+        name = self.info.model_name({"model": request.match_info["model"]})
+        return web.json_response(self._model_card(name))
 
     async def openapi(self, request):
         return web.json_response(openapi_spec(self.info))
@@ -148,13 +148,13 @@ class Server:
     # -- generation endpoints -------------------------------------------------------------------------
 
     async def chat_completions(self, request):
-        body, prepared = await self._parse(request, lambda body: openai_api.parse_chat(body, self.info,
-                                                                                      self.answer_memory))
+        body, prepared = await self._parse(request, lambda body, memory: openai_api.parse_chat(body, self.info,
+                                                                                              memory))
         responder = openai_api.ChatResponder(prepared, include_usage=openai_api.include_usage(body))
         return await self._generate(request, prepared, responder, "chat")
 
     async def completions(self, request):
-        body, prompts = await self._parse(request, lambda body: openai_api.parse_completions(body, self.info))
+        body, prompts = await self._parse(request, lambda body, _: openai_api.parse_completions(body, self.info))
         responses = []
         for echo, prepared in prompts:  # one choice per prompt
             responder = openai_api.CompletionResponder(prepared, include_usage=openai_api.include_usage(body),
@@ -165,38 +165,39 @@ class Server:
         return web.json_response(openai_api.merge_completions([json.loads(r.body) for r in responses]))
 
     async def messages(self, request):
-        _, prepared = await self._parse(request, lambda body: anthropic_api.parse_messages(body, self.info,
-                                                                                          self.answer_memory))
+        _, prepared = await self._parse(request, lambda body, memory: anthropic_api.parse_messages(body, self.info,
+                                                                                                  memory))
         return await self._generate(request, prepared, anthropic_api.MessagesResponder(prepared), "messages")
 
     async def count_tokens(self, request):
-        _, prepared = await self._parse(request, lambda body: anthropic_api.parse_messages(
-            body, self.info, self.answer_memory, counting=True))
+        _, prepared = await self._parse(request, lambda body, memory: anthropic_api.parse_messages(
+            body, self.info, memory, counting=True))
         ids = await self._tokenize(prepared.prompt_text)
         return web.json_response({"input_tokens": len(ids)})
 
     async def responses(self, request):
-        body, prepared = await self._parse(request, lambda body: responses_api.parse_responses(body, self.info,
-                                                                                              self.answer_memory))
+        body, prepared = await self._parse(request, lambda body, memory: responses_api.parse_responses(
+            body, self.info, memory))
         return await self._generate(request, prepared, responses_api.ResponsesResponder(prepared, body), "responses")
 
     # -- the generation loop --------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, prepared: Prepared, responder, label: str):
         self._check_length_bound(prepared)
+        protocol.check_token_ids(prepared.sampling, self.worker.tokenizer.vocab_size)
         ids = await self._tokenize(prepared.prompt_text)
         room = self.info.ctx - len(ids)
         if room <= 0:
             raise context_exceeded(len(ids), self.info.ctx, prepared.param)
         max_tokens = min(prepared.max_tokens or room, room, self.info.max_tokens or room)
-        job = Job(GenerationRequest(ids, max_tokens, prepared.sampling, prepared.stop, label,
-                                    _namespace(request, request.get(CACHE_SALT))),
+        namespace = _namespace(request, request.get(CACHE_SALT))
+        job = Job(GenerationRequest(ids, max_tokens, prepared.sampling, prepared.stop, label, namespace),
                   asyncio.get_running_loop(), client_gone=lambda: _client_gone(request))
-        answer = Answer(thinking=prepared.thinking, tools=prepared.tools, memory=self.answer_memory,
+        answer = Answer(thinking=prepared.thinking, tools=prepared.tools, memory=self.answer_memory.of(namespace),
                         tool_id_prefix=prepared.tool_id_prefix)
-        self.worker.submit(job)
         if prepared.stream:
             return await self._stream(request, job, answer, responder)
+        self.worker.submit(job)
         return await self._collect(job, answer, responder)
 
     async def _collect(self, job: Job, answer: Answer, responder):
@@ -219,10 +220,20 @@ class Server:
         return web.json_response(responder.body(payload, answer))
 
     async def _stream(self, request: web.Request, job: Job, answer: Answer, responder):
+        """Send the headers, then submit the job and stream its events. A client gone before the headers
+        went out is counted as dropped, and its job never submitted; one gone later is aborted, counted
+        when the worker has let go of its job."""
         response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionError:
+            log.info(f"{job.request.label} dropped: the client left before the response began")
+            self.metrics.finished(job.request.label, None)
+            return response
+        self.worker.submit(job)
         keepalive = getattr(responder, "keepalive", COMMENT_KEEPALIVE)
         last_write = time.monotonic()
+        done = False
         try:
             while True:
                 timeout = max(0.0, last_write + self.keepalive_s - time.monotonic())
@@ -231,6 +242,7 @@ class Server:
                 except asyncio.TimeoutError:
                     kind, payload = "keepalive", None
                 if kind == "done":
+                    done = True
                     self.metrics.finished(job.request.label, payload)
                     if payload is not None and payload.finish_reason not in ("abort", "error"):
                         await self._write(response, responder.end(payload, answer))
@@ -252,6 +264,11 @@ class Server:
                     last_write = time.monotonic()
         except (ConnectionError, RuntimeError):  # the client went away mid-stream
             job.cancel()
+            while not done:  # the worker stops the job at its next step
+                kind, payload = await job.events.get()
+                if kind == "done":
+                    done = True
+                    self.metrics.finished(job.request.label, payload)
         return response
 
     @staticmethod
@@ -275,8 +292,8 @@ class Server:
         return await _off_loop(parse_body, await self._read(request))
 
     async def _parse(self, request: web.Request, parse) -> tuple:
-        """(body, parse(body)), both made on an executor thread: a large body is parsed, checked and
-        rendered while the loop goes on serving."""
+        """(body, parse(body, memory)), both made on an executor thread: a large body is parsed, checked and
+        rendered while the loop goes on serving. `memory` holds the answers of the request's namespace."""
         raw = await self._read(request)
 
         def parsed():
@@ -284,7 +301,7 @@ class Server:
             salt = body.pop("cache_salt", None)  # read here for every API: vLLM's field, no API module's
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise APIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
-            return salt, body, parse(body)
+            return salt, body, parse(body, self.answer_memory.of(_namespace(request, salt)))
         request[CACHE_SALT], body, prepared = await _off_loop(parsed)
         return body, prepared
 
@@ -314,6 +331,8 @@ class Server:
         except Exception as e:  # noqa: BLE001 - answered as a 500, never a traceback to the client
             log.error(f"{request.method} {request.path} failed:\n{traceback.format_exc()}")
             error = APIError(500, f"internal error: {type(e).__name__}")
+        if 400 <= error.status < 500:  # one line per refused request, so a client's mistake can be seen
+            log.info("%s %s %d: %.300s", request.method, request.path, error.status, error.message)
         body = error.anthropic_body() if is_anthropic(request) else error.openai_body()
         return web.json_response(body, status=error.status)
 

@@ -14,7 +14,7 @@ from ds4_mlx.server.worker import Worker
 
 def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: int,
                  rewind_slack: int = 4096, checkpoint_every: int = 2048, prefill_chunk: int = 2048,
-                 shared_prefill_chunk: int = 256,
+                 shared_prefill_layers: int = 1, exact_rewinds: bool = False,
                  keepalive_s: float = 5.0,
                  generate=partial(stream_generate, yield_prefill=True, together=True), batch: int = 4,
                  max_tokens: int | None = None,
@@ -26,9 +26,9 @@ def build_server(load, *, model_id: str, ctx: int, sessions: int, budget_bytes: 
 
     worker = Worker(load, n_slots=sessions, budget_bytes=budget_bytes,
                     session_factory=lambda m: new_session(m, rewind_slack=rewind_slack,
-                                                          checkpoint_every=checkpoint_every),
-                    generate=generate, disk=disk, prefill_chunk=prefill_chunk,
-                    shared_prefill_chunk=shared_prefill_chunk, batch=batch)
+                                                          checkpoint_every=checkpoint_every,
+                                                          max_chunk=prefill_chunk, exact_rewinds=exact_rewinds),
+                    generate=generate, disk=disk, shared_prefill_layers=shared_prefill_layers, batch=batch)
     return Server(worker, ServerInfo(model_id=model_id, ctx=ctx, max_tokens=max_tokens), keepalive_s=keepalive_s,
                   access=access, max_body_bytes=max_body_bytes or body_limit(ctx), **limits)
 

@@ -20,6 +20,7 @@ THINKING_NOTE = ("thinking is on by default for the OpenAI APIs: answers start w
 
 
 def run_serve(args):
+    from ds4_mlx.chat import release_of
     from ds4_mlx.demo import DEMO_NOTE, load_for_cli
     from ds4_mlx.server.build import build_server
     from ds4_mlx.server.connections import fit_connection_cap
@@ -32,20 +33,23 @@ def run_serve(args):
         raise ValueError("--sessions must be at least 1 and --ctx at least 2")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
-    if args.prefill_chunk < 1 or args.shared_prefill_chunk < 1 or args.batch < 1:
-        raise ValueError("--prefill-chunk, --shared-prefill-chunk and --batch must be at least 1")
+    if args.prefill_chunk < 1 or args.shared_prefill_layers < 1 or args.batch < 1:
+        raise ValueError("--prefill-chunk, --shared-prefill-layers and --batch must be at least 1")
     if args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1")
     if args.max_body_mb is not None and args.max_body_mb <= 0:
         raise ValueError("--max-body-mb must be more than 0")
     if any(not key.strip() for key in args.api_key or ()):
         raise ValueError("--api-key must not be empty")
+    if args.metrics_key is not None and (not args.metrics_key.strip() or args.metrics_key in (args.api_key or ())):
+        raise ValueError("--metrics-key must not be empty nor one of the --api-key keys")
 
     def load():  # runs on the worker thread once the app starts, so `server` below is set
         model, tokenizer, is_demo = load_for_cli(args.model)
         if is_demo:
             log.info(DEMO_NOTE)
         server.info.ctx = fit_context(args.ctx, model.args.max_position_embeddings, log)
+        server.info.chat_release = release_of(tokenizer and tokenizer.config.get("chat_template"), args.model)
         return model, tokenizer
 
     from ds4_mlx.cache import disk_store_from_args
@@ -53,13 +57,15 @@ def run_serve(args):
     server = build_server(load, model_id=args.model_id, ctx=args.ctx, sessions=args.sessions,
                           budget_bytes=int(args.cache_gib * 2**30), rewind_slack=args.rewind_slack,
                           checkpoint_every=args.checkpoint_every, prefill_chunk=args.prefill_chunk,
-                          shared_prefill_chunk=args.shared_prefill_chunk, batch=args.batch,
+                          shared_prefill_layers=args.shared_prefill_layers,
+                          exact_rewinds=args.exact_rewinds, batch=args.batch,
                           max_tokens=args.max_tokens,
                           disk=disk_store_from_args(args),
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
                           max_connections=fit_connection_cap(args.max_connections),
                           access=Access(api_keys=tuple(args.api_key or ()), cors_origins=tuple(args.cors or ()),
-                                        allowed_hosts=tuple(h.lower() for h in args.allowed_host or ())))
+                                        allowed_hosts=tuple(h.lower() for h in args.allowed_host or ()),
+                                        metrics_key=args.metrics_key))
     sock = listen(args.host, args.port)
     code = asyncio.run(serve(server, sock, log))
     # Everything is answered, saved and closed by now. Leave without the interpreter's teardown: it frees
@@ -164,11 +170,15 @@ def register(subparsers):
     p.add_argument("--rewind-slack", type=int, default=4096, help="tokens a session can trim without replay (default %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=2048, help="tokens between session checkpoints (default %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help="prompt tokens computed a turn while no other stream runs; longer chunks prefill faster "
-                        "on a GPU and hold more memory while they run (default %(default)s)")
-    p.add_argument("--shared-prefill-chunk", type=int, default=256,
-                   help="prompt tokens computed a turn while other streams run; each of them waits about one "
-                        "chunk for its next token (default %(default)s)")
+                   help="prompts are computed in chunks that end at multiples of this many tokens, whatever runs "
+                        "beside them; longer chunks prefill faster on a GPU and hold more memory while they run "
+                        "(default %(default)s)")
+    p.add_argument("--shared-prefill-layers", type=int, default=1,
+                   help="layers of a prompt's chunk computed a turn while other streams run; each of them waits "
+                        "about that long for its next token (default %(default)s)")
+    p.add_argument("--exact-rewinds", action="store_true",
+                   help="every request gets a cold prefill's numbers bit for bit, whatever its session held: no "
+                        "trim in place, a replay from the chunk grid instead (up to a chunk more computed a request)")
     p.add_argument("--batch", "--batched-session", type=int, default=4,
                    help="streams decoded together in one forward at most (ds4's --batched-session); each "
                         "still samples, stops and aborts on its own (default %(default)s)")
@@ -182,6 +192,9 @@ def register(subparsers):
                    help="require this key from clients, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
                         "(/health stays open); repeatable: each key is a tenant whose cached prefixes no other "
                         "key reuses or learns about")
+    p.add_argument("--metrics-key", metavar="KEY",
+                   help="the key /metrics asks for; its counters sum over every tenant, so with --api-key it "
+                        "answers this key only, and without --metrics-key it is refused")
     p.add_argument("--cors", action="append", metavar="ORIGIN",
                    help="let web pages from ORIGIN call the server (repeatable; * for any origin); requests "
                         "from other pages than the server's own are refused")

@@ -2,7 +2,8 @@
 a forced tool choice (OpenAI `tool_choice: "required"` or a named function, Anthropic `any` or `tool`)
 makes the answer a whole DSML tool-call block calling that function (or any of the tools), its arguments
 following the tool's schema, so the call always parses; `response_format` `json_object` / `json_schema`
-lets only JSON (matching the schema) be written."""
+lets only JSON (matching the schema) be written; `parallel_tool_calls: false` (Anthropic's
+`disable_parallel_tool_use`) lets the answer call one tool at most."""
 
 import dataclasses
 
@@ -13,16 +14,16 @@ from ds4_mlx.server.fields import field as get
 from ds4_mlx.server.protocol import tool_choice_name
 
 
-def forced_tool_grammar(choice, tools) -> str | None:
+def forced_tool_grammar(choice, tools, *, parallel: bool = True) -> str | None:
     """The grammar of the answer a forced tool choice asks for (None when nothing is forced): one call of
-    the named function, or one or more calls of any of the tools. `choice` and `tools` as
-    `protocol.resolve_tool_choice` checked and returned them."""
+    the named function, or one (or, when `parallel`, more) calls of any of the tools. `choice` and `tools`
+    as `protocol.resolve_tool_choice` checked and returned them."""
     if not tools or choice in (None, "auto"):
         return None
     name = None if choice in ("required", "any") else tool_choice_name(choice)
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     try:
-        return check_grammar(tool_call_grammar(chosen, repeat=name is None))
+        return check_grammar(tool_call_grammar(chosen, repeat=name is None and parallel))
     except ValueError as e:
         raise APIError(400, f"tool_choice: the tools' parameter schemas cannot be used: {e}",
                        param="tool_choice") from None
@@ -49,9 +50,10 @@ def response_format_grammar(body: dict, name: str = "response_format") -> str | 
         raise APIError(400, f"{name}: the JSON schema cannot be used: {e}", param=name) from None
 
 
-def constrained(sampling: SamplingParams, *, thinking: bool, grammar: str | None):
-    """`sampling` with the constraint that the answer, after the reasoning, follows `grammar`."""
-    if grammar is None:
+def constrained(sampling: SamplingParams, *, thinking: bool, grammar: str | None, single_call: bool = False):
+    """`sampling` with the constraint that the answer, after the reasoning, follows `grammar`, or (with
+    `single_call` and no grammar) ends once it has called one tool."""
+    if grammar is None and not single_call:
         return sampling
     return dataclasses.replace(sampling, constraint=lambda tokenizer: OutputConstraint(
-        tokenizer, thinking=thinking, grammar=grammar))
+        tokenizer, thinking=thinking, grammar=grammar, single_call=single_call))

@@ -1,4 +1,5 @@
 """Typed access to request bodies: a wrong type is a 400, a well-typed but unusable value a 422.
+(`ds4_mlx.server.schema` checks the listed fields first: there a value out of range is a 400 too.)
 
 Fields a handler does not use are ignored, so that a newer client keeps working; `note_ignored` logs
 them at debug level so that what a client sends and the server does not honour can be seen.

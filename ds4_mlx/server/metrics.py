@@ -1,10 +1,11 @@
 """Prometheus metrics at `GET /metrics`, kept by prometheus-client in a registry of the server's own.
 
-Counters: HTTP responses by route and status; generation requests by endpoint and finish reason;
-prompt tokens by how they were served (reused from a live session, replayed after a trim, computed);
-completion tokens; prefill and decode seconds. Gauges read at scrape time: prefill and decode tokens
-per second over all requests so far, queued and running requests, the sessions' tokens and bytes,
-MLX memory, whether the model is loaded, and the process's memory (Linux).
+Counters: HTTP responses by route and status (499: the client left before the response began);
+generation requests by endpoint and finish reason; prompt tokens by how they were served (reused from a
+live session, replayed after a trim, computed); completion tokens; prefill and decode seconds. Gauges
+read at scrape time: prefill and decode tokens per second over all requests so far, queued and running
+requests, the sessions' tokens and bytes, MLX memory, whether the model is loaded, and the process's
+memory (Linux). The counters sum over every tenant: with API keys, only the `--metrics-key` reads them.
 """
 
 from aiohttp import web
@@ -12,6 +13,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 
 PREFIX = "ds4_mlx_"
+CLIENT_GONE = "499"  # the status of a response whose client left before it began (nginx's name for it)
 
 
 class ServerMetrics:
@@ -21,10 +23,10 @@ class ServerMetrics:
         worker = server.worker
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
-        self.http = Counter(PREFIX + "http_requests", "HTTP responses by route and status",
-                            ["route", "status"], registry=r)
+        self.http = Counter(PREFIX + "http_requests", "HTTP responses by route and status (499: the client "
+                            "left first)", ["route", "status"], registry=r)
         self.requests = Counter(PREFIX + "requests", "generation requests by endpoint and finish reason "
-                                "(dropped: the client left while queued)", ["endpoint", "finish_reason"], registry=r)
+                                "(dropped: the client left before it started)", ["endpoint", "finish_reason"], registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens by how they were served: reused "
                                      "from a live session, replayed after a trim, or computed", ["kind"], registry=r)
         self.completion_tokens = Counter(PREFIX + "completion_tokens", "tokens generated", registry=r)
@@ -58,7 +60,8 @@ class ServerMetrics:
     async def _count_response(self, request: web.Request, response: web.StreamResponse):
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
-        self.http.labels(route, str(response.status)).inc()
+        gone = request.transport is None or request.transport.is_closing()
+        self.http.labels(route, CLIENT_GONE if gone else str(response.status)).inc()
 
     def finished(self, endpoint: str, outcome):
         """A generation request ended: `outcome` is the worker's `Outcome`, None for one dropped from the queue."""

@@ -24,7 +24,8 @@ from ds4_mlx.server.errors import APIError
 # data (the page asks for the key, then sends it with every API request it makes)
 PUBLIC_PATHS = {"/health", "/"}
 PUBLIC_PREFIX = "/web/"
-WITHOUT_MODEL_PATHS = {"/metrics", "/openapi.json"}  # answered while the model loads
+METRICS_PATH = "/metrics"
+WITHOUT_MODEL_PATHS = {METRICS_PATH, "/openapi.json"}  # answered while the model loads
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version"
 TENANT = web.RequestKey("tenant", str)  # a hash of the request's API key
@@ -33,11 +34,14 @@ TENANT = web.RequestKey("tenant", str)  # a hash of the request's API key
 @dataclass(frozen=True)
 class Access:
     """`api_keys`: empty serves everyone; else each key is a tenant with its own prefix-cache namespace.
+    `metrics_key`: the one key `/metrics` answers once it or `api_keys` is set (its counters sum over
+    every tenant, so no tenant key reads them; with `api_keys` and no `metrics_key`, `/metrics` is off).
     `cors_origins`: origins browsers may call from ("*": any). `allowed_hosts`: names besides loopback
     ones that clients may reach the server by."""
     api_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    metrics_key: str | None = None
 
     def allows_origin(self, origin: str | None) -> bool:
         return origin is not None and ("*" in self.cors_origins or origin in self.cors_origins)
@@ -58,8 +62,8 @@ def gates(access: Access, server) -> list:
     chain = [_browser_checks(access)]
     if access.cors_origins:
         chain.append(_preflight(access))
-    if access.api_keys:
-        chain.append(_api_key(access.api_keys))
+    if access.api_keys or access.metrics_key:
+        chain.append(_api_key(access))
     chain.append(_readiness(server))
     return chain
 
@@ -123,21 +127,33 @@ def namespace_of(tenant: str, cache_salt: str | None) -> str:
     return hashlib.sha256(f"{tenant}\0{cache_salt or ''}".encode()).hexdigest()[:32]
 
 
-def _api_key(keys: tuple[str, ...]):
-    expected = [key.encode() for key in keys]
+def _given_key(request: web.Request) -> bytes:
+    """The request's key, from `x-api-key` or `Authorization: Bearer`; a 401 without one."""
+    given = request.headers.get("x-api-key")
+    authorization = request.headers.get("Authorization", "")
+    if given is None and authorization[:7].lower() == "bearer ":
+        given = authorization[7:].strip()
+    if given is None:
+        raise APIError(401, "an API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                       code="missing_api_key")
+    # aiohttp keeps undecodable header bytes as surrogates: encoded back, such a key just does not match
+    return given.encode(errors="surrogateescape")
+
+
+def _api_key(access: Access):
+    expected = [key.encode() for key in access.api_keys]
+    metrics_key = access.metrics_key.encode() if access.metrics_key else None
 
     @web.middleware
     async def api_key(request: web.Request, handler):
-        if request.path not in PUBLIC_PATHS and not request.path.startswith(PUBLIC_PREFIX):
-            given = request.headers.get("x-api-key")
-            authorization = request.headers.get("Authorization", "")
-            if given is None and authorization[:7].lower() == "bearer ":
-                given = authorization[7:].strip()
-            if given is None:
-                raise APIError(401, "an API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                               code="missing_api_key")
-            # aiohttp keeps undecodable header bytes as surrogates: encoded back, such a key just does not match
-            given = given.encode(errors="surrogateescape")
+        if request.path == METRICS_PATH:
+            if metrics_key is None:
+                raise APIError(403, "/metrics sums over every tenant, so no tenant key reads it: start the server "
+                                    "with --metrics-key KEY and send that key", code="metrics_key_required")
+            if not hmac.compare_digest(_given_key(request), metrics_key):
+                raise APIError(403, "/metrics answers only the server's --metrics-key", code="metrics_key_required")
+        elif expected and request.path not in PUBLIC_PATHS and not request.path.startswith(PUBLIC_PREFIX):
+            given = _given_key(request)
             matches = [hmac.compare_digest(given, key) for key in expected]  # each compared, in constant time
             if not any(matches):
                 raise APIError(401, "the API key is not valid", code="invalid_api_key")

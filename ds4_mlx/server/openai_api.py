@@ -5,7 +5,7 @@ import time
 import uuid
 
 from ds4_mlx.chat import BOS, render
-from ds4_mlx.server import protocol
+from ds4_mlx.server import protocol, schema
 from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, TokenLogprob, ToolCall
 from ds4_mlx.server.constraints import constrained, forced_tool_grammar, response_format_grammar
 from ds4_mlx.server.errors import APIError
@@ -46,12 +46,7 @@ def chat_messages(messages: list) -> list[dict]:
     return out
 
 
-CHAT_FIELDS = {"model", "messages", "n", "tools", "tool_choice", "thinking", "think", "reasoning_effort", "stream",
-               "stream_options", "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-               "seed", "stop", "logprobs", "top_logprobs", "response_format", "logit_bias"}
-COMPLETION_FIELDS = {"model", "prompt", "echo", "stream", "stream_options", "max_tokens", "temperature", "top_p",
-                     "top_k", "min_p", "seed", "stop", "logprobs", "logit_bias"}
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = schema.CHAT["top_logprobs"].maximum
 
 
 def chat_logprobs(body: dict) -> int | None:
@@ -67,22 +62,24 @@ def chat_logprobs(body: dict) -> int | None:
 
 
 def parse_chat(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepared:
-    note_ignored(body, CHAT_FIELDS, "chat")
+    schema.check(body, schema.CHAT)
+    note_ignored(body, schema.CHAT, "chat")
     protocol.refuse_unsupported(body, ("store",))
     model = info.model_name(body)
     messages = chat_messages(get(body, "messages", list, required=True))
     if not messages:
         raise APIError(400, "'messages' must not be empty", param="messages")
-    if get(body, "n", int, 1) != 1:
-        raise APIError(422, "only n=1 is supported", param="n")
     choice = get(body, "tool_choice", (str, dict))
     tools = protocol.resolve_tool_choice(choice, protocol.function_tools(get(body, "tools", list)))
     thinking, effort = protocol.thinking_mode(body, model, info)
-    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort,
+                  release=info.chat_release)
     protocol.log_replay_notes(text, "chat")
     sampling = dataclasses.replace(protocol.sampling(body), logprobs=chat_logprobs(body))
-    grammar = forced_tool_grammar(choice, tools) or response_format_grammar(body)
-    sampling = constrained(sampling, thinking=text.endswith("<think>"), grammar=grammar)
+    parallel = get(body, "parallel_tool_calls", bool, True)
+    grammar = forced_tool_grammar(choice, tools, parallel=parallel) or response_format_grammar(body)
+    sampling = constrained(sampling, thinking=text.endswith("<think>"), grammar=grammar,
+                           single_call=bool(tools) and not parallel)
     return Prepared(
         prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
         stream=get(body, "stream", bool, False),
@@ -93,7 +90,8 @@ def parse_chat(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepared:
 def parse_completions(body: dict, info: ServerInfo) -> list[tuple[str, Prepared]]:
     """(echo, prepared) per prompt: the raw text after BOS, no chat template (a prompt that starts with
     BOS is taken as it is); echo is the prompt when `echo` asks for it, else ""."""
-    note_ignored(body, COMPLETION_FIELDS, "completions")
+    schema.check(body, schema.COMPLETIONS)
+    note_ignored(body, schema.COMPLETIONS, "completions")
     protocol.refuse_unsupported(body, ("best_of", "suffix"))
     model = info.model_name(body)
     prompt = get(body, "prompt", (str, list), required=True)
@@ -122,11 +120,15 @@ def include_usage(body: dict) -> bool:
     return get(options, "include_usage", bool, False)
 
 
-def usage(outcome) -> dict:
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
-            "ds4_mlx": request_figures(outcome)}  # an extension OpenAI clients ignore: what the prompt cost
+def usage(outcome, answer=None) -> dict:
+    """OpenAI's usage; with the answer, the completion tokens that were reasoning."""
+    out = {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+           "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
+    if answer is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": answer.reasoning_tokens}
+    out["ds4_mlx"] = request_figures(outcome)  # an extension OpenAI clients ignore: what the prompt cost
+    return out
 
 
 def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
@@ -163,10 +165,11 @@ def merge_completions(bodies: list[dict]) -> dict:
 # ---------------------------------------------------------------- responses
 
 
-def stream_end(responder, last: tuple, outcome) -> list:
+def stream_end(responder, last: tuple, outcome, answer=None) -> list:
     """The end of a stream: its `last` chunk (with the finish reason), the usage chunk when the client
     asked for it, then [DONE]."""
-    usage_chunk = [(None, {**last[1], "choices": [], "usage": usage(outcome)})] if responder.include_usage else []
+    usage_chunk = [(None, {**last[1], "choices": [], "usage": usage(outcome, answer)})] \
+        if responder.include_usage else []
     return [last, *usage_chunk, (None, "[DONE]")]
 
 
@@ -212,7 +215,7 @@ class ChatResponder:
         return out
 
     def end(self, outcome, answer) -> list:
-        return stream_end(self, self._chunk({}, answer.finish_reason(outcome.finish_reason)), outcome)
+        return stream_end(self, self._chunk({}, answer.finish_reason(outcome.finish_reason)), outcome, answer)
 
     error = staticmethod(stream_error)
 
@@ -226,7 +229,7 @@ class ChatResponder:
                 "choices": [{"index": 0, "message": message,
                              "logprobs": chat_logprobs_json(answer.logprobs) if self.logprobs else None,
                              "finish_reason": answer.finish_reason(outcome.finish_reason)}],
-                "usage": usage(outcome)}
+                "usage": usage(outcome, answer)}
 
 
 class CompletionResponder:

@@ -13,20 +13,33 @@ from dataclasses import dataclass, field
 from ds4_mlx.generate import AnswerStops, SamplingParams
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field as get, number_in, positive_int, string_list
+from ds4_mlx.server.schema import EFFORTS
 
 log = logging.getLogger("ds4_mlx.server")
 
 THINK_MAX_MIN_CTX = 393216  # Think Max needs this much context (ds4's rule)
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's, and DeepSeek's max
 TEXT_ONLY = "this model reads text only"
 MAX_DEPTH = 64  # nesting of arrays and objects in a body; real requests use a handful
+MAX_INT_DIGITS = 40  # past every integer field's range, and short enough to convert at once
+
+
+class OversizedInt(int):
+    """An integer the body writes with more than `MAX_INT_DIGITS` digits, kept as a value past every
+    field's range (Python would refuse to convert some at all): a field's range check names it."""
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) <= MAX_INT_DIGITS:
+        return int(text)
+    return OversizedInt(-10**MAX_INT_DIGITS if text.startswith("-") else 10**MAX_INT_DIGITS)
 
 
 def parse_body(raw: bytes) -> dict:
-    """A request body as a JSON object, or a 400: malformed JSON or UTF-8, numbers Python will not
-    read, nesting deeper than `MAX_DEPTH`, strings that are not Unicode (lone surrogates)."""
+    """A request body as a JSON object, or a 400: malformed JSON or UTF-8, nesting deeper than
+    `MAX_DEPTH`, strings that are not Unicode (lone surrogates), integers of more than `MAX_INT_DIGITS`
+    digits deeper than a field's own fields (a field that large fails its range check, which names it)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_parse_int)
     except RecursionError:
         raise APIError(400, f"the body nests arrays or objects deeper than {MAX_DEPTH} levels") from None
     except ValueError as e:  # also bad UTF-8 and integers too long to convert
@@ -47,6 +60,8 @@ def _check_values(body: dict):
                     value.encode()
                 except UnicodeEncodeError:
                     raise APIError(400, "the body holds a string that is not valid Unicode (a lone surrogate)") from None
+        elif isinstance(value, OversizedInt) and depth > 3:  # deeper than a field's own fields
+            raise APIError(400, f"the body holds an integer of more than {MAX_INT_DIGITS} digits")
         elif isinstance(value, (dict, list)):
             if depth > MAX_DEPTH:
                 raise APIError(400, f"the body nests arrays or objects deeper than {MAX_DEPTH} levels")
@@ -78,13 +93,19 @@ class ServerInfo:
     model_id: str
     ctx: int
     max_tokens: int | None = None  # caps every request's output (`serve --max-tokens`)
+    chat_release: str = "legacy"  # whose chat template renders prompts (`chat.release_of`): set on load
+
+    @property
+    def model_names(self) -> list[str]:
+        """The names the loaded model answers to, as /v1/models lists them: its id and the DeepSeek names
+        (deepseek-chat answers without thinking, deepseek-reasoner thinks)."""
+        return list(dict.fromkeys([self.model_id, "deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner"]))
 
     def model_name(self, body: dict, *, anthropic: bool = False) -> str:
-        """The requested model, checked: the loaded model answers to its id and the DeepSeek names
-        (Anthropic clients also send Claude names for side calls, which it serves as well)."""
+        """The requested model, checked: one of `model_names`, or "default" (a placeholder some clients
+        send); Anthropic clients also send Claude names for side calls, which it serves as well."""
         name = get(body, "model", str, self.model_id)
-        known = {self.model_id, "deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner", "default"}
-        if name in known or (anthropic and name.startswith("claude")):
+        if name in self.model_names or name == "default" or (anthropic and name.startswith("claude")):
             return name
         raise APIError(404, f"model '{name}' does not exist; this server serves '{self.model_id}'",
                        param="model", code="model_not_found")
@@ -119,21 +140,32 @@ def sampling(body: dict) -> SamplingParams:
         top_p=number_in(body, "top_p", 0.0, 1.0, defaults.top_p),
         top_k=get(body, "top_k", int, defaults.top_k),
         min_p=number_in(body, "min_p", 0.0, 1.0, defaults.min_p),
-        seed=get(body, "seed", int), logit_bias=logit_bias(body))
+        seed=get(body, "seed", int), logit_bias=logit_bias(body),
+        presence_penalty=number_in(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=number_in(body, "frequency_penalty", -2.0, 2.0, 0.0))
 
 
 def logit_bias(body: dict) -> dict[int, float] | None:
-    """OpenAI's `logit_bias`: {"token id": bias from -100 to 100}, as {id: bias}."""
+    """OpenAI's `logit_bias`: {"token id": bias from -100 to 100}, as {id: bias}; the ids are checked
+    against the vocabulary by `check_token_ids` once the tokenizer is known."""
     value = get(body, "logit_bias", dict)
     if not value:
         return None
     out = {}
     for key, bias in value.items():
         is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
-        if not key.isdigit() or not is_number or not -100 <= bias <= 100:
+        if not (key.isascii() and key.isdigit()) or not is_number or not -100 <= bias <= 100:
             raise APIError(400, "'logit_bias' maps token ids to numbers from -100 to 100", param="logit_bias")
         out[int(key)] = float(bias)
     return out
+
+
+def check_token_ids(sampling: SamplingParams, vocab_size: int):
+    """A 400 for a `logit_bias` id past the vocabulary: it names no token, so its bias could do nothing."""
+    past = [i for i in sampling.logit_bias or () if i >= vocab_size]
+    if past:
+        raise APIError(400, f"'logit_bias' names token {past[0]}, past the vocabulary's {vocab_size} tokens",
+                       param="logit_bias")
 
 
 def refuse_unsupported(body: dict, names: tuple[str, ...]):
@@ -157,7 +189,8 @@ def stop_strings(body: dict, name: str = "stop") -> list[str]:
 
 
 def function_tools(tools: list | None) -> list[dict] | None:
-    """OpenAI chat tools checked: each {type: function, function: {name, ...}}."""
+    """OpenAI chat tools checked: each {type: function, function: {name, parameters}}, the parameters
+    (when given) a JSON Schema object."""
     if not tools:
         return None
     for i, tool in enumerate(tools):
@@ -165,7 +198,14 @@ def function_tools(tools: list | None) -> list[dict] | None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise APIError(400, f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}",
                            param=f"tools[{i}]")
+        check_parameters(function.get("parameters"), f"tools[{i}].function.parameters")
     return tools
+
+
+def check_parameters(parameters, where: str):
+    """A tool's parameter schema: absent, or a JSON Schema object."""
+    if parameters is not None and not isinstance(parameters, dict):
+        raise APIError(400, f"'{where}' must be a JSON Schema object", param=where)
 
 
 def tool_choice_name(choice) -> str | None:

@@ -11,7 +11,7 @@ import time
 import uuid
 
 from ds4_mlx.chat import render
-from ds4_mlx.server import protocol
+from ds4_mlx.server import protocol, schema
 from ds4_mlx.server.assembly import AnswerMemory, ContentDelta, ReasoningDelta, ToolCall
 from ds4_mlx.server.constraints import constrained, forced_tool_grammar, response_format_grammar
 from ds4_mlx.server.errors import APIError
@@ -19,6 +19,8 @@ from ds4_mlx.server.fields import field as get, note_ignored
 from ds4_mlx.server.protocol import Prepared, ServerInfo
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+INPUT_ITEMS = ("message", "reasoning", "function_call", "function_call_output", "custom_tool_call",
+               "custom_tool_call_output")
 
 
 # ---------------------------------------------------------------- requests
@@ -72,6 +74,9 @@ def chat_messages(instructions: str | None, items) -> list[dict]:
         elif kind in ("function_call_output", "custom_tool_call_output"):
             out.append({"role": "tool", "tool_call_id": get(item, "call_id", str, required=True),
                         "content": _text(item.get("output", ""), f"{where}.output")})
+        else:
+            raise APIError(400, f"{where} is an item of type '{kind}'; this server reads {', '.join(INPUT_ITEMS)}",
+                           param=where)
     return out
 
 
@@ -84,34 +89,31 @@ def chat_tools(tools: list | None) -> list[dict] | None:
         if tool.get("type") == "function":
             if not isinstance(tool.get("name"), str):
                 raise APIError(400, f"tools[{i}] needs a name", param=f"tools[{i}]")
+            protocol.check_parameters(tool.get("parameters"), f"tools[{i}].parameters")
             out.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description", ""),
                 "parameters": tool.get("parameters", {})}})
     return out or None
 
 
-BODY_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "reasoning", "thinking", "think",
-               "reasoning_effort", "stream", "max_output_tokens", "max_tokens", "temperature", "top_p", "top_k",
-               "min_p", "seed", "text", "previous_response_id", "conversation", "metadata"}
-
-
 def parse_responses(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepared:
-    note_ignored(body, BODY_FIELDS, "responses")
+    schema.check(body, schema.RESPONSES)
+    note_ignored(body, schema.RESPONSES, "responses")
     protocol.refuse_unsupported(body, ("store",))
     model = info.model_name(body)
-    for name in ("previous_response_id", "conversation"):
-        if body.get(name) is not None:
-            raise APIError(400, f"'{name}' is not supported: this server is stateless, replay the full input",
-                           param=name)
     messages = chat_messages(get(body, "instructions", str), get(body, "input", (str, list), required=True))
     choice = get(body, "tool_choice", (str, dict))
     tools = protocol.resolve_tool_choice(choice, chat_tools(get(body, "tools", list)))
     effort = get(get(body, "reasoning", dict, {}), "effort", str)
     thinking, effort = protocol.thinking_mode(body, model, info, effort=effort)
-    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort)
+    text = render(memory.attach(messages), tools=tools, thinking=thinking, reasoning_effort=effort,
+                  release=info.chat_release)
     protocol.log_replay_notes(text, "responses")
-    grammar = forced_tool_grammar(choice, tools) or response_format_grammar(get(body, "text", dict, {}), "format")
-    sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"), grammar=grammar)
+    parallel = get(body, "parallel_tool_calls", bool, True)
+    grammar = forced_tool_grammar(choice, tools, parallel=parallel) or \
+        response_format_grammar(get(body, "text", dict, {}), "format")
+    sampling = constrained(protocol.sampling(body), thinking=text.endswith("<think>"), grammar=grammar,
+                           single_call=bool(tools) and not parallel)
     return Prepared(prompt_text=text, thinking=text.endswith("<think>"), tools=bool(tools),
                     stream=get(body, "stream", bool, False),
                     max_tokens=protocol.max_tokens(body, "max_output_tokens", "max_tokens"),
@@ -121,9 +123,10 @@ def parse_responses(body: dict, info: ServerInfo, memory: AnswerMemory) -> Prepa
 # ---------------------------------------------------------------- responses
 
 
-def usage(outcome) -> dict:
+def usage(outcome, answer) -> dict:
     return {"input_tokens": outcome.prompt_tokens, "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
-            "output_tokens": outcome.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": outcome.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
 
 
@@ -143,15 +146,16 @@ class ResponsesResponder:
         self.prepared = prepared
         self.echo = {k: body.get(k) for k in ("instructions", "tools", "tool_choice", "temperature", "top_p",
                                               "max_output_tokens", "reasoning", "metadata", "text")}
+        self.parallel_tool_calls = body.get("parallel_tool_calls") is not False
         self.sequence = 0
         self.items: list[dict] = []  # output items, the last one possibly still open
         self.open = None  # the kind of the open item: reasoning, message
 
-    def _response(self, status: str, outcome=None, error=None) -> dict:
+    def _response(self, status: str, outcome=None, answer=None, error=None) -> dict:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.prepared.model, "output": self.items, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "usage": usage(outcome) if outcome else None, "parallel_tool_calls": True,
+                "usage": usage(outcome, answer) if outcome else None, "parallel_tool_calls": self.parallel_tool_calls,
                 "previous_response_id": None, "truncation": "disabled",
                 **self.echo, "text": self.echo["text"] or {"format": {"type": "text"}},
                 "tools": self.echo["tools"] or [],
@@ -170,7 +174,8 @@ class ResponsesResponder:
         self.items.append(item)
         return out + [self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
 
-    def _close(self) -> list:
+    def _close(self, status: str = "completed") -> list:
+        """Close the open item: `completed`, or `incomplete` when the answer was cut in it."""
         if self.open is None:
             return []
         item, index = self.items[-1], len(self.items) - 1
@@ -187,7 +192,7 @@ class ResponsesResponder:
                                content_index=0, text=part["text"]),
                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                content_index=0, part=part)]
-        item["status"] = "completed"
+        item["status"] = status
         self.open = None
         return out + [self._event("response.output_item.done", output_index=index, item=item)]
 
@@ -232,8 +237,8 @@ class ResponsesResponder:
 
     def end(self, outcome, answer) -> list:
         status = self._status(outcome)
-        out = self._close()
-        return out + [self._event(f"response.{status}", response=self._response(status, outcome))]
+        out = self._close(status)
+        return out + [self._event(f"response.{status}", response=self._response(status, outcome, answer))]
 
     def error(self, message: str) -> list:
         self._close()
@@ -242,8 +247,8 @@ class ResponsesResponder:
 
     def body(self, outcome, answer) -> dict:
         self.deltas(answer_events(answer))
-        self._close()
-        return self._response(self._status(outcome), outcome)
+        self._close(self._status(outcome))
+        return self._response(self._status(outcome), outcome, answer)
 
 
 def answer_events(answer) -> list:

@@ -27,10 +27,10 @@ def _rate(tokens: int, seconds: float) -> float:
 
 
 def _request(outcome) -> dict:
-    # the miss reason without its details: those name token ids
+    # the miss reason without its details: those name token ids; another tenant's tokens are not counted
     miss = outcome.miss.split("(")[0] if outcome.miss else None
     return {"slot": outcome.slot, "finish_reason": outcome.finish_reason, "prompt_tokens": outcome.prompt_tokens,
-            "live_tokens": outcome.live, "miss": miss, **request_figures(outcome)}
+            "live_tokens": 0 if outcome.foreign else outcome.live, "miss": miss, **request_figures(outcome)}
 
 
 def sessions_snapshot(worker, info, namespace: str = "") -> dict:
@@ -56,7 +56,8 @@ _REQUEST = {"type": "object", "properties": {
     "slot": {"type": "integer"}, "finish_reason": {"type": "string", "enum": ["stop", "length", "abort", "error"]},
     "prompt_tokens": {"type": "integer"}, "live_tokens": {"type": "integer", "description": "held before it"},
     "miss": {"type": ["string", "null"], "description": "why live tokens were dropped: diverged, "
-                                                       "empty-slot, other-conversation; null for a hit"},
+                                                       "empty-slot, other-conversation, other-tenant (its "
+                                                       "tokens are not counted), fork; null for a hit"},
     **_FIGURES}}
 SESSIONS_SCHEMA = {"type": "object", "properties": {
     "model": {"type": "string"}, "context_length": {"type": "integer"}, "budget_bytes": {"type": "integer"},

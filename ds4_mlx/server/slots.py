@@ -14,7 +14,8 @@ cold. The policy is pure: it reads slots and returns a decision.
 Tenants: every request carries a namespace (its API key's, salted by its `cache_salt`), and a slot
 holding tokens belongs to the namespace that filled it. A request shares nothing with another
 namespace's slot (it reuses, forks from and learns the length of only its own namespace's prefixes), and
-takes such a slot over only when no slot is empty or of its own namespace.
+takes such a slot over only when no slot is empty or of its own namespace: `foreign` says so, and the
+worker then empties the slot before the request starts (or starts it from its own namespace's snapshot).
 """
 
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ class Placement:
     common: int  # tokens shared with the prompt (by the fork source, for a fork)
     miss: str | None  # why the live tokens could not all be kept; None for a hit
     source: Slot | None = None  # start from a snapshot of this slot's session
+    foreign: bool = False  # the slot's tokens are another namespace's: nothing of them may be kept
 
 
 def _value(slot: Slot, share: int, prompt_len: int) -> int:
@@ -71,13 +73,15 @@ def place(slots: list[Slot], prompt: list[int], namespace: str = "") -> Placemen
         share = shares[best.index]
         return Placement(best, len(best.tokens), share, _partial_miss(best, share, prompt))
     victim = max(idle, key=lambda s: (ours[s.index], values[s.index], -s.last_used))
-    live, share = len(victim.tokens), shares[victim.index]
+    live, share, foreign = len(victim.tokens), shares[victim.index], not ours[victim.index]
     source = max((s for s in slots if s is not victim), key=lambda s: shares[s.index], default=None)
     if source is not None and shares[source.index] >= max(MIN_SHARE, share + 1):
         share = shares[source.index]
-        return Placement(victim, live, share, f"fork(from={source.index},share={share},live={live})", source)
-    miss = "empty-slot" if live == 0 else f"other-conversation(share={share},live={live})"
-    return Placement(victim, live, share, miss)
+        return Placement(victim, live, share, f"fork(from={source.index},share={share},live={live})", source,
+                         foreign)
+    miss = ("empty-slot" if live == 0 else f"other-tenant(live={live})" if foreign
+            else f"other-conversation(share={share},live={live})")
+    return Placement(victim, live, share, miss, foreign=foreign)
 
 
 def _partial_miss(slot: Slot, share: int, prompt: list[int]) -> str | None:

@@ -14,6 +14,7 @@ import asyncio
 from aiohttp import web
 
 from ds4_mlx.chat import Client, Prompt
+from ds4_mlx.server import schema
 from ds4_mlx.server.errors import APIError
 from ds4_mlx.server.fields import field
 
@@ -21,6 +22,7 @@ from ds4_mlx.server.fields import field
 def routes(server) -> list:
     async def tokenize(request):
         body = await server._body(request)
+        schema.check(body, schema.TOKENIZE)
         text = field(body, "content", str, required=True)
         if not field(body, "parse_special", bool, True):
             text = Prompt.join([Client(text)])  # no template spans: every character is plain text
@@ -34,6 +36,7 @@ def routes(server) -> list:
 
     async def detokenize(request):
         body = await server._body(request)
+        schema.check(body, schema.DETOKENIZE)
         ids = field(body, "tokens", list, required=True)
         vocab = server.worker.tokenizer.vocab_size
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]

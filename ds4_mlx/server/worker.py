@@ -62,6 +62,7 @@ class Outcome:
     source: int | None = None  # the slot a fork started from (slots.place)
     namespace: str = ""
     from_disk: int = 0  # prompt tokens loaded from the disk store before the prefill
+    foreign: bool = False  # the slot held another tenant's tokens (`live`), dropped whole
     cut_off: bool = False  # ended by the shutdown while running; then the figures are what the slot holds
 
     @property
@@ -79,17 +80,22 @@ class Outcome:
         if self.cut_off:
             return (f"{label} cut off by the shutdown after {self.reused + self.computed} of {self.prompt_tokens} "
                     f"prompt tokens and {self.completion_tokens} answer tokens; {slot} keeps them")
+        dropped = (f"another tenant's {self.live} tokens were dropped" if self.foreign
+                   else f"its own {self.live} were dropped")
         if self.from_disk:
             kind = (f"disk hit: {slot} starts from a stored session sharing {self.from_disk} tokens with the prompt"
-                    + (f" (its own {self.live} were dropped)" if self.live else ""))
+                    + (f" ({dropped})" if self.live else ""))
         elif self.miss is None:
             kind = "hit: " + (f"{slot} already holds this prompt (a resend)" if self.prompt_tokens <= self.live
                               else f"{slot} continues its conversation")
         elif self.source is not None:
             kind = (f"partial hit: {slot} starts from a snapshot of slot {self.source}'s conversation "
-                    f"({self.common} tokens in common" + (f"; its own {self.live} were dropped)" if self.live else ")"))
+                    f"({self.common} tokens in common" + (f"; {dropped})" if self.live else ")"))
         elif self.live == 0:
             kind = f"miss: new conversation in empty {slot}"
+        elif self.foreign:
+            kind = (f"miss: {slot} held another tenant's conversation ({self.live} tokens), dropped whole for "
+                    "this one (--sessions keeps more)")
         elif self.miss.startswith("diverged"):
             kind = (f"partial hit: the prompt leaves {slot}'s conversation at token {self.common} of "
                     f"{self.live} (an edited or regenerated turn)")
@@ -135,22 +141,23 @@ class _Running:
 
 class Worker:
     def __init__(self, load, *, n_slots: int, budget_bytes: int, session_factory, generate, disk=None,
-                 prefill_chunk: int = 2048, shared_prefill_chunk: int = 256, stuck_after_s: float = 600.0,
+                 shared_prefill_layers: int = 1, stuck_after_s: float = 600.0,
                  batch: int = 1):
         """`load()` returns (model, tokenizer) and runs on the worker thread, which owns the model from
         then on (MLX arrays belong to the thread that made them); `session_factory(model)` makes a
         Session; `generate` is `ds4_mlx.generate.stream_generate`; `disk` a `ds4_mlx.cache.store.DiskStore`
         (or None): sessions are saved there when evicted, at shutdown and during long prompts, and a
-        request that no slot serves well looks there for its longest prefix. A prompt is computed
-        `prefill_chunk` tokens a turn while it is the only job running (long chunks prefill faster),
-        `shared_prefill_chunk` while other streams run (each waits about one chunk for its next token).
+        request that no slot serves well looks there for its longest prefix. A prompt is computed a chunk a
+        turn while it is the only job running, and `shared_prefill_layers` layers of a chunk a turn while
+        other streams run (each waits about that long for its next token): the same chunks either way, so
+        the same numbers.
         A turn (one chunk or token of each running job) longer than `stuck_after_s` is reported by `health()`.
         Streams decoding in the same turn take their tokens in one forward, `batch` at most (`DecodeStep`)."""
         if batch < 1:
             raise ValueError("batch must be at least 1")
         self.batch = batch
         self.disk = disk
-        self.prefill_chunk, self.shared_prefill_chunk = prefill_chunk, shared_prefill_chunk
+        self.shared_prefill_layers = shared_prefill_layers
         self._load = load
         self.model = self.tokenizer = None
         self.longest_token_bytes = 1  # of the tokenizer's tokens: a prompt has at least len / this tokens
@@ -332,11 +339,16 @@ class Worker:
             job.emit("done", None)
 
     def _start(self, job: Job, placement: Placement) -> _Running:
-        request, session = job.request, placement.slot.session
+        request, slot = job.request, placement.slot
+        session = slot.session
         kept = placement.common if placement.source is None else 0  # a fork replaces the slot's tokens
         if self.disk is not None and len(session.tokens) - kept >= self.disk.min_tokens:
-            self.disk.save(session, "evict", placement.slot.namespace)  # the request will discard these tokens
-        placement.slot.namespace = request.namespace
+            self.disk.save(session, "evict", slot.namespace)  # the request will discard these tokens
+        if placement.foreign:
+            session.reset()  # else `Session.sync` would reuse the other tenant's prefix, and its time tell it
+        if slot.namespace != request.namespace:  # nothing of the previous tenant's shows in /v1/sessions
+            slot.namespace, slot.last_outcome, slot.last_used = request.namespace, None, time.monotonic()
+            slot.nbytes = session.nbytes
         if placement.source is not None:  # start from the snapshot of a slot sharing a long prefix
             session.restore(placement.source.session.snapshot())
         shared = placement.common
@@ -355,10 +367,10 @@ class Worker:
         return _Running(job, placement, iter(chunks), from_disk=shared if shared > placement.common else 0)
 
     def _advance(self, run: _Running):
-        """The job's turn: one prefill chunk, or the draw of its next token (then it waits in `run.step`
-        for `_decode_together`)."""
+        """The job's turn: one prefill chunk (a few of its layers while other streams run), or the draw of its
+        next token (then it waits in `run.step` for `_decode_together`)."""
         alone = len(self._running) == 1
-        run.placement.slot.session.max_chunk = self.prefill_chunk if alone else self.shared_prefill_chunk
+        run.placement.slot.session.layers_per_turn = None if alone else self.shared_prefill_layers
         self._take(run, next, run.chunks)
 
     def _decode_together(self):
@@ -441,7 +453,8 @@ class Worker:
             replayed=stats.replayed_tokens, computed=stats.computed_tokens, prefill_s=stats.prefill_seconds,
             decode_s=stats.decode_seconds, miss=placement.miss,
             source=placement.source.index if placement.source is not None else None,
-            namespace=run.job.request.namespace, from_disk=run.from_disk, cut_off=cut_off)
+            namespace=run.job.request.namespace, from_disk=run.from_disk, foreign=placement.foreign,
+            cut_off=cut_off)
 
     def _keep_within_budget(self, just_used: Slot):
         """Empty idle slots, least recently used first, until the sessions fit the byte budget."""

@@ -1,10 +1,11 @@
 """`ds4-mlx bench`: speed and memory figures. Every sub-command prints a table of its figures, or with
---json one JSON object with them on the last line.
+--json one JSON object with them, alone on stdout: progress goes to stderr.
 
 On a CPU the model benches default to the tiny preset (seconds); real widths there take hours, so they
 first measure a few tokens and say how long the whole run will take."""
 
 import argparse
+import contextlib
 import json
 import sys
 import statistics
@@ -27,13 +28,13 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def register(subparsers):
     p = subparsers.add_parser("bench", help="speed and memory benchmarks",
                               description="Speed and memory benchmarks. Each prints a table of its figures, "
-                                          "or with --json one JSON object on the last line. On a CPU, model, "
+                                          "or with --json one JSON object instead (progress goes to stderr). On a CPU, model, "
                                           "rewind and speed use the tiny test model unless --preset real.")
     sub = p.add_subparsers(dest="bench", required=True)
     for name, fn, extra in BENCHES:
         q = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__,
                            formatter_class=_HelpWithDefaults)
-        q.add_argument("--json", action="store_true", help="print one JSON object on the last line instead of a table")
+        q.add_argument("--json", action="store_true", help="print one JSON object, alone on stdout, instead of a table")
         q.add_argument("--device", choices=["cpu", "gpu"], default=None, help="(default: MLX's default device)")
         extra(q)
         q.set_defaults(func=lambda a, fn=fn: _run(fn, a))
@@ -50,9 +51,11 @@ def _run(fn, args):
     # the model benches' contexts: a 32k prefill takes minutes on a CPU even for the tiny model
     if hasattr(args, "preset") and getattr(args, "contexts", "") is None:
         args.contexts = "2048,8192" if on_cpu else "2048,8192,32768"
-    figures = fn(args)
+    # progress, and anything a library prints, goes to stderr: stdout holds the table or the JSON alone
+    with contextlib.redirect_stdout(sys.stderr):
+        figures = fn(args)
     figures["device"] = str(mx.default_device())
-    print(json.dumps(figures) if args.json else format_figures(figures))
+    print(json.dumps(figures) if args.json else format_figures(figures), flush=True)
     return 0
 
 
@@ -196,7 +199,10 @@ def _bench_rewind_options(q):
 
 
 def bench_convert(a):
-    """Converter: the published q2/q4 files' converted size, error and speed; a synthetic GGUF's peak RSS and MB/s."""
+    """Converter: the published files' converted sizes; a synthetic GGUF's peak RSS and MB/s.
+
+    V4 Flash 0731's four files with the path their experts take on Metal, CUDA and the CPU; the original
+    q2/q4 files with the requantization's error and speed."""
     from ds4_mlx.tools.bench_convert import run
 
     return run(size_gb=a.size_gb, rows=a.rows, expert_bits=a.expert_bits, group_size=a.group_size)
@@ -249,8 +255,30 @@ def bench_batch(a):
     one = rows[0]["aggregate_tok_s"] if counts[0] == 1 else None
     for row in rows:
         row["speedup"] = row["aggregate_tok_s"] / one if one else None
+    verifies = _verify_costs(first, [int(n) for n in a.verify.split(",")] if a.verify else [], a.decode,
+                             1000 / one if one else None)
     return {"preset": a.preset, "layers": model.args.num_hidden_layers, "dtype": a.dtype,
-            "expert_bits": expert_bits(a), "like": a.like, "context": context, "results": rows}
+            "expert_bits": expert_bits(a), "like": a.like, "context": context, "results": rows, "verify": verifies}
+
+
+def _verify_costs(session, row_counts, repeats, step_ms):
+    """The time of a verify of k drafted tokens on a live session (logits at every row, then trimmed back),
+    against one decoded token's `step_ms`."""
+    rng = np.random.default_rng(1)
+    out = []
+    for k in row_counts:
+        times = []
+        for _ in range(repeats + 2):  # two warm-up verifies build the graphs
+            draft = rng.integers(0, session.model.args.vocab_size, k).tolist()
+            start = time.perf_counter()
+            mx.eval(session.verify(draft))
+            session.trim(len(session.tokens) - k)
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times[2:]) * 1000
+        out.append({"rows": k, "verify_ms": ms, "vs_one_token": ms / step_ms if step_ms else None})
+        print(f"verify of {k} rows: {ms:.2f} ms" + (f" ({ms / step_ms:.2f}x one token)" if step_ms else ""),
+              file=sys.stderr, flush=True)
+    return out
 
 
 def _bench_batch_options(q):
@@ -259,6 +287,8 @@ def _bench_batch_options(q):
     q.add_argument("--context", type=int, default=None, help="tokens each stream holds (default: 512 for the "
                    "tiny model, 8192 at real widths)")
     q.add_argument("--decode", type=int, default=16, help="decode steps timed (their median is reported)")
+    q.add_argument("--verify", default="", help="also time a verify of this many drafted tokens on a live session "
+                   "(comma-separated, e.g. 2,4,6), against one decoded token")
 
 
 BENCHES = [

@@ -127,7 +127,7 @@ def bench_convert(size_gb=4.0, workdir=None) -> dict:
         code = ("import sys; from ds4_mlx.convert.cli import convert; "
                 "convert(sys.argv[1], sys.argv[2], progress=False, log=lambda m: None)")
         t0 = time.perf_counter()
-        child = subprocess.Popen([sys.executable, "-c", code, src, out], stderr=subprocess.PIPE)
+        child = subprocess.Popen([sys.executable, "-c", code, src, out], stdout=2, stderr=subprocess.PIPE)
         _, status, usage = os.wait4(child.pid, 0)
         convert_s = time.perf_counter() - t0
         err = child.stderr.read().decode(errors="replace").strip()
@@ -154,6 +154,97 @@ PUBLISHED = {"q2": ("IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K")}  # routed expert
 # DeepSeek-V4-Pro-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-Instruct-imatrix-0813.gguf) and its q4, split in two shards
 PUBLISHED.update({"pro_q2": PUBLISHED["q2"], "pro_q4": PUBLISHED["q4"]})
 RATIO_TARGETS = {"q2": 1.02, "q4": 1.02}  # converted size / GGUF size, native experts
+
+
+# V4 Flash 0731's files, each `NAME-0731.gguf`: their routed experts' (gate/up, down) types; ds4f-q2-q4
+# has Q4_K experts in its last `_Q4_LAYERS` layers (37-42 of 43) and q2's elsewhere. The other tensors
+# are as `tensor_type` says for every file.
+FILES_0731 = {"ds4f-q2": ("IQ2_XXS", "Q2_K"), "ds4f-q2-q4": ("IQ2_XXS", "Q2_K"), "ds4f-q4": ("Q4_K", "Q4_K"),
+              "ds4f-mxfp4": ("MXFP4", "MXFP4")}
+_Q4_LAYERS = 6
+
+
+def experts_0731(file, layer, layers):
+    """The (gate/up, down) type names of layer `layer`'s routed experts, of `layers`, in 0731 file `file`."""
+    if file == "ds4f-q2-q4" and layer >= layers - _Q4_LAYERS:
+        return FILES_0731["ds4f-q4"]
+    return FILES_0731[file]
+
+
+def file_types(file, args):
+    """{GGUF tensor name: (numpy shape, type)} of 0731 file `file` for a model of `args`."""
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.demo import gguf_shapes
+
+    out = {}
+    for name, shape in gguf_shapes(args).items():
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+        experts = tuple(T[n] for n in experts_0731(file, layer, args.num_hidden_layers))
+        out[name] = (shape, tensor_type(name, shape, experts))
+    return out
+
+
+def expert_paths(types) -> dict:
+    """{"metal", "cuda", "cpu"}: how routed experts of these GGUF type names run there by default
+    (`GGUFModel`): the file's blocks where the backend has a native path for them, else MLX formats."""
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.convert.gguf import EXACT_TYPES, NATIVE_TYPES, _EXACT_FORMATS
+    from ds4_mlx.convert.requant import affine_format
+
+    def in_mlx(t):
+        if T[t] in EXACT_TYPES:
+            fmt = _EXACT_FORMATS[T[t]]
+            return f"MLX {fmt['mode']} {fmt['bits']}-bit (exact)"
+        bits, group = affine_format(T[t])
+        return f"MLX affine {bits}-bit g{group} (requantized)"
+
+    blocks = "file's blocks (exact)"
+    ways = {"metal": lambda t: f"{blocks} with the kquant extra, else {in_mlx(t)}" if T[t] in NATIVE_TYPES
+            else in_mlx(t),
+            "cuda": lambda t: blocks if T[t] in NATIVE_TYPES else in_mlx(t),
+            "cpu": in_mlx}
+    out = {}
+    for backend, way in ways.items():
+        said = {}  # phrase -> the types it covers, in order
+        for t in types:
+            said.setdefault(way(t), []).append(t)
+        out[backend] = "; ".join(f"{', '.join(ts)}: {phrase}" for phrase, ts in said.items())
+    return out
+
+
+def project_file(file, args=None) -> dict:
+    """0731 file `file`'s size and its converted folder's, from the converter's own plan of each tensor
+    (`TensorPlan`: exact, headers aside): with native experts (Metal with the kquant extra, CUDA) and
+    with affine ones (the CPU, Metal without it), and `experts`: the path they take on each backend."""
+    from types import SimpleNamespace
+
+    from gguf import GGML_QUANT_SIZES
+
+    from ds4_mlx.convert.gguf import TensorPlan
+    from ds4_mlx.convert.requant import affine_format
+    from ds4_mlx.convert.writer import ITEMSIZE
+    from ds4_mlx.models.deepseek_v4 import ModelArgs, mlx_name
+
+    args = args or ModelArgs()
+    gguf_bytes, folder = 0, {True: 0, False: 0}
+    experts = set()
+    for name, (shape, t) in file_types(file, args).items():
+        block, size = GGML_QUANT_SIZES[t]
+        nbytes = int(np.prod(shape)) // block * size
+        gguf_bytes += nbytes
+        if "_exps." in name:
+            experts.add(t.name)
+        tensor = SimpleNamespace(name=name, tensor_type=t, shape=np.array(shape[::-1]), data_offset=0, n_bytes=nbytes)
+        for native in folder:
+            plan = TensorPlan(tensor, mlx_name(name), None, affine_format, native)
+            folder[native] += sum(ITEMSIZE[dtype] * int(np.prod(out)) for _, dtype, out in plan.outputs())
+    order = [t for t in ("IQ2_XXS", "Q2_K", "Q4_K", "MXFP4") if t in experts]
+    return {"file": f"{file}-0731", "gguf_gib": round(gguf_bytes / 2**30, 2),
+            "native_gib": round(folder[True] / 2**30, 2), "native_ratio": round(folder[True] / gguf_bytes, 4),
+            "affine_gib": round(folder[False] / 2**30, 2), "affine_ratio": round(folder[False] / gguf_bytes, 4),
+            "experts": expert_paths(order)}
 
 
 def published_weights(variant):
@@ -275,9 +366,12 @@ def bench_published(rows=2048, expert_bits=None, group_size=None) -> dict:
 
 def run(size_gb=4.0, rows=2048, expert_bits=None, group_size=None) -> dict:
     """`ds4-mlx bench convert`'s figures: the published files' projection against their size targets,
-    a row per quantized type, then (size_gb > 0) a synthetic file's conversion. `ds4-mlx bench` prints
-    them as tables, or as JSON."""
-    figures = {}
+    a row per quantized type, a row per 0731 file (`project_file`), then (size_gb > 0) a synthetic file's
+    conversion. `ds4-mlx bench` prints them as tables, or as JSON."""
+    files = [project_file(file) for file in FILES_0731]
+    figures = {"files_0731": [{k: v for k, v in row.items() if k != "experts"} for row in files],
+               "experts_0731": [{"file": row["file"], "backend": backend, "experts": way}
+                                for row in files for backend, way in row["experts"].items()]}
     for key, value in bench_published(rows=rows, expert_bits=expert_bits, group_size=group_size).items():
         figures[key] = [{"type": t, **f} for t, f in value.items()] if key == "types" else value  # a table's rows
         if key.endswith("_ratio") and key.removesuffix("_ratio") in RATIO_TARGETS:

@@ -265,20 +265,20 @@ def bench_load(a) -> dict:
                **({"hostile": hostile.figures()} if hostile is not None else {})}
     print(f"{figures['requests']} requests from {a.clients} clients in {a.minutes:g} min "
           f"({a.sessions} sessions): {figures['completed']} completed, {figures['aborted']} aborted "
-          f"({figures['aborted_in_prefill']} in prefill, {figures['aborted_in_decode']} in decode)")
+          f"({figures['aborted_in_prefill']} in prefill, {figures['aborted_in_decode']} in decode)", file=sys.stderr)
     print(f"errors {figures['errors']} {figures['error_kinds'] or ''}, mismatches {figures['mismatches']} "
-          f"(against each conversation alone on a fresh server)")
+          f"(against each conversation alone on a fresh server)", file=sys.stderr)
     print(f"time to first token p50 {_s(figures['ttft_p50_s'])}, p99 {_s(figures['ttft_p99_s'])}; "
-          f"largest gap between tokens {_s(figures['max_gap_s'])} (median {_s(figures['median_gap_s'])})")
-    print(f"server peak RSS {peak_rss_mb:.0f} MB, exit code {code}")
+          f"largest gap between tokens {_s(figures['max_gap_s'])} (median {_s(figures['median_gap_s'])})", file=sys.stderr)
+    print(f"server peak RSS {peak_rss_mb:.0f} MB, exit code {code}", file=sys.stderr)
     if hostile is not None:
         h = figures["hostile"]
         print(f"hostile: 64 MiB bodies got {h['big_body']}; {h['slow_connections']} slow-header connections: "
               f"{h['slow_closed_by_server']} closed by the server, {h['slow_refused']} refused; "
-              f"{h['aborted_requests']} aborted requests")
+              f"{h['aborted_requests']} aborted requests", file=sys.stderr)
         print(f"/health during the attacks: {h['health_probes']} probes, p50 {_s(h['health_p50_s'])}, "
               f"p99 {_s(h['health_p99_s'])}, max {_s(h['health_max_s'])}, {h['health_failures']} failed; server RSS "
-              f"{_mb(h['idle_rss_mb'])} idle, peak {_mb(h['peak_rss_above_idle_mb'])} above it")
+              f"{_mb(h['idle_rss_mb'])} idle, peak {_mb(h['peak_rss_above_idle_mb'])} above it", file=sys.stderr)
     return figures
 
 

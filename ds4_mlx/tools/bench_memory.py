@@ -7,11 +7,11 @@ real model, and `session.nbytes` is what a real prefill of that many tokens woul
 """
 
 import gc
+import sys
 
 import mlx.core as mx
 
-from ds4_mlx.cache.geometry import rows_done
-from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
+from ds4_mlx.models.deepseek_v4 import Model, ModelArgs, write_rows
 
 
 class RowWriter:
@@ -33,16 +33,23 @@ class RowWriter:
             self._blocks[key] = mx.random.normal((max(n, 256), width)).astype(dtype)
         return self._blocks[key][:n]
 
-    def __call__(self, inputs, cache, *, last_only=True):
-        T = inputs.shape[-1]
-        for c in cache:
-            p0 = c.pos
-            for ring in c.rings():
-                ring.log(p0, self._block(T, ring.width, ring.dtype))
-            for buf in c.buffers():
-                buf.append(self._block(rows_done(p0 + T, c.ratio) - rows_done(p0, c.ratio), buf.width, buf.dtype))
-            c.advance(T)
-        return self._logits
+    def forward_steps(self, ids, views, *, last_only=True, layers_per_step=None):
+        """Random rows where the forward writes its rows (`Model.forward_steps`' contract)."""
+        written = []
+        for slots, arrays in views[0]:
+            arrays = dict(arrays)
+            for name in ("raw", "frontier", "index_frontier"):
+                at = getattr(slots, name)
+                if at is not None:
+                    rows = self._block(at.write.shape[0], arrays[name].shape[1], arrays[name].dtype)
+                    arrays[name] = write_rows(arrays[name], at.write, rows)
+            for name in ("rows", "index_rows"):
+                if name in arrays:
+                    rows = self._block(slots.pooled, arrays[name].shape[1], arrays[name].dtype)
+                    arrays[name] = write_rows(arrays[name], slots.first_row + mx.arange(slots.pooled), rows)
+            written.append(arrays)
+        return self._logits, [written]
+        yield  # a generator, as the model's
 
 
 def session_parts(session) -> dict:
@@ -78,7 +85,7 @@ def bench_memory(a):
         print(f"{ctx:>9,} tokens: {session.nbytes / 1e9:6.3f} GB  (rings {parts['rings'] / 1e9:.3f}, "
               f"compressed rows {parts['rows'] / 1e9:.3f}, checkpoints {parts['checkpoints'] / 1e9:.3f}; "
               f"{row['bytes_per_token']:,.0f} B/token, {row['checkpoints_kept']} checkpoints); "
-              f"saved file <= {file_bytes / 1e9:.3f} GB", flush=True)
+              f"saved file <= {file_bytes / 1e9:.3f} GB", file=sys.stderr, flush=True)
     del session
     gc.collect()
     return {"layers": ModelArgs().num_hidden_layers, "quant_sim": not a.float32, "results": results}

@@ -17,12 +17,22 @@ def format_value(value) -> str:
     return f"{value:.3g}"
 
 
+def _is_figure(cell: str) -> bool:
+    try:
+        float(cell.replace(",", ""))
+        return True
+    except ValueError:
+        return cell in ("None", "True", "False", "")
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    # the first column is a name (left-aligned); the others are figures (right-aligned), or text
+    # (left-aligned) where most cells are not numbers
+    right = [i > 0 and 2 * sum(_is_figure(row[i]) for row in rows) >= len(rows) for i in range(len(header))]
 
     def line(cells):
-        # the first column is a name (left-aligned), the others are figures (right-aligned)
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 

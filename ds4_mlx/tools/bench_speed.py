@@ -5,6 +5,7 @@ and with `--profile` where one decode step and one prefill chunk spend their tim
 import gc
 import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 
@@ -115,27 +116,21 @@ def _timed_parts(times, detail=False):
         patched.append((owner, name, original))
         setattr(owner, name, staticmethod(timed) if static else timed)
 
-    wrap(dv.HyperConnection, "pre", "hc_pre")
-    wrap(dv.HyperConnection, "post", "hc_post", static=True)
-    wrap(dv.Attention, "__call__", "attention")
-    wrap(dv.Attention, "decode_project", "attention")  # a decoded token's attention (its output projection
-    wrap(dv.Attention, "decode_attend", "attention")  # runs with the MoE's graph: counted as other)
-    wrap(dv.MoE, "__call__", "moe")
-    wrap(dv.HyperHead, "__call__", "head")
-    if detail:  # inside attention (nested: these are part of its figure)
-        from ds4_mlx.cache.layers import TokenRing
-
-        wrap(dv.Attention, "_compress", "attn.compress")
-        wrap(dv.Attention, "_decode_compress", "attn.compress")
-        wrap(dv.Attention, "_top_rows", "attn.select")
-        wrap(TokenRing, "gather", "attn.ring_gather")
-        wrap(dv, "ring_rows", "attn.ring_gather")
-        wrap(dv, "attend", "attn.attend")
-        wrap(dv, "decode_attention", "attn.attend")
-        # quantized dense products wherever they are (attention, shared experts, head), dequantizing included
-        wrap(dv.QuantizedLinear, "__call__", "dense.quantized")
-        wrap(dv.QuantizedGroupedLinear, "__call__", "dense.quantized")
-    try:
+    try:  # a part that cannot be wrapped puts back those that were
+        wrap(dv.HyperConnection, "pre", "hc_pre")
+        wrap(dv.HyperConnection, "post", "hc_post", static=True)
+        wrap(dv.Attention, "project", "attention")
+        wrap(dv.Attention, "attend", "attention")
+        wrap(dv.MoE, "__call__", "moe")
+        wrap(dv.HyperHead, "__call__", "head")
+        if detail:  # inside attention (nested: these are part of its figure)
+            wrap(dv.Attention, "_compress", "attn.compress")
+            wrap(dv.Attention, "_top_rows", "attn.select")
+            wrap(dv, "attend", "attn.attend")
+            wrap(dv, "decode_attention", "attn.attend")
+            # quantized dense products wherever they are (attention, shared experts, head), dequantizing included
+            wrap(dv.QuantizedLinear, "__call__", "dense.quantized")
+            wrap(dv.QuantizedGroupedLinear, "__call__", "dense.quantized")
         yield
     finally:
         for owner, name, original in patched:
@@ -222,7 +217,7 @@ def dense_products(a):
                 if row["dequantize_ms"] < row["quantized_ms"] and name not in crossover:
                     crossover[name] = rows
                 print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-                      flush=True)
+                      file=sys.stderr, flush=True)
     finally:
         if forced is None:
             os.environ.pop("DS4_MLX_DENSE_PATH", None)
@@ -341,7 +336,7 @@ def bench_speed(a):
         rows.append(row)
         print(f"ctx {context:>6}: prefill {row['prefill_tok_s']:8.0f} tok/s ({row['prefill_s']:.2f} s), decode "
               f"{row['decode_tok_s']:6.1f} tok/s ({row['decode_ms']:.2f} ms), peak {row['peak_gib']:.1f} GiB"
-              + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), flush=True)
+              + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), file=sys.stderr, flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts, "expert_bits": expert_bits(a), "like": a.like,
                "expert_format": a.expert_format if a.preset == "real" else "affine",
@@ -351,7 +346,7 @@ def bench_speed(a):
     if a.profile:
         figures["profile"] = profile(model, max(a.chunk * 2, a.profile_context), a.chunk, rng)
         for part, times in figures["profile"].items():
-            print(part, " ".join(f"{k} {v}" for k, v in times.items()), "(ms)")
+            print(part, " ".join(f"{k} {v}" for k, v in times.items()), "(ms)", file=sys.stderr)
     if a.peer:
         args = model.args
         del model
@@ -361,13 +356,13 @@ def bench_speed(a):
         figures["peer"] = {"name": "transformers eager bf16, dense experts", "results": peer}
         for ours, theirs in zip(rows, peer):
             if "error" in theirs:
-                print(f"ctx {ours['context']:>6}: transformers {theirs['error']}")
+                print(f"ctx {ours['context']:>6}: transformers {theirs['error']}", file=sys.stderr)
                 continue
             for key in ("prefill_tok_s", "decode_tok_s"):
                 ours[f"{key}_vs_peer"] = ours[key] / theirs[key]
             print(f"ctx {ours['context']:>6}: transformers prefill {theirs['prefill_tok_s']:.0f} tok/s, decode "
                   f"{theirs['decode_tok_s']:.1f} tok/s; ours x{ours['prefill_tok_s_vs_peer']:.2f} prefill, "
-                  f"x{ours['decode_tok_s_vs_peer']:.2f} decode", flush=True)
+                  f"x{ours['decode_tok_s_vs_peer']:.2f} decode", file=sys.stderr, flush=True)
     return figures
 
 
@@ -433,7 +428,6 @@ def plot(figures, png_path, before=None):
 
 if __name__ == "__main__":  # python -m ds4_mlx.tools.bench_speed FIGURES.json OUT.png [BEFORE.json]
     import json
-    import sys
 
     before = json.load(open(sys.argv[3]))["results"] if len(sys.argv) > 3 else None
     plot(json.load(open(sys.argv[1])), sys.argv[2], before)

@@ -1,0 +1,77 @@
+"""The contract between a layer's cache and the model: where a step of T tokens reads and writes.
+
+The cache computes a `Slots` on the host from `cache/geometry.py` and hands it to the model with its
+arrays (`LayerCache.view`); the model returns the arrays it wrote, and the cache commits them
+(`LayerCache.commit`). The model never changes a cache object.
+
+Ints fix the shapes of a step's graph; arrays are its inputs, so a graph traced at one position runs at
+every position with the same shapes (a decoded token's graph is traced once per kind of step).
+"""
+
+from functools import lru_cache
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+
+from ds4_mlx.cache.geometry import frontier_start, in_block, ring_slot, rows_done, rows_visible, window_reach
+
+
+class RingSlots(NamedTuple):
+    """A token ring's part of a step: the slots of the positions before the step that it reads (in
+    position order), and the slots its last rows go to (at most the ring's capacity of them)."""
+    read: mx.array
+    write: mx.array
+
+
+class Slots(NamedTuple):
+    tokens: int  # T, the step's tokens, at positions start .. start + T - 1
+    window: int  # the sliding window
+    steady: bool  # one token whose window lies whole in the raw ring (a decoded token past the first window)
+    pooled: int  # compressed rows the step completes (0: it only logs compressor rows)
+    pool_offset: int  # where the first completed block starts in the compressor's read rows
+    selecting: bool  # the indexer picks the compressed rows (more are visible than index_topk)
+    rows: int  # compressed rows the step reads: its count rounded up to a whole bucket, a function of the
+    # position alone (what the buffers held before does not change the shapes, so nor the numbers)
+    positions: mx.array  # [T] int32
+    in_blocks: Optional[mx.array]  # [T] offsets in their compressed blocks (None without compression)
+    visible: Optional[mx.array]  # [T] compressed rows visible to each token
+    first_row: Optional[mx.array]  # the first compressed row the step completes (a scalar)
+    raw: RingSlots
+    frontier: Optional[RingSlots]  # the compressor's ring
+    index_frontier: Optional[RingSlots]  # the indexer compressor's ring
+
+
+def _ints(values):
+    return mx.array(values, dtype=mx.int32)
+
+
+def ring_slots(start, tokens, back, capacity):
+    """`RingSlots` of a ring of `capacity` rows for T tokens from `start` reading `back` positions before."""
+    first_written = start + tokens - min(tokens, capacity)
+    return RingSlots(_ints([ring_slot(p, capacity) for p in range(start - back, start)]),
+                     _ints([ring_slot(p, capacity) for p in range(first_written, start + tokens)]))
+
+
+@lru_cache(maxsize=64)  # the layers of one kind share a step's slots: made once a step, not once a layer
+def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
+               index_topk=0, row_bucket=1):
+    """The `Slots` of a layer of compression `ratio` for T tokens from position `start`."""
+    end = start + tokens
+    positions = _ints(list(range(start, end)))
+    # the whole window's rows are read even where it starts before position 0 (the attention masks those):
+    # one shape for every step of T tokens
+    raw = ring_slots(start, tokens, window_reach(window), raw_capacity)
+    steady = tokens == 1 and start >= window_reach(window)
+    if not ratio:
+        return Slots(tokens, window, steady, 0, 0, False, 0, positions, None, None, None, raw, None, None)
+    first, last = rows_done(start, ratio), rows_done(end, ratio)
+    lo = frontier_start(start, ratio)
+    pool_back = start - lo if last > first else 0  # nothing to pool: only log
+    frontier = ring_slots(start, tokens, pool_back, frontier_capacity)
+    index = ring_slots(start, tokens, pool_back, index_capacity) if index_capacity else None
+    visible = [rows_visible(p, ratio) for p in range(start, end)]
+    selecting = bool(index_capacity) and visible[-1] > index_topk
+    rows = -(-last // row_bucket) * row_bucket
+    return Slots(tokens, window, steady, last - first, first * ratio - lo, selecting, rows, positions,
+                 _ints([in_block(p, ratio) for p in range(start, end)]), _ints(visible), mx.array(first, mx.int32),
+                 raw, frontier, index)
