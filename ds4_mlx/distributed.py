@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -183,7 +184,7 @@ def plan_layers(sizes: dict, n_layers: int, ranks: int) -> list:
 
 class Stage:
     """This rank's layers with the pipeline's forward: what a `Session` calls on a model (`make_cache`,
-    `__call__`, `decode_batch`), passing streams on to the next rank. Rank 0 gets the logits (float32,
+    `forward`, `forward_steps`), passing streams on to the next rank. Rank 0 gets the logits (float32,
     exactly the last rank's); the other ranks get a placeholder of one value a row."""
 
     def __init__(self, model, group: Group, ranges):
@@ -198,15 +199,19 @@ class Stage:
     def make_cache(self, **options):
         return self.model.make_cache(**options)
 
-    def __call__(self, inputs, cache=None, *, last_only=False):
-        """inputs int32 [1, T] -> logits [1, T or 1, vocab] on rank 0."""
+    def forward(self, ids, views, *, last_only=False):
+        """`Model.forward` over the pipeline: ids int32 [B, T]; `views` this rank's layers' views of each
+        session. -> (logits [B, T or 1, vocab] on rank 0, each session's arrays written by this rank's
+        layers); one exchange a link for all B sessions. Changes no cache."""
         with self._in_step():
-            return self._forward(inputs.reshape(-1), cache, last_only)
+            return self._forward(ids, views, last_only)
 
-    def decode_batch(self, ids, caches):
-        """One token for each of B sessions (`Model.decode_batch`), one exchange between ranks for all."""
-        with self._in_step():
-            return self._decode_batch(ids, caches)
+    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None):
+        """`Model.forward_steps`, always in one piece: `layers_per_step` is set aside, since a piece would
+        have to end at the same point on every rank and each rank holds other layers (a chunk of a
+        prompt runs whole between other streams' tokens)."""
+        yield from ()  # a generator, as the model's, that never pauses
+        return self.forward(ids, views, last_only=last_only)
 
     @contextlib.contextmanager
     def _in_step(self):
@@ -221,28 +226,17 @@ class Stage:
                   "longer keep step: stopping", file=sys.stderr, flush=True)
             os._exit(1)
 
-    def _forward(self, ids, cache, last_only):
-        cache = self.make_cache() if cache is None else cache
-        streams = self._streams_in(ids, "a forward")
-        for layer, c in zip(self.model.layers, cache):
-            streams = layer(streams, ids, c, self.quant_sim)
-        return self._logits_out(streams, "a forward", 1 if last_only else ids.shape[0])[None]
-
-    def _decode_batch(self, ids, caches):
-        streams = self._streams_in(ids, "a batched decode")
-        layers = self.model.layers
-        if len(caches) > 1 and all(layer.pos >= layer.reach for c in caches for layer in c):
-            for i, layer in enumerate(layers):
-                streams = layer.decode_batch(streams, ids, [c[i] for c in caches], self.quant_sim)
-        else:  # one by one, as `Model.decode_batch` steps sessions in their first window
-            rows = []
-            for b, cache in enumerate(caches):
-                row = streams[b : b + 1]
-                for layer, c in zip(layers, cache):
-                    row = layer(row, ids[b : b + 1], c, self.quant_sim)
-                rows.append(row)
-            streams = mx.concatenate(rows)
-        return self._logits_out(streams, "a batched decode", ids.shape[0])
+    def _forward(self, ids, views, last_only):
+        B, T = ids.shape
+        flat = ids.reshape(-1)
+        positions = mx.concatenate([v[0][0].positions for v in views]) if B > 1 else views[0][0][0].positions
+        streams = self._streams_in(flat, "a forward")
+        written = [[] for _ in views]
+        for i, layer in enumerate(self.model.layers):
+            streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
+            for mine, step in zip(written, steps):
+                mine.append(step)
+        return self._logits_out(streams, B, 1 if last_only else T, "a forward"), written
 
     def _streams_in(self, ids, what):
         if self.first:
@@ -254,20 +248,22 @@ class Stage:
         shape = (ids.shape[0], self.args.hc_mult, self.args.hidden_size)
         return self.group.recv(shape, mx.float32, self.group.rank - 1, f"receiving the streams of {what}")
 
-    def _logits_out(self, streams, what, rows):
-        """The last rank's logits of the last `rows` positions [rows, vocab] on rank 0; a placeholder
-        [rows, 1] elsewhere. The streams go on whole: the next ranks' caches need every position."""
+    def _logits_out(self, streams, B, rows, what):
+        """streams [B * T, hc, H] -> the last rank's logits of each of B sessions' last `rows` positions
+        [B, rows, vocab] on rank 0; a placeholder [B, rows, 1] elsewhere. The streams go on whole: the
+        next ranks' caches need every position."""
         g = self.group
         if not self.last:
             g.send(streams, g.rank + 1, f"passing on the streams of {what}")
             if not self.first:
-                return mx.zeros((rows, 1))
-            return g.recv((rows, self.args.vocab_size), mx.float32, g.size - 1, f"receiving the logits of {what}")
-        logits = self.model._logits(streams[-rows:])
+                return mx.zeros((B, rows, 1))
+            return g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1, f"receiving the logits of {what}")
+        tail = streams.reshape(B, -1, *streams.shape[1:])[:, -rows:]
+        logits = self.model._logits(tail.reshape(B * rows, *streams.shape[1:])).reshape(B, rows, -1)
         if self.first:
             return logits
         g.send(logits, 0, f"passing on the logits of {what}")
-        return mx.zeros((rows, 1))
+        return mx.zeros((B, rows, 1))
 
 
 def load_stage(path, group: Group, *, quant_sim=None, progress=True):
@@ -302,7 +298,8 @@ class RankSession(Session):
 
     def reset(self):
         super().reset()
-        self.lane_every = lane_every(self.model.args.compress_ratios)
+        ratios = lane_every(self.model.args.compress_ratios)  # the whole model's: every rank takes the same lanes
+        self.lane_every = math.lcm(ratios, self.max_chunk) if ratios else None
 
     def _everywhere(self, holds):
         return self.model.group.agree(holds)
@@ -365,7 +362,9 @@ class LockstepSession:
     """A `Session` on rank 0 whose operations every rank runs on its own layers (`follow`). Reads
     (tokens, logits, last_sync, nbytes of rank 0's part) are the local session's."""
 
-    _SETTINGS = ("max_chunk", "rewind_slack", "checkpoint_every", "frontier_horizon", "recent_checkpoints")
+    # ordered on every rank when set; `layers_per_turn` is not: the pipeline runs a chunk whole (`Stage.forward_steps`)
+    _SETTINGS = ("max_chunk", "rewind_slack", "checkpoint_every", "frontier_horizon", "recent_checkpoints",
+                 "exact_rewinds")
 
     def __init__(self, leader: Leader, **options):
         object.__setattr__(self, "_leader", leader)
