@@ -126,6 +126,18 @@ def test_logits_equal_one_process(models, tmp_path, monkeypatch, model, ranks, i
     assert_same(launched_script(ranks, models[model], tmp_path, "--idle", str(idle)), expected)
 
 
+def test_exact_rewinds_equal_one_process(models, tmp_path):
+    """Sessions with exact rewinds (`serve --exact-rewinds`) never trim in place and replay from the chunk
+    grid: 2 ranks replay the tokens one process replays and give its logits."""
+    model, _ = load(models["tiny"])
+    ids = check.prompt_ids(model.args.vocab_size)
+    options = dict(check.SESSION_OPTIONS, exact_rewinds=True)
+    expected = check.script(Session(model, **options), ids)
+    expected.update(check.batched(lambda: Session(model, **options), ids))
+    assert expected["rewind_in_place.replayed"] > 0 and expected["same_again.replayed"] == 0
+    assert_same(launched_script(2, models["tiny"], tmp_path, "--exact-rewinds"), expected)
+
+
 @pytest.fixture(scope="module")
 def saved(models, tmp_path_factory):
     """A session of the tiny model saved by 2 ranks (its path), and the logits of the step after."""
@@ -258,6 +270,22 @@ def test_stages_in_one_process_chain_to_the_whole_model(models):
             view = cache.view(ids.shape[1])
             streams, _ = layer(streams, flat, view[0].positions, [view], part.quant_sim)
     assert mx.array_equal(second._logits(streams), whole(ids)[0]).item()
+
+
+def test_a_rank_takes_the_whole_models_lanes(models):
+    """A rank whose layers are window-only (no lanes of their own) takes its lanes where the whole model's
+    session does, on the chunk grid: every rank agrees on the same checkpoints."""
+    from types import SimpleNamespace
+
+    from ds4_mlx.distributed import RankSession, Stage
+
+    whole, _ = load(models["tiny"])
+    part, _ = load(models["tiny"], layers=range(0, 2))
+    assert set(part.args.compress_ratios[:2]) == {0}
+    stage = Stage(part, SimpleNamespace(rank=0, size=2), [range(0, 2), range(2, whole.args.num_hidden_layers)])
+    expected = Session(whole, **check.SESSION_OPTIONS).lane_every
+    assert expected % check.SESSION_OPTIONS["max_chunk"] == 0
+    assert RankSession(stage, **check.SESSION_OPTIONS).lane_every == expected
 
 
 def test_bench_distributed_compares_two_ranks_with_one(capsys, demo):

@@ -1,7 +1,7 @@
 """One session's script, run in one process or under `mlx.launch` on several (`ds4_mlx.distributed`): the
 logits at each point, to compare the two (tests/test_distributed.py).
 
-    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --slow | --idle S]
+    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --slow | --idle S] [--exact-rewinds]
 
 Rank 0 writes OUT/logits.npz; every rank writes OUT/rank{r}.pid first.
 """
@@ -107,7 +107,8 @@ def command(a):
     rank = int(os.environ.get("MLX_RANK", 0))
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     model, _ = load(a.model)  # this rank's layers when launched on several
-    session = new_session(model, **SESSION_OPTIONS)
+    options = dict(SESSION_OPTIONS, exact_rewinds=a.exact_rewinds)
+    session = new_session(model, **options)
     ids = prompt_ids(model.args.vocab_size)
     if a.slow:
         slow(session, ids, out)
@@ -117,7 +118,7 @@ def command(a):
         logits = loaded_then_stepped(session, ids, a.load)
     else:
         time.sleep(a.idle)  # the other ranks wait for the next order meanwhile
-        logits = {**script(session, ids), **batched(lambda: new_session(model, **SESSION_OPTIONS), ids)}
+        logits = {**script(session, ids), **batched(lambda: new_session(model, **options), ids)}
     np.savez(out / "logits.npz", **logits)
     return 0
 
@@ -135,6 +136,7 @@ def main(argv=None):
     p.add_argument("--load")
     p.add_argument("--slow", action="store_true")
     p.add_argument("--idle", type=float, default=0, help="seconds rank 0 waits before the script")
+    p.add_argument("--exact-rewinds", action="store_true", help="sessions with Session.exact_rewinds")
     a = p.parse_args(argv)
     try:
         return distributed.run(a, command)
