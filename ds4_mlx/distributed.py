@@ -421,8 +421,13 @@ class LockstepSession:
     def settle(self):
         return self._local.settle()
 
-    def trim(self, n):
-        return self._order("trim", int(n))
+    def trim(self, n, *, logits=None):
+        """`Session.trim`; `logits` (a verify's row) are rank 0's alone: the others hold none."""
+        self._leader.order("call", self._id, "trim", int(n))
+        return self._local.trim(int(n), logits=logits)
+
+    def verify(self, ids):
+        return self._order("verify", [int(t) for t in ids])
 
     def reset(self):
         return self._order("reset")

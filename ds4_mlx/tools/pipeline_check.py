@@ -25,7 +25,8 @@ def prompt_ids(vocab, n=120, seed=3):
 
 def script(session, ids) -> dict:
     """Logits [vocab] by name, after each operation: a chunked prefill, decoded tokens, rewinds of every
-    depth, a resend, a snapshot restored; and `NAME.replayed`, the tokens each sync replayed."""
+    depth, a resend, a snapshot restored, a verify of drafted tokens (its rows) and a trim to the accepted
+    one; and `NAME.replayed`, the tokens each sync replayed."""
     import mlx.core as mx
 
     n = len(ids)
@@ -51,6 +52,9 @@ def script(session, ids) -> dict:
     out["restored"] = session.step(ids[n - 10])
     session.trim(n - 12)
     out["trimmed_then_stepped"] = session.step(ids[n - 12])
+    out["verified"] = session.verify(ids[n - 11 : n - 8])  # three drafted tokens, the first accepted
+    session.trim(n - 10, logits=out["verified"][0])
+    out["accepted_then_stepped"] = session.step(ids[n - 10])
     logits = {k: np.array(v.astype(mx.float32)) for k, v in out.items()}
     return {**logits, **{f"{k}.replayed": np.array(v) for k, v in replayed.items()}}
 
