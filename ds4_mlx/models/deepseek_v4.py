@@ -987,6 +987,10 @@ class MoE(nn.Module):
         return mx.concatenate(outs)
 
 
+# tokens a session's step may have to run as a compiled graph: a decoded token, or a verify of a few drafts
+COMPILED_TOKENS = 8
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -1001,10 +1005,11 @@ class DecoderLayer(nn.Module):
     def __call__(self, streams, ids, positions, steps, quant_sim):
         """streams [B * T, hc, H] (float32) of T tokens of each of B sessions, their ids and `positions`
         [B * T]; `steps`: each session's (`Slots`, arrays) of this layer (`LayerCache.view`). -> (streams,
-        each session's arrays written). A few rows (decoded tokens, a verify) run as compiled graphs: one
-        for one session; for several, one for what reads no cache and one for each session's cache part
-        (a graph over all of them would be traced anew for every mix of their steps)."""
-        if streams.shape[0] >= self.few_rows:
+        each session's arrays written). A few rows of a few tokens each (decoded tokens, a verify of drafts)
+        run as compiled graphs: one for one session; for several, one for what reads no cache and one for
+        each session's cache part (a graph over all of them would be traced anew for every mix of their
+        steps). Longer steps run as plain MLX: a graph is traced for every length, and prompts end anywhere."""
+        if steps[0][0].tokens > COMPILED_TOKENS or streams.shape[0] >= self.few_rows:
             return self._step(streams, ids, positions, steps, quant_sim)
         if len(steps) == 1:
             return self._compiled_step(streams, ids, positions, steps, quant_sim)
