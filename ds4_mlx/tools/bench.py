@@ -126,7 +126,8 @@ def bench_model(a):
     rng = np.random.default_rng(0)
     prefill, decode = [], []
     for _ in range(a.repeats):
-        s = Session(model, rewind_slack=0)
+        s = Session(model, rewind_slack=0, **({"max_chunk": a.chunk} if a.chunk else {}))
+        s.layers_per_turn = a.layers_per_turn
         prompt = rng.integers(0, vocab, a.prompt).tolist()
         t, logits = _timed(lambda: s.sync(prompt))
         prefill.append(a.prompt / t)
@@ -139,7 +140,8 @@ def bench_model(a):
         decode.append(1 / statistics.median(steps))
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts,
-               "expert_bits": expert_bits(a), "like": a.like, "prompt": a.prompt,
+               "expert_bits": expert_bits(a), "like": a.like, "prompt": a.prompt, "chunk": a.chunk,
+               "layers_per_turn": a.layers_per_turn,
                "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
     return figures
 
@@ -149,6 +151,9 @@ def _bench_model_options(q):
     q.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     q.add_argument("--decode", type=int, default=16, help="decode steps (their median is reported)")
     q.add_argument("--repeats", type=int, default=1, help="runs (their median is reported)")
+    q.add_argument("--chunk", type=int, default=None, help="prefill chunk (the grid; default: the session's)")
+    q.add_argument("--layers-per-turn", type=int, default=None,
+                   help="evaluate a chunk this many layers at a time, as a server does beside other streams")
 
 
 def bench_rewind(a):
