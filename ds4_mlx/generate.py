@@ -285,7 +285,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
                     on_prefill: Optional[Callable[[int, int], object]] = None,
                     yield_prefill: bool = False,
                     sampler: Optional[Callable[[mx.array], int]] = None,
-                    together: bool = False) -> Iterator[GenerationChunk]:
+                    together: bool = False, speculation=None) -> Iterator[GenerationChunk]:
     """Generate from `prompt_ids` with `session`, yielding a `GenerationChunk` per sampled token.
 
     The session is synced to `prompt_ids` (reusing its longest common prefix), then tokens are
@@ -297,6 +297,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     `sampler(logits) -> token id` replaces the draw from `sampling` (a scripted model's tokens).
     `together`: yield a `DecodeStep` before each decoded token and take the step's logits from `send`, so
     that a caller serving several streams decodes them in one forward.
+    `speculation`: a `ds4_mlx.speculative.Speculation` (a drafter), which decodes several tokens a forward
+    and gives the same output (not with `together`, a constraint or a `sampler`: those decode plainly).
     Runs on the calling thread; nothing here is shared, so one generator per session at a time.
     See the module docstring for what `session.tokens` holds afterwards."""
     stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
@@ -311,6 +313,10 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     sampled = []
 
     constraint = sampling.constraint(tokenizer) if sampling.constraint else None
+    if speculation is not None and (together or constraint or sampler):
+        speculation = None
+    if speculation is not None:
+        speculation.attach(session)  # the prefill records the streams the drafter reads
 
     def finish(reason, token=None, text="", logprob=None):
         if watcher.stop_at is None:  # the end of the text may still reveal a stop string in the content
@@ -375,6 +381,9 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     def draw(logits):
         """Start drawing the next token without waiting for it (a constraint's mask and a scripted
         sampler need the id at once, so they sync)."""
+        forced = speculation.next_draw() if speculation is not None else None
+        if forced is not None:  # a round of speculation decided it
+            return forced
         if constraint:
             logits = constraint.mask(logits)
         drawn = sample.draw(logits) if sampler is None else mx.array(sampler(logits))
@@ -388,7 +397,10 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         if should_abort():
             yield finish(FINISH_ABORT)
             return
-        logits = (yield DecodeStep(session, drawn)) if together else session.step_async(drawn)
+        if speculation is not None:
+            logits = speculation.step(session, sample, drawn)
+        else:
+            logits = (yield DecodeStep(session, drawn)) if together else session.step_async(drawn)
         token = session.settle()
         if should_abort():  # asked while this token was computed: it is neither shown nor kept
             session.trim(len(session.tokens) - 1)

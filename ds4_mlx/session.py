@@ -45,6 +45,9 @@ class Session:
         self.model = model
         self.rewind_slack, self.checkpoint_every, self.max_chunk = rewind_slack, checkpoint_every, max_chunk
         self.frontier_horizon, self.recent_checkpoints = frontier_horizon, recent_checkpoints
+        # a drafter's record of the target's streams (`ds4_mlx.cache.taps.TapLog`), or None: speculative
+        # decoding sets it, and every feed then hands it the streams it asks for
+        self.tap_log = None
         self.reset()
 
     def reset(self):
@@ -57,6 +60,8 @@ class Session:
         self.checkpoints: dict[int, list] = {}
         self.logits = None  # next-token logits after self.tokens, when known
         self.last_sync = {"reused": 0, "replayed": 0, "computed": 0}
+        if self.tap_log is not None:
+            self.tap_log.restart(0)
 
     # Public API ---------------------------------------------------------------------------------
     def sync(self, prompt_ids, *, on_chunk=None):
@@ -117,15 +122,43 @@ class Session:
         if n < len(self.tokens):
             self._feed(self._rewind(n))
 
+    def verify(self, tokens):
+        """Feed `tokens` as one chunk and return the logits after each of them [T, vocab] (a speculative
+        round: the anchor and its drafts); the caller then trims the rejected ones (`trim`, exact)."""
+        ids = [int(t) for t in tokens]
+        pos = len(self.tokens)
+        taps = self.tap_log.request() if self.tap_log is not None else None
+        try:
+            logits = self.model(mx.array([ids], dtype=mx.int32), self.cache, last_only=False, taps=taps)[0]
+            mx.eval(logits, [c.arrays() for c in self.cache])
+        except BaseException:
+            self._undo_chunk(len(ids))
+            raise
+        self.tokens.extend(ids)
+        self.logits = logits[-1]
+        if taps is not None:
+            self.tap_log.record(pos, taps)
+        # a full checkpoint where the chunk passes a multiple of checkpoint_every (a prefill chunk ends there)
+        passed = pos - pos % self.checkpoint_every + self.checkpoint_every
+        if passed < len(self.tokens):
+            layers = [c.checkpoint(passed) for c in self.cache]
+            if None not in layers:
+                self.checkpoints[passed] = layers
+        self._take_checkpoints(pos, len(self.tokens))
+        return logits
+
     def snapshot(self):
         """A handle on the current state: O(1), arrays are shared until either side writes."""
-        return (list(self.tokens), self.logits, dict(self.checkpoints), [c.snapshot() for c in self.cache])
+        taps = self.tap_log.snapshot() if self.tap_log is not None else None
+        return (list(self.tokens), self.logits, dict(self.checkpoints), [c.snapshot() for c in self.cache], taps)
 
     def restore(self, snapshot):
-        tokens, self.logits, checkpoints, layers = snapshot
+        tokens, self.logits, checkpoints, layers, *taps = snapshot
         self.tokens, self.checkpoints = list(tokens), dict(checkpoints)
         for c, s in zip(self.cache, layers):
             c.restore(s)
+        if self.tap_log is not None:  # another session's snapshot may hold no streams: start them here
+            self.tap_log.restore(taps[0]) if taps and taps[0] is not None else self.tap_log.restart(len(tokens))
 
     def save(self, path, *, history=512):
         """Write the session to one safetensors file (`ds4_mlx.cache.state`), with what a rewind of up
@@ -140,6 +173,8 @@ class Session:
         from ds4_mlx.cache.state import import_session, read_state_file
 
         import_session(self, *read_state_file(path))
+        if self.tap_log is not None:  # the file holds no drafter streams: they start again here
+            self.tap_log.restart(len(self.tokens))
 
     @property
     def nbytes(self):
@@ -156,6 +191,8 @@ class Session:
             return []
         self.logits = None
         self.checkpoints = {p: cp for p, cp in self.checkpoints.items() if p <= target}
+        if self.tap_log is not None:
+            self.tap_log.trim(target)
         if all(c.can_trim(target) for c in self.cache):
             for c in self.cache:
                 c.trim(target)
@@ -206,12 +243,15 @@ class Session:
             to_checkpoint = self.checkpoint_every - pos % self.checkpoint_every
             n = min(self.max_chunk, len(ids) - done, to_checkpoint)
             chunk = ids[done : done + n]
+            taps = self.tap_log.request() if self.tap_log is not None else None
             try:
-                logits = self.model(mx.array([chunk], dtype=mx.int32), self.cache, last_only=True)[0, -1]
+                logits = self.model(mx.array([chunk], dtype=mx.int32), self.cache, last_only=True, taps=taps)[0, -1]
                 mx.eval(logits, [c.arrays() for c in self.cache])
             except BaseException:
                 self._undo_chunk(n)
                 raise
+            if taps is not None:
+                self.tap_log.record(pos, taps)
             self.tokens.extend(chunk)
             self.logits = logits
             done += n

@@ -1181,14 +1181,22 @@ class Model(nn.Module):
         return make_caches(self.args, history=history, frontier_history=frontier_history,
                            row_dtype=mx.float16 if self.quant_sim else mx.float32)
 
-    def __call__(self, inputs, cache=None, *, last_only=False):
-        """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only)."""
+    def __call__(self, inputs, cache=None, *, last_only=False, taps=None):
+        """inputs int32 [1, T]; returns logits [1, T, vocab] (or [1, 1, vocab] with last_only).
+
+        `taps`: None, or a dict whose keys name residual streams a drafter reads (speculative decoding):
+        a layer index i (the streams leaving layer i) or "final" (leaving the last layer, before the HC
+        head); the call sets each key to those streams, [T, hc, H] float32, for every row."""
         ids = inputs.reshape(-1)
         if cache is None:
             cache = self.make_cache()
         streams = self._streams(ids)
-        for layer, c in zip(self.layers, cache):
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
             streams = layer(streams, ids, c, self.quant_sim)
+            if taps is not None and i in taps:
+                taps[i] = streams
+        if taps is not None and "final" in taps:
+            taps["final"] = streams
         return self._logits(streams[-1:] if last_only else streams)[None]
 
     def decode_batch(self, ids, caches):
