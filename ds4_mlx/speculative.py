@@ -33,7 +33,8 @@ TAP_SLACK = 64
 
 
 def transformed(sampler, logits):
-    """The logits the plain sampler draws from (bias added; for sampling, also temperature and filters)."""
+    """The logits the plain sampler draws from, for one row [vocab] or several [rows, vocab] (logit bias
+    added; for sampling, also temperature and filters, as `generate.filter_logits` applies them to a row)."""
     params = sampler.params
     if params.logit_bias:
         vocab = logits.shape[-1]
@@ -44,7 +45,29 @@ def transformed(sampler, logits):
         logits = logits.astype(mx.float32) + sampler.bias
     if params.temperature < GREEDY_BELOW:
         return logits.astype(mx.float32)
-    return filter_logits(logits, params)
+    if logits.ndim == 1:
+        return filter_logits(logits, params)
+    return filter_rows(logits, params)
+
+
+def filter_rows(logits, params):
+    """`generate.filter_logits` on each row of [rows, vocab] at once (the same operations along the last
+    axis; a test holds them equal)."""
+    logits = logits.astype(mx.float32) / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth_largest = mx.sort(logits, axis=-1)[:, -params.top_k][:, None]
+        logits = mx.where(logits < kth_largest, -mx.inf, logits)
+    if params.top_p < 1.0:
+        probs = mx.softmax(logits, axis=-1)
+        sorted_probs = mx.sort(probs, axis=-1)[:, ::-1]
+        mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+        kept = mass_before < params.top_p
+        smallest_kept = mx.min(mx.where(kept, sorted_probs, mx.inf), axis=-1, keepdims=True)
+        logits = mx.where(probs < smallest_kept, -mx.inf, logits)
+    if params.min_p > 0.0:
+        probs = mx.softmax(logits, axis=-1)
+        logits = mx.where(probs < params.min_p * mx.max(probs, axis=-1, keepdims=True), -mx.inf, logits)
+    return logits
 
 
 def accept(sampler, target_logits, draft_tokens, draft_logits):
@@ -116,7 +139,9 @@ class Speculation:
         self.snapshot = None
 
     def attach(self, session):
-        """Make `session` record the streams the drafter reads (from its next feed on)."""
+        """Start a generation on `session`: it records the streams the drafter reads from its next feed on,
+        and nothing of an earlier generation's round is left."""
+        self.pending, self.next_token, self.snapshot = [], None, None
         if not self.drafter.tap_keys:
             return
         log = session.tap_log
