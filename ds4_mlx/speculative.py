@@ -30,6 +30,13 @@ from ds4_mlx.generate import GREEDY_BELOW, filter_logits
 
 # rows of the tap log beyond the drafter's window: a verify's rejected tail is trimmed within them
 TAP_SLACK = 64
+# the scheduler: weight of the newest measurement in the running cost estimates; how many of the latest
+# drafts estimate the acceptance; a guess of a verify's cost (one decoded step's, times 1 + this per extra
+# row) until it is measured; how often a plain stretch drafts anyway, to see whether acceptance came back
+NEWEST = 0.2
+ACCEPTANCE_WINDOW = 32
+ROW_COST_GUESS = 0.25
+PROBE_EVERY = 64
 
 
 def transformed(sampler, logits):
@@ -123,16 +130,24 @@ class Speculation:
     """Speculative decoding of one `stream_generate` call with `drafter` (`models.dspark.DSpark`,
     `models.mtp.MTP`, or any object with their `tap_keys`, `tap_rows`, `tap_width` and `draft`).
 
-    draft_tokens: drafts a round (at most the DSpark block). confidence: DSpark cuts a round's drafts at
-    the first whose confidence is below it (0: never)."""
+    draft_tokens: the most drafts a round (at most the DSpark block). confidence: DSpark cuts a round's
+    drafts at the first whose confidence is below it (0: never). schedule: choose each round's draft
+    count from the measured acceptance and the measured cost of a verify of each length (the count that
+    commits the most tokens a second; none, a plain step, when no count pays); off, always draft_tokens."""
 
-    def __init__(self, drafter, *, draft_tokens=None, confidence=0.0):
+    def __init__(self, drafter, *, draft_tokens=None, confidence=0.0, schedule=True):
         self.drafter = drafter
         default = getattr(getattr(drafter, "dspark", None), "block_size", 2)
         self.draft_tokens = default if draft_tokens is None else draft_tokens
         if self.draft_tokens < 0:
             raise ValueError(f"--draft-tokens must be >= 0, got {self.draft_tokens}")
-        self.confidence = confidence
+        if draft_tokens is not None and draft_tokens > default and hasattr(drafter, "dspark"):
+            raise ValueError(f"--draft-tokens {draft_tokens} is more than the DSpark drafter's block ({default})")
+        self.confidence, self.schedule = confidence, schedule
+        self.outcomes = []  # the latest drafts up to each round's first rejection: accepted or not
+        self.costs = {}  # rows verified (1: a plain step) -> running estimate of the seconds a round takes
+        self.plain_rounds = 0
+        self.last_start = None  # (time, rows) of the round or plain step under way
         self.stats = SpeculationStats()
         self.pending = []  # [(token, logits after it)] committed by the last round, not yet handed out
         self.next_token = None
@@ -141,7 +156,7 @@ class Speculation:
     def attach(self, session):
         """Start a generation on `session`: it records the streams the drafter reads from its next feed on,
         and nothing of an earlier generation's round is left."""
-        self.pending, self.next_token, self.snapshot = [], None, None
+        self.pending, self.next_token, self.snapshot, self.last_start = [], None, None, None
         if not self.drafter.tap_keys:
             return
         log = session.tap_log
@@ -164,7 +179,15 @@ class Speculation:
 
     def step(self, session, sampler, token):
         """`session.step(token)`: the next-token logits after it. Runs a round when no committed token
-        is waiting."""
+        is waiting and drafting pays, else a plain step (pipelined, as without speculation; tapped, so
+        the drafter keeps its context, when the drafter reads the target's streams)."""
+        if not self.pending:
+            count = self.draft_count()
+            self._started(count + 1)
+            if count == 0:
+                if self.drafter.tap_keys:
+                    return session.step(int(token.item()) if isinstance(token, mx.array) else int(token))
+                return session.step_async(token if isinstance(token, mx.array) else mx.array(token))
         token = int(token.item()) if isinstance(token, mx.array) else int(token)
         if self.pending:
             expected, logits = self.pending.pop(0)
@@ -175,18 +198,57 @@ class Speculation:
             session.trim(self.base + 1 + self.handed)
             session.logits = logits
             return logits
-        return self.round(session, sampler, token)
+        return self.round(session, sampler, token, count)
 
-    def round(self, session, sampler, anchor):
-        """Draft, verify [anchor, drafts], accept; the session ends at the anchor, with the accepted
-        drafts waiting in `pending` and the next token in `next_token`. -> the logits after the anchor."""
-        self.attach(session)
+    @property
+    def acceptance(self):
+        """The chance a draft is accepted after accepted ones, over the latest drafts (a uniform prior)."""
+        return (sum(self.outcomes) + 1) / (len(self.outcomes) + 2)
+
+    def draft_count(self):
+        """How many tokens to draft this round: the count with the most expected committed tokens a
+        second, costs as measured (from the start of a round to the next one's, so the loop's own time
+        counts) or guessed; 0: a plain step."""
+        if not self.schedule:
+            return self.draft_tokens
+        one = self.costs.get(1)
+        if one is None:  # a round of one draft first, then a plain step, each measured
+            return 0 if self.costs or self.last_start else min(1, self.draft_tokens)
+        alpha, best, best_rate = self.acceptance, 0, 1 / one
+        for k in range(1, self.draft_tokens + 1):
+            cost = self.costs.get(k + 1, one * (1 + ROW_COST_GUESS * k))
+            rate = sum(alpha ** i for i in range(k + 1)) / cost
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0:
+            self.plain_rounds += 1
+            if self.plain_rounds % PROBE_EVERY == 0:
+                return self.draft_tokens
+        return best
+
+    def _started(self, rows):
+        """A round (or plain step) of `rows` rows starts now: the one before it ends."""
+        now = time.perf_counter()
+        if self.last_start is not None:
+            then, before = self.last_start
+            old = self.costs.get(before)
+            self.costs[before] = now - then if old is None else old + NEWEST * (now - then - old)
+        self.last_start = (now, rows)
+
+    def _judged(self, drafted, accepted):
+        self.outcomes += [i < accepted for i in range(min(drafted, accepted + 1))]
+        del self.outcomes[:-ACCEPTANCE_WINDOW]
+
+    def round(self, session, sampler, anchor, count):
+        """Draft up to `count` tokens, verify [anchor, drafts], accept; the session ends at the anchor, with
+        the accepted drafts waiting in `pending` and the next token in `next_token`. -> the logits after
+        the anchor."""
         n = len(session.tokens)
         greedy = sampler.params.temperature < GREEDY_BELOW
         tokens, draft_logits = [], None
         start = time.perf_counter()
         log = session.tap_log if self.drafter.tap_keys else None
-        if self.draft_tokens and (log is None or log.pos == n > log.ring.floor):
+        if count and (log is None or log.pos == n > log.ring.floor):
             first, context = log.window(n, session.model.args.sliding_window) if log else (n, None)
 
             def choose(row):
@@ -197,7 +259,7 @@ class Speculation:
                 return mx.random.categorical(row, key=key)
 
             tokens, draft_logits, conf = self.drafter.draft(session.model, anchor, context, first, choose,
-                                                            self.draft_tokens, committed_tokens=session.tokens)
+                                                            count, committed_tokens=session.tokens)
             if conf is not None and self.confidence > 0 and tokens:
                 low = [i for i, c in enumerate(conf.tolist()) if c < self.confidence]
                 if low:
@@ -207,6 +269,7 @@ class Speculation:
         logits = session.verify([anchor] + tokens)
         self.stats.verify_seconds += time.perf_counter() - start
         a, self.next_token = accept(sampler, logits, tokens, draft_logits)
+        self._judged(len(tokens), a)
         if a < len(tokens):
             session.trim(n + 1 + a)
             session.logits = logits[a]
@@ -221,3 +284,69 @@ class Speculation:
             session.trim(n + 1)
             session.logits = logits[0]
         return logits[0]
+
+
+# Command line ----------------------------------------------------------------------------------------
+
+
+def add_arguments(parser):
+    """`--mtp FILE [--dspark] [--draft-tokens N] [--dspark-confidence X]` (ds4's flags), for generate, chat
+    and serve."""
+    g = parser.add_argument_group("speculative decoding (the output stays exactly the same)")
+    g.add_argument("--mtp", metavar="FILE", help="a drafter: ds4's DSpark support GGUF or MTP GGUF, or a folder "
+                   "`ds4-mlx convert` made of one; drafts are verified several to a forward")
+    g.add_argument("--dspark", action="store_true",
+                   help="the --mtp file is a DSpark drafter (read from the file anyway: this checks it)")
+    g.add_argument("--draft-tokens", "--spec-draft", type=int, default=None, metavar="N",
+                   help="most drafts a round (default: the DSpark block, or 2 for MTP); the scheduler drafts fewer, "
+                        "or none, when that commits more tokens a second")
+    g.add_argument("--dspark-confidence", type=float, default=0.0, metavar="X",
+                   help="cut a DSpark round's drafts at the first whose confidence is below X (default: never)")
+
+
+def speculation_from_args(args):
+    """None without --mtp; else make(model) -> a fresh `Speculation` for one generation, the drafter loaded
+    at the first call (ValueError, one line, for a file that is not a drafter of this model)."""
+    if not getattr(args, "mtp", None):
+        if getattr(args, "dspark", False):
+            raise ValueError("--dspark names the kind of the --mtp FILE drafter: give --mtp too")
+        return None
+    if args.draft_tokens is not None and args.draft_tokens < 0:
+        raise ValueError(f"--draft-tokens must be >= 0, got {args.draft_tokens}")
+    if not 0.0 <= args.dspark_confidence <= 1.0:
+        raise ValueError(f"--dspark-confidence must be between 0 and 1, got {args.dspark_confidence}")
+    loaded = {}
+
+    def make(model):
+        if loaded.get("model") is not model:
+            from ds4_mlx.loader import load_drafter
+
+            drafter = load_drafter(args.mtp, model)
+            if args.dspark and drafter.kind != "dspark":
+                raise ValueError(f"{args.mtp}: --dspark, but this is an MTP drafter (leave --dspark out)")
+            loaded.update(model=model, drafter=drafter)
+        return Speculation(loaded["drafter"], draft_tokens=args.draft_tokens, confidence=args.dspark_confidence)
+
+    return make
+
+
+def summary(stats: SpeculationStats) -> str:
+    """One line for stderr or a log."""
+    rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+    return (f"[speculation: {stats.rounds} verifies, {stats.drafted} drafted, {stats.accepted} accepted "
+            f"({rate:.0%}), {stats.mean_accepted_length:.2f} tokens a verify]")
+
+
+def server_generate(make, log=None):
+    """The server's `stream_generate` with speculation: each stream decodes on its own with a fresh
+    `Speculation` (`make(model)`), not in the batched forward of streams without one; each finished
+    stream's figures go to `log`."""
+    from ds4_mlx.generate import stream_generate
+
+    def generate(session, *args, **kwargs):
+        speculation = make(session.model)
+        yield from stream_generate(session, *args, yield_prefill=True, speculation=speculation, **kwargs)
+        if log is not None:
+            log(summary(speculation.stats))
+
+    return generate

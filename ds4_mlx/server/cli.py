@@ -41,10 +41,16 @@ def run_serve(args):
     if any(not key.strip() for key in args.api_key or ()):
         raise ValueError("--api-key must not be empty")
 
+    from ds4_mlx.speculative import server_generate, speculation_from_args
+
+    speculation = speculation_from_args(args)
+
     def load():  # runs on the worker thread once the app starts, so `server` below is set
         model, tokenizer, is_demo = load_for_cli(args.model)
         if is_demo:
             log.info(DEMO_NOTE)
+        if speculation:
+            speculation(model)  # the drafter, loaded with the model
         server.info.ctx = fit_context(args.ctx, model.args.max_position_embeddings, log)
         return model, tokenizer
 
@@ -55,6 +61,7 @@ def run_serve(args):
                           checkpoint_every=args.checkpoint_every, prefill_chunk=args.prefill_chunk,
                           shared_prefill_chunk=args.shared_prefill_chunk, batch=args.batch,
                           max_tokens=args.max_tokens,
+                          **({"generate": server_generate(speculation, log.info)} if speculation else {}),
                           disk=disk_store_from_args(args),
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
                           max_connections=fit_connection_cap(args.max_connections),
@@ -189,4 +196,7 @@ def register(subparsers):
                    help="a name clients may reach the server by, besides loopback names and IP addresses "
                         "(repeatable; a request with another Host is refused, against DNS rebinding)")
     add_disk_arguments(p)
+    from ds4_mlx.speculative import add_arguments as add_speculation_arguments
+
+    add_speculation_arguments(p)
     p.set_defaults(func=run_serve)

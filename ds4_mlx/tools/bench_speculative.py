@@ -1,0 +1,110 @@
+"""`ds4-mlx bench speculative`: decode tokens/s with speculative decoding against plain decoding.
+
+The drafters need no trained weights: an oracle drafts the target's own greedy continuation (computed
+by the plain run first) and spoils each draft with a chance set so that a round commits a chosen mean
+number of tokens (`tools.drafters.OracleDrafter`); a random drafter accepts about nothing. So the
+figures measure the machinery (a verify of several rows, trims, scheduling), not a drafter's quality.
+Every run decodes greedily from the same prompt and must give the plain run's tokens."""
+
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.generate import SamplingParams, stream_generate
+from ds4_mlx.session import Session
+from ds4_mlx.speculative import Speculation
+from ds4_mlx.tools.drafters import OracleDrafter, RandomDrafter
+
+ACCEPTED_LENGTHS = (3.3, 4.4)  # the released DSpark drafter's range (tokens committed per verify)
+
+
+class _Silent:
+    eos_id = -1  # never stops early
+
+    def decode(self, ids):
+        return ""
+
+
+def options(q):
+    from ds4_mlx.tools.bench import _model_options
+
+    _model_options(q)
+    q.add_argument("--context", type=int, default=None, help="prompt tokens (default: 512 tiny, 8192 real)")
+    q.add_argument("--decode", type=int, default=None, help="tokens decoded a run (default: 96 tiny, 64 real)")
+    q.add_argument("--block", type=int, default=5, help="drafts a round at most (the DSpark block)")
+    q.add_argument("--repeats", type=int, default=3, help="runs of each setting (medians)")
+
+
+def _decode(model, snapshot, prompt, n, speculation=None):
+    session = Session(model, rewind_slack=256)
+    session.restore(snapshot)
+    start = time.perf_counter()
+    tokens = [c.token for c in stream_generate(session, _Silent(), prompt, max_tokens=n,
+                                               sampling=SamplingParams(temperature=0), speculation=speculation)
+              if c.token is not None]
+    return n / (time.perf_counter() - start), tokens
+
+
+def _verify_costs(model, snapshot, rows=(2, 4, 6), repeats=9):
+    """Seconds of a verify of T rows over those of one decoded token, on the same session state."""
+    session = Session(model, rewind_slack=256)
+    session.restore(snapshot)
+    n = len(session.tokens)
+    times = {}
+    for T in (1,) + tuple(rows):
+        took = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            if T == 1:
+                mx.eval(session.step(7))
+            else:
+                session.verify([7] * T)
+            took.append(time.perf_counter() - start)
+            session.trim(n)
+        times[T] = statistics.median(took[1:])
+    return [{"rows": T, "seconds": times[T], "vs_one_token": times[T] / times[1]} for T in rows]
+
+
+def bench_speculative(a):
+    """Decode tok/s plain and with speculation (oracle drafters at fixed accepted lengths, a random drafter)."""
+    from ds4_mlx.tools.bench import _model_for
+
+    tiny = a.preset == "tiny"
+    context = a.context or (512 if tiny else 8192)
+    n = a.decode or (96 if tiny else 64)
+    model = _model_for(a, prefill_tokens=context, decode_steps=n * 8 * a.repeats)
+    prompt = np.random.default_rng(0).integers(0, model.args.vocab_size, context).tolist()
+    base = Session(model, rewind_slack=256)
+    base.sync(prompt)
+    snapshot = base.snapshot()
+
+    _decode(model, snapshot, prompt, min(n, 8))  # compile the decode graphs
+    plain_runs = [_decode(model, snapshot, prompt, n) for _ in range(a.repeats)]
+    plain_tok_s = statistics.median(r[0] for r in plain_runs)
+    plain_tokens = plain_runs[0][1]
+    continuation = prompt + plain_tokens
+
+    settings = [(f"oracle {length}", lambda seed, length=length: OracleDrafter(continuation, length, a.block, seed))
+                for length in ACCEPTED_LENGTHS]
+    settings.append(("random", lambda seed: RandomDrafter(a.block, seed)))
+    results, identical = [], all(r[1] == plain_tokens for r in plain_runs)
+    for name, make in settings:
+        runs = []
+        for seed in range(a.repeats):
+            # the oracle at a fixed draft count (its accepted length is set for it); the random drafter
+            # as the scheduler runs it (its job: decode plainly when drafting does not pay)
+            spec = Speculation(make(seed), draft_tokens=a.block, schedule=name == "random")
+            tok_s, tokens = _decode(model, snapshot, prompt, n, spec)
+            identical = identical and tokens == plain_tokens
+            runs.append((tok_s, spec.stats))
+        tok_s = statistics.median(r[0] for r in runs)
+        lengths = [x for r in runs for x in r[1].accepted_lengths]
+        drafted = sum(r[1].drafted for r in runs)
+        results.append({"drafter": name, "accepted_length": sum(lengths) / len(lengths),
+                        "acceptance": sum(r[1].accepted for r in runs) / drafted if drafted else 0.0,
+                        "tok_s": tok_s, "plain_tok_s": plain_tok_s, "speedup": tok_s / plain_tok_s})
+    return {"preset": a.preset, "layers": model.args.num_hidden_layers, "like": a.like, "context": context,
+            "decoded": n, "block": a.block, "greedy_identical": identical, "plain_tok_s": plain_tok_s,
+            "results": results, "verify_cost": _verify_costs(model, snapshot)}
