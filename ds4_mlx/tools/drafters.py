@@ -91,3 +91,21 @@ class RandomDrafter(OracleDrafter):
     def draft(self, target, anchor, context, context_start, choose, k, committed_tokens=()):
         tokens = [self.rng.randrange(target.args.vocab_size) for _ in range(min(k, self.k))]
         return tokens, mx.zeros((len(tokens), target.args.vocab_size)), None
+
+
+class LookaheadDrafter(OracleDrafter):
+    """Drafts the target's own greedy continuation, computed now by running the target from scratch
+    (slow, any prompt): every draft is accepted under greedy decoding. For tests of the multi-token
+    rounds where the prompt is not known ahead (the server renders it)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def draft(self, target, anchor, context, context_start, choose, k, committed_tokens=()):
+        ids = list(committed_tokens) + [int(anchor)]
+        tokens = []
+        for _ in range(min(k, self.k)):
+            logits = target(mx.array([ids], dtype=mx.int32), last_only=True)[0, -1]
+            tokens.append(int(mx.argmax(logits)))
+            ids.append(tokens[-1])
+        return tokens, mx.zeros((len(tokens), target.args.vocab_size)), None
