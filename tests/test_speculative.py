@@ -186,3 +186,17 @@ def test_snapshot_and_trim_carry_the_drafter_streams(target):
     other.restore(snap)  # a session without a drafter takes the snapshot too
     assert other.tokens == session.tokens
 
+
+
+def test_speculative_bench_reports_the_issue_figures(capsys):
+    import json
+
+    from ds4_mlx import cli
+
+    assert cli.main(["bench", "speculative", "--json", "--context", "40", "--decode", "24", "--repeats", "1"]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["greedy_identical"] is True
+    assert [r["drafter"] for r in figures["results"]] == ["oracle 3.3", "oracle 4.4", "random"]
+    for row in figures["results"]:
+        assert row["tok_s"] > 0 and row["plain_tok_s"] == figures["plain_tok_s"] and row["accepted_length"] >= 1
+    assert [r["rows"] for r in figures["verify_cost"]] == [2, 4, 6]

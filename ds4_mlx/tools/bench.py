@@ -271,5 +271,5 @@ BENCHES = [
     ("load", bench_load.bench_load, bench_load.bench_load_options),
     ("parity", bench_parity.bench_parity, bench_parity.parity_options),
     ("batch", bench_batch, _bench_batch_options),
-    ("speculative", bench_speculative.bench_speculative, bench_speculative.options),
+    ("speculative", bench_speculative.bench_speculative, lambda q: (_model_options(q), bench_speculative.options(q))),
 ]

@@ -28,9 +28,7 @@ class _Silent:
 
 
 def options(q):
-    from ds4_mlx.tools.bench import _model_options
-
-    _model_options(q)
+    """This bench's own options (`ds4-mlx bench` adds the model's)."""
     q.add_argument("--context", type=int, default=None, help="prompt tokens (default: 512 tiny, 8192 real)")
     q.add_argument("--decode", type=int, default=None, help="tokens decoded a run (default: 96 tiny, 64 real)")
     q.add_argument("--block", type=int, default=5, help="drafts a round at most (the DSpark block)")
@@ -69,12 +67,12 @@ def _verify_costs(model, snapshot, rows=(2, 4, 6), repeats=9):
 
 def bench_speculative(a):
     """Decode tok/s plain and with speculation (oracle drafters at fixed accepted lengths, a random drafter)."""
-    from ds4_mlx.tools.bench import _model_for
+    from ds4_mlx.tools.random_model import model_from_flags
 
     tiny = a.preset == "tiny"
     context = a.context or (512 if tiny else 8192)
     n = a.decode or (96 if tiny else 64)
-    model = _model_for(a, prefill_tokens=context, decode_steps=n * 8 * a.repeats)
+    model = model_from_flags(a)
     prompt = np.random.default_rng(0).integers(0, model.args.vocab_size, context).tolist()
     base = Session(model, rewind_slack=256)
     base.sync(prompt)
