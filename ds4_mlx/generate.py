@@ -298,7 +298,8 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     `together`: yield a `DecodeStep` before each decoded token and take the step's logits from `send`, so
     that a caller serving several streams decodes them in one forward.
     `speculation`: a `ds4_mlx.speculative.Speculation` (a drafter), which decodes several tokens a forward
-    and gives the same output (not with `together`, a constraint or a `sampler`: those decode plainly).
+    and gives the same output (not with `together`, a constraint, a `sampler` or sampling settings it does not
+    reproduce, `Speculation.supports`: those decode plainly).
     Runs on the calling thread; nothing here is shared, so one generator per session at a time.
     See the module docstring for what `session.tokens` holds afterwards."""
     stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
@@ -313,7 +314,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     sampled = []
 
     constraint = sampling.constraint(tokenizer) if sampling.constraint else None
-    if speculation is not None and (together or constraint or sampler):
+    if speculation is not None and (together or constraint or sampler or not speculation.supports(sampling)):
         speculation = None
     if speculation is not None:
         speculation.attach(session)  # the prefill records the streams the drafter reads

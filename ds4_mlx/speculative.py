@@ -34,6 +34,9 @@ TAP_SLACK = 64
 # drafts estimate the acceptance; a guess of a verify's cost (one decoded step's, times 1 + this per extra
 # row) until it is measured; how often a plain stretch drafts anyway, to see whether acceptance came back
 NEWEST = 0.2
+# the sampling settings `transformed` applies as the plain sampler does (or that do not change the draw):
+# a setting not in this list, left at a value other than its default, makes the generation decode plainly
+EXACT_SETTINGS = {"temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "constraint", "logit_bias"}
 ACCEPTANCE_WINDOW = 32
 ROW_COST_GUESS = 0.25
 PROBE_EVERY = 64
@@ -165,6 +168,13 @@ class Speculation:
             session.tap_log = TapLog(self.drafter.tap_keys, self.drafter.tap_rows, self.drafter.tap_width,
                                      window + TAP_SLACK)
             session.tap_log.restart(len(session.tokens))
+
+    @staticmethod
+    def supports(params):
+        """Whether the acceptance rule reproduces the plain sampler under `params` exactly."""
+        defaults = type(params)()
+        return all(getattr(params, f) == getattr(defaults, f) for f in params.__dataclass_fields__
+                   if f not in EXACT_SETTINGS)
 
     # the two calls of `stream_generate`
     def next_draw(self):

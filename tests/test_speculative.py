@@ -200,3 +200,27 @@ def test_speculative_bench_reports_the_issue_figures(capsys):
     for row in figures["results"]:
         assert row["tok_s"] > 0 and row["plain_tok_s"] == figures["plain_tok_s"] and row["accepted_length"] >= 1
     assert [r["rows"] for r in figures["verify_cost"]] == [2, 4, 6]
+
+
+def test_sampled_generation_keeps_the_cache_contract(target):
+    """Sampling with speculation: the session holds the prompt and the answer, and a seed repeats a run."""
+    prompt = PROMPTS[3]
+    runs = []
+    for _ in range(2):
+        spec = Speculation(OracleDrafter(prompt + [0] * 64, 4.4, 5, seed=1), draft_tokens=5, schedule=False)
+        out, session = generate(target, prompt, 30, spec, temperature=0.9, top_p=0.95, seed=5)
+        answer = out[:-1] if out[-1] == Tokens.eos_id else out  # a stop token is not kept; on "length" all are
+        assert session.tokens == prompt + answer
+        runs.append(out)
+    assert runs[0] == runs[1]
+
+
+def test_settings_it_cannot_reproduce_decode_plainly():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class WithPenalty(SamplingParams):
+        repetition_penalty: float = 1.0
+
+    assert Speculation.supports(WithPenalty(temperature=0.7, top_p=0.9, logit_bias={3: 1.0}))
+    assert not Speculation.supports(WithPenalty(repetition_penalty=1.1))
