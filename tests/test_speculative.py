@@ -23,7 +23,7 @@ class Tokens:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-PROMPTS = [[5, 9, 33, 100, 7, 8, 200, 3, 4], [2], [17, 17, 17, 17], list(range(40, 70)), [300, 12, 5, 99, 64, 2]]
+PROMPTS = [[5, 9, 33, 100, 7, 8, 200, 3, 4], [2], list(range(100, 190)), list(range(40, 70)), [300, 12, 5, 99, 64, 2]]
 
 
 def generate(model, prompt, n, speculation=None, session=None, **sampling):

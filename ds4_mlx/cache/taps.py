@@ -27,12 +27,16 @@ class TapLog:
     def record(self, start, taps):
         """A chunk's streams, for positions start, start + 1, ... (a chunk not following the held rows
         starts the log again there)."""
-        rows = self.to_rows(taps)
+        T = next(iter(taps.values())).shape[0]
+        if T > self.capacity:  # a long prefill chunk: only its last rows stay
+            taps = {k: v[T - self.capacity :] for k, v in taps.items()}
+            start, T = start + T - self.capacity, self.capacity
         if not self.ring.floor <= start <= self.pos:
             self.restart(start)
-        self.ring.log(start, rows)
-        self.pos = start + rows.shape[0]
+        self.ring.log(start, self.to_rows(taps))
+        self.pos = start + T
         self.ring.passed(self.pos)
+        mx.eval(self.ring.rows)  # now: a lazy ring would hold every chunk's streams until the next draft
 
     def trim(self, n):
         """Hold positions before n only."""
