@@ -152,3 +152,24 @@ def test_bad_drafter_files_get_one_line_errors(target, tmp_path):
         load_drafter(path, target)
     with pytest.raises(ValueError, match="not a converted drafter folder"):
         load_drafter(tmp_path, target)
+
+
+def test_generate_with_mtp_flags_prints_the_plain_answer(demo, tmp_path, capsys):
+    """`ds4-mlx generate --mtp FILE --dspark` (and an MTP file) on the demo model: the same answer."""
+    from ds4_mlx import cli
+
+    model = demo[0]
+    dspark = random_dspark(model.args, seed=3)
+    dspark_file = write_gguf(tmp_path / "dspark.gguf", dspark_metadata(dspark.dspark), dspark_tensors(dspark),
+                             arch="deepseek4-dspark")
+    mtp_file = write_gguf(tmp_path / "mtp.gguf", {}, mtp_tensors(random_mtp(model.args, seed=4)))
+    argv = ["generate", "-p", "Hello there", "--temp", "0", "-n", "16", "--nothink"]
+    outputs = []
+    for extra in ([], ["--mtp", str(dspark_file), "--dspark", "--draft-tokens", "3"], ["--mtp", str(mtp_file)]):
+        assert cli.main(argv + extra) == 0
+        out, err = capsys.readouterr()
+        outputs.append(out)
+        assert ("[speculation:" in err) == bool(extra)
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+    assert cli.main(argv + ["--mtp", str(mtp_file), "--dspark"]) == 1
+    assert "this is an MTP drafter" in capsys.readouterr().err
