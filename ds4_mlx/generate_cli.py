@@ -58,7 +58,8 @@ def run_generate(args):
     err = _Stderr()
     answered = False
     reasoning_tokens = 0
-    session = Session(model, rewind_slack=0)  # it never rewinds: no slack rows
+    # it never rewinds but to drop a round's rejected drafts: slack rows only for those
+    session = Session(model, rewind_slack=0 if speculation is None else 64, frontier_horizon=64)
     for chunk in stream_generate(session, tokenizer, tokenizer.encode(prompt_text),
                                  max_tokens=args.max_tokens, sampling=sampling_from_args(args),
                                  speculation=speculation):

@@ -160,6 +160,10 @@ class Speculation:
         """Start a generation on `session`: it records the streams the drafter reads from its next feed on,
         and nothing of an earlier generation's round is left."""
         self.pending, self.next_token, self.snapshot, self.last_start = [], None, None, None
+        if not self.fits(session):  # else every rejected draft would cost a replay
+            raise ValueError(f"speculation trims up to {self.draft_tokens + 1} tokens a round in place: the session "
+                             "needs rewind_slack and frontier_horizon of at least that (it has "
+                             f"{min(session.rewind_slack, session.frontier_horizon)})")
         if not self.drafter.tap_keys:
             return
         log = session.tap_log
@@ -168,6 +172,10 @@ class Speculation:
             session.tap_log = TapLog(self.drafter.tap_keys, self.drafter.tap_rows, self.drafter.tap_width,
                                      window + TAP_SLACK)
             session.tap_log.restart(len(session.tokens))
+
+    def fits(self, session):
+        """Whether `session` trims a round's rejected drafts in place (its rings hold that many rows more)."""
+        return min(session.rewind_slack, session.frontier_horizon) >= self.draft_tokens + 1
 
     @staticmethod
     def supports(params):
@@ -355,6 +363,9 @@ def server_generate(make, log=None):
 
     def generate(session, *args, **kwargs):
         speculation = make(session.model)
+        if not speculation.fits(session):  # --rewind-slack below a round: plain decoding, batched
+            yield from stream_generate(session, *args, yield_prefill=True, together=True, **kwargs)
+            return
         yield from stream_generate(session, *args, yield_prefill=True, speculation=speculation, **kwargs)
         if log is not None:
             log(summary(speculation.stats))

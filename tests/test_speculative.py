@@ -224,3 +224,35 @@ def test_settings_it_cannot_reproduce_decode_plainly():
 
     assert Speculation.supports(WithPenalty(temperature=0.7, top_p=0.9, logit_bias={3: 1.0}))
     assert not Speculation.supports(WithPenalty(repetition_penalty=1.1))
+
+
+def test_verify_takes_the_checkpoints_a_rewind_restores(target):
+    """Verifies crossing multiples of checkpoint_every leave checkpoints there, so a rewind past what the
+    rings hold restores one and replays (and lands on the logits a cold session computes)."""
+    prompt = PROMPTS[3]
+    session = Session(target, rewind_slack=8, checkpoint_every=8, frontier_horizon=8)
+    session.sync(prompt[:5])
+    for i in range(5, len(prompt), 5):
+        session.verify(prompt[i : i + 5])
+    assert session.tokens == prompt
+    assert {8, 16, 24} <= set(session.checkpoints)
+    other = prompt[:9] + [3, 4]
+    logits = session.sync(other)
+    assert session.last_sync["replayed"] > 0  # restored from a checkpoint, then replayed
+    cold = Session(target).sync(other)
+    assert np.allclose(np.array(logits), np.array(cold), atol=1e-4)
+
+
+def test_rounds_trim_in_place(target):
+    """A round's rejected drafts go by trimming the rings, never by a replay."""
+    prompt = PROMPTS[0]
+    plain, _ = generate(target, prompt, 30)
+    session = Session(target, rewind_slack=6, frontier_horizon=6)
+    replays = []
+    rewind = session._rewind
+    session._rewind = lambda n: replays.append(rewind(n)) or replays[-1]
+    spec = Speculation(OracleDrafter(prompt + plain, 3.0, 5, seed=2), draft_tokens=5, schedule=False)
+    assert generate(target, prompt, 30, spec, session=session)[0] == plain
+    assert replays and not any(replays)
+    with pytest.raises(ValueError, match="trims up to 6 tokens a round in place"):
+        spec.attach(Session(target, rewind_slack=0))
