@@ -149,6 +149,7 @@ class Speculation:
         self.confidence, self.schedule = confidence, schedule
         self.outcomes = []  # the latest drafts up to each round's first rejection: accepted or not
         self.costs = {}  # rows verified (1: a plain step) -> running estimate of the seconds a round takes
+        self.seen = set()
         self.plain_rounds = 0
         self.last_start = None  # (time, rows) of the round or plain step under way
         self.stats = SpeculationStats()
@@ -230,8 +231,8 @@ class Speculation:
         if not self.schedule:
             return self.draft_tokens
         one = self.costs.get(1)
-        if one is None:  # a round of one draft first, then a plain step, each measured
-            return 0 if self.costs or self.last_start else min(1, self.draft_tokens)
+        if one is None:  # plain steps until one is measured
+            return 0
         alpha, best, best_rate = self.acceptance, 0, 1 / one
         for k in range(1, self.draft_tokens + 1):
             cost = self.costs.get(k + 1, one * (1 + ROW_COST_GUESS * k))
@@ -250,7 +251,10 @@ class Speculation:
         if self.last_start is not None:
             then, before = self.last_start
             old = self.costs.get(before)
-            self.costs[before] = now - then if old is None else old + NEWEST * (now - then - old)
+            if before not in self.seen:  # the first of a length builds its graphs: not a measurement
+                self.seen.add(before)
+            else:
+                self.costs[before] = now - then if old is None else old + NEWEST * (now - then - old)
         self.last_start = (now, rows)
 
     def _judged(self, drafted, accepted):
@@ -283,6 +287,7 @@ class Speculation:
                 if low:
                     tokens, draft_logits = tokens[: low[0]], draft_logits[: low[0]]
         self.stats.draft_seconds += time.perf_counter() - start
+        self.last_start = (self.last_start[0], len(tokens) + 1)  # the rows this round verifies, after all
         start = time.perf_counter()
         logits = session.verify([anchor] + tokens)
         self.stats.verify_seconds += time.perf_counter() - start
