@@ -257,3 +257,16 @@ def test_rounds_trim_in_place(target):
     assert replays and not any(replays)
     with pytest.raises(ValueError, match="trims up to 6 tokens a round in place"):
         spec.attach(Session(target, rewind_slack=0))
+
+
+def test_dspark_confidence_cuts_the_drafts(target):
+    """--dspark-confidence: a round's drafts stop at the first whose confidence is below the threshold."""
+    prompt = PROMPTS[0]
+    plain, _ = generate(target, prompt, 12)
+    drafter = random_dspark(target.args, seed=2)
+    counts = {}
+    for threshold in (0.0, 1.0):
+        spec = Speculation(drafter, draft_tokens=5, confidence=threshold, schedule=False)
+        assert generate(target, prompt, 12, spec)[0] == plain
+        counts[threshold] = spec.stats.drafted
+    assert counts[0.0] > 0 and counts[1.0] == 0  # a sigmoid is below 1: every draft is cut
