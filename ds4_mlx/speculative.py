@@ -20,6 +20,7 @@ and `next_draw` before drawing. It hands the committed tokens to the loop one at
 snapshot and trimming, no model work), so the loop's stop and trim logic sees one token a step.
 """
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -30,10 +31,11 @@ from ds4_mlx.generate import GREEDY_BELOW, filter_logits
 
 # rows of the tap log beyond the drafter's window: a verify's rejected tail is trimmed within them
 TAP_SLACK = 64
-# the scheduler: weight of the newest measurement in the running cost estimates; how many of the latest
-# drafts estimate the acceptance; a guess of a verify's cost (one decoded step's, times 1 + this per extra
-# row) until it is measured; how often a plain stretch drafts anyway, to see whether acceptance came back
-NEWEST = 0.2
+# the scheduler: how many of the latest rounds of a length estimate its cost (their median: a busy moment
+# does not swing it) and how many of the latest drafts the acceptance; a guess of a verify's cost (one
+# decoded step's, times 1 + this per extra row) until it is measured; how often a plain stretch drafts
+# anyway, to see whether acceptance came back
+COST_WINDOW = 9
 # the sampling settings `transformed` applies as the plain sampler does (or that do not change the draw):
 # a setting not in this list, left at a value other than its default, makes the generation decode plainly
 EXACT_SETTINGS = {"temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "constraint", "logit_bias"}
@@ -148,7 +150,7 @@ class Speculation:
             raise ValueError(f"--draft-tokens {draft_tokens} is more than the DSpark drafter's block ({default})")
         self.confidence, self.schedule = confidence, schedule
         self.outcomes = []  # the latest drafts up to each round's first rejection: accepted or not
-        self.costs = {}  # rows verified (1: a plain step) -> running estimate of the seconds a round takes
+        self.costs = {}  # rows verified (1: a plain step) -> the seconds the latest rounds of that length took
         self.seen = set()
         self.plain_rounds = 0
         self.last_start = None  # (time, rows) of the round or plain step under way
@@ -230,19 +232,19 @@ class Speculation:
         counts) or guessed; 0: a plain step."""
         if not self.schedule:
             return self.draft_tokens
-        one = self.costs.get(1)
-        if one is None:  # plain steps until one is measured
+        if 1 not in self.costs:  # plain steps until one is measured
             return 0
+        one = self.cost(1)
         alpha, best, best_rate = self.acceptance, 0, 1 / one
         for k in range(1, self.draft_tokens + 1):
-            cost = self.costs.get(k + 1, one * (1 + ROW_COST_GUESS * k))
+            cost = self.cost(k + 1) if k + 1 in self.costs else one * (1 + ROW_COST_GUESS * k)
             rate = sum(alpha ** i for i in range(k + 1)) / cost
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
             self.plain_rounds += 1
-            if self.plain_rounds % PROBE_EVERY == 0:
-                return self.draft_tokens
+            if self.plain_rounds % PROBE_EVERY == 0:  # the cheapest round tells whether drafts are accepted again
+                return min(1, self.draft_tokens)
         return best
 
     def _started(self, rows):
@@ -250,12 +252,16 @@ class Speculation:
         now = time.perf_counter()
         if self.last_start is not None:
             then, before = self.last_start
-            old = self.costs.get(before)
             if before not in self.seen:  # the first of a length builds its graphs: not a measurement
                 self.seen.add(before)
             else:
-                self.costs[before] = now - then if old is None else old + NEWEST * (now - then - old)
+                took = self.costs.setdefault(before, [])
+                took.append(now - then)
+                del took[:-COST_WINDOW]
         self.last_start = (now, rows)
+
+    def cost(self, rows):
+        return statistics.median(self.costs[rows])
 
     def _judged(self, drafted, accepted):
         self.outcomes += [i < accepted for i in range(min(drafted, accepted + 1))]
