@@ -45,23 +45,24 @@ def _decode(model, snapshot, prompt, n, speculation=None):
     return n / (time.perf_counter() - start), tokens
 
 
-def _verify_costs(model, snapshot, rows=(2, 4, 6), repeats=9):
-    """Seconds of a verify of T rows over those of one decoded token, on the same session state."""
+def _verify_costs(model, snapshot, rows=(2, 4, 6), repeats=15):
+    """Seconds of a verify of T rows over those of one decoded token, on the same session state (the
+    lengths taken in turn each repeat, so a busy machine slows them alike; the first repeat builds the
+    graphs and is left out)."""
     session = Session(model, rewind_slack=256)
     session.restore(snapshot)
     n = len(session.tokens)
-    times = {}
-    for T in (1,) + tuple(rows):
-        took = []
-        for _ in range(repeats):
+    took = {T: [] for T in (1,) + tuple(rows)}
+    for _ in range(repeats + 1):
+        for T in took:
             start = time.perf_counter()
             if T == 1:
                 mx.eval(session.step(7))
             else:
                 session.verify([7] * T)
-            took.append(time.perf_counter() - start)
+            took[T].append(time.perf_counter() - start)
             session.trim(n)
-        times[T] = statistics.median(took[1:])
+    times = {T: statistics.median(t[1:]) for T, t in took.items()}
     return [{"rows": T, "seconds": times[T], "vs_one_token": times[T] / times[1]} for T in rows]
 
 
