@@ -251,6 +251,18 @@ class ControlTokenMask:
         self._masks = None  # (in the reasoning, in the answer): [vocab] booleans, True where banned
 
     def mask(self, logits: mx.array) -> mx.array:
+        return self._masked(logits, self.reasoning)
+
+    def mask_rows(self, rows: mx.array, fed) -> mx.array:
+        """`mask` for the logits after each token of `fed` (a verify's rows [n, vocab]): the reasoning
+        closes where `fed` holds `</think>`."""
+        reasoning, out = self.reasoning, []
+        for row, token in zip(rows, fed):
+            reasoning = reasoning and token != self.think_end_id
+            out.append(self._masked(row, reasoning))
+        return mx.stack(out)
+
+    def _masked(self, logits, reasoning):
         if not self.banned and self.think_end_id is None:
             return logits
         if self._masks is None:
@@ -261,7 +273,7 @@ class ControlTokenMask:
             if self.think_end_id is not None and self.think_end_id < vocab:
                 in_answer[self.think_end_id] = True
             self._masks = mx.array(banned), mx.array(in_answer)
-        return mx.where(self._masks[0 if self.reasoning else 1], -mx.inf, logits)
+        return mx.where(self._masks[0 if reasoning else 1], -mx.inf, logits)
 
     def advance(self, token: int):
         if token == self.think_end_id:

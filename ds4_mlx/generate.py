@@ -301,7 +301,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
                     on_prefill: Optional[Callable[[int, int], object]] = None,
                     yield_prefill: bool = False,
                     sampler: Optional[Callable[[mx.array], int]] = None,
-                    together: bool = False) -> Iterator[GenerationChunk]:
+                    together: bool = False, speculation=None) -> Iterator[GenerationChunk]:
     """Generate from `prompt_ids` with `session`, yielding a `GenerationChunk` per sampled token.
 
     The session is synced to `prompt_ids` (reusing its longest common prefix), then tokens are
@@ -314,6 +314,9 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     `sampler(logits) -> token id` replaces the draw from `sampling` (a scripted model's tokens).
     `together`: yield a `DecodeStep` before each decoded token and take the step's logits from `send`, so
     that a caller serving several streams decodes them in one forward.
+    `speculation`: a `ds4_mlx.speculative.Speculation` (a drafter), which decodes several tokens a forward
+    and gives the same output (not with `together`, a constraint, a `sampler` or sampling settings it does not
+    reproduce, `Speculation.supports`: those decode plainly).
     Runs on the calling thread; nothing here is shared, so one generator per session at a time.
     See the module docstring for what `session.tokens` holds afterwards."""
     stop_ids = set(stop_ids if stop_ids is not None else [tokenizer.eos_id])
@@ -329,6 +332,11 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
 
     constraint = sampling.constraint(tokenizer) if sampling.constraint else None
     controls = ControlTokenMask(tokenizer, prompt_ids)  # no control token is drawn as answer text
+    if speculation is not None and (together or constraint or sampler or not speculation.supports(sampling)):
+        speculation = None
+    if speculation is not None:
+        speculation.attach(session)  # the prefill records the streams the drafter reads
+        speculation.mask_rows = controls.mask_rows  # a verify's rows are masked as the plain draws are
 
     def finish(reason, token=None, text="", logprob=None):
         if watcher.stop_at is None:  # the end of the text may still reveal a stop string in the content
@@ -393,6 +401,9 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     def draw(logits):
         """Start drawing the next token without waiting for it (a constraint's mask and a scripted
         sampler need the id at once, so they sync)."""
+        forced = speculation.next_draw() if speculation is not None else None
+        if forced is not None:  # a round of speculation decided it
+            return forced
         logits = controls.mask(logits)
         if constraint:
             logits = constraint.mask(logits)
@@ -407,7 +418,10 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         if should_abort():
             yield finish(FINISH_ABORT)
             return
-        logits = (yield DecodeStep(session, drawn)) if together else session.step_async(drawn)
+        if speculation is not None:
+            logits = speculation.step(session, sample, drawn)
+        else:
+            logits = (yield DecodeStep(session, drawn)) if together else session.step_async(drawn)
         token = session.settle()
         if should_abort():  # asked while this token was computed: it is neither shown nor kept
             session.trim(len(session.tokens) - 1)

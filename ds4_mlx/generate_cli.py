@@ -7,6 +7,8 @@ from ds4_mlx.demo import DEMO_NOTE, load_for_cli
 from ds4_mlx.generate import (FINISH_LENGTH, RATE_MIN_TOKENS, GenerationStats, SamplingParams,
                               stream_generate)
 from ds4_mlx.distributed import new_session
+from ds4_mlx.speculative import add_arguments as add_speculation_arguments, speculation_from_args
+from ds4_mlx.speculative import summary as speculation_summary
 
 
 def add_sampling_arguments(parser):
@@ -44,6 +46,8 @@ def run_generate(args):
     model, tokenizer, is_demo = load_for_cli(args.model)
     if is_demo:
         print(DEMO_NOTE, file=sys.stderr)
+    make_speculation = speculation_from_args(args)
+    speculation = make_speculation(model) if make_speculation else None
     if args.prompt.startswith(BOS):
         prompt_text = args.prompt  # already rendered
     else:
@@ -54,9 +58,11 @@ def run_generate(args):
     err = _Stderr()
     answered = False
     reasoning_tokens = 0
-    session = new_session(model, rewind_slack=0)  # it never rewinds: no slack rows
+    # it never rewinds but to drop a round's rejected drafts: slack rows only for those
+    session = new_session(model, rewind_slack=0 if speculation is None else 64, frontier_horizon=64)
     for chunk in stream_generate(session, tokenizer, tokenizer.encode(prompt_text),
-                                 max_tokens=args.max_tokens, sampling=sampling_from_args(args)):
+                                 max_tokens=args.max_tokens, sampling=sampling_from_args(args),
+                                 speculation=speculation):
         events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
         for event in events:
             if isinstance(event, ReasoningDelta) and args.show_reasoning:
@@ -77,6 +83,8 @@ def run_generate(args):
                 err.write(f"[no answer yet: all {args.max_tokens} tokens went to reasoning; raise --max-tokens, "
                           f"or --nothink to answer directly{'' if args.show_reasoning else ', or --show-reasoning'}]\n")
             err.write(stats_line(chunk.finish_reason, chunk.stats) + "\n", dim=True)
+            if speculation is not None:
+                err.write(speculation_summary(speculation.stats) + "\n", dim=True)
     return 0
 
 
@@ -135,5 +143,6 @@ def register(subparsers):
     add_sampling_arguments(p)
     p.add_argument("--show-reasoning", action="store_true",
                    help="print the reasoning to stderr (dimmed on a terminal) before the answer")
+    add_speculation_arguments(p)
     p.set_defaults(max_tokens=GENERATE_MAX_TOKENS)
     p.set_defaults(func=run_generate)

@@ -171,3 +171,55 @@ def _converted_once(g, progress):
         if not (folder / "config.json").exists():  # not a concurrent load that finished first
             raise
     return folder
+
+
+def load_drafter(path, target, *, experts=None):
+    """A speculative drafter for `target` (`ds4_mlx.models.dspark.DSpark` or `ds4_mlx.models.mtp.MTP`) from
+    ds4's DSpark or MTP GGUF, or from a folder `ds4-mlx convert` made of one. Raises ValueError naming
+    the file and the problem (not a drafter, a tensor that does not fit the target)."""
+    path = Path(path)
+    if path.is_dir():
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if "drafter" not in config:
+            raise ValueError(f"{path}: not a converted drafter folder (its config.json names no drafter)")
+        quantization, packed = config.pop("quantization", {}), config.pop("packed_floats", {})
+        weights = {}
+        for f in sorted(path.glob("*.safetensors")):
+            weights.update(mx.load(str(f)))
+    elif path.is_file():
+        from ds4_mlx.convert.drafters import DrafterGGUF
+
+        g = DrafterGGUF(path, experts=experts)
+        config, quantization, packed = g.args.to_dict(), {}, {}
+        weights = dict(g.iter_weights(quantization, packed))
+    else:
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    return build_drafter(config, target, weights, quantization, packed, source=path)
+
+
+def build_drafter(config, target, weights, quantization, packed, *, source="drafter"):
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from ds4_mlx.models.dspark import DSpark, DSparkArgs
+    from ds4_mlx.models.mtp import MTP
+    from ds4_mlx.precision import keeps_float32
+
+    kind = config["drafter"]
+    if kind not in ("dspark", "mtp"):
+        raise ValueError(f"{source}: unknown drafter {kind!r}")
+    drafter = DSpark(target.args, DSparkArgs.from_dict(config.get("dspark", {}))) if kind == "dspark" else MTP(target.args)
+    if quantization:
+        nn.quantize(drafter, class_predicate=lambda p, m: quantization.get(p, False))
+    try:
+        drafter.load_weights(list(drafter.sanitize(unpack_floats(weights, packed)).items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{source}: the {kind} drafter does not fit this model ({' '.join(str(e).split())})") from None
+    dtype = target.norm.weight.dtype  # compute as the target does
+    if dtype != mx.float32:
+        drafter.update(tree_unflatten([(k, v.astype(mx.float32 if keeps_float32(k) else dtype))
+                                       for k, v in tree_flatten(drafter.parameters())
+                                       if mx.issubdtype(v.dtype, mx.floating)]))
+    mx.eval(drafter.parameters())
+    return drafter

@@ -18,6 +18,7 @@ from ds4_mlx.chat import (ASSISTANT, BOS, DEFAULT_SYSTEM, EOS, THINK_END, THINK_
 from ds4_mlx.demo import DEMO_NOTE, load_for_cli
 from ds4_mlx.generate import FINISH_ABORT, SamplingParams, stream_generate
 from ds4_mlx.generate_cli import add_sampling_arguments, sampling_from_args
+from ds4_mlx.speculative import add_arguments as add_speculation_arguments, speculation_from_args
 from ds4_mlx.loader import cache_root
 from ds4_mlx.distributed import new_session
 
@@ -47,8 +48,9 @@ class Conversation:
     transcript, so the next turn reuses all of it."""
 
     def __init__(self, session, tokenizer, *, system=DEFAULT_SYSTEM, thinking=True,
-                 sampling=SamplingParams(), max_tokens=1024, disk=None):
+                 sampling=SamplingParams(), max_tokens=1024, disk=None, speculation=None):
         self.session, self.tokenizer = session, tokenizer
+        self.speculation = speculation  # make(model) -> a `ds4_mlx.speculative.Speculation` for a turn, or None
         self.disk, self.saved = disk, None  # a DiskStore; the entry of this conversation's last turn
         self.system, self.thinking = system, thinking
         self.sampling, self.max_tokens = sampling, max_tokens
@@ -107,7 +109,8 @@ class Conversation:
         prompt = self.prompt_ids(user_text)
         for chunk in stream_generate(self.session, self.tokenizer, prompt, max_tokens=self.max_tokens,
                                      sampling=self.sampling, should_abort=should_abort,
-                                     on_prefill=on_prefill):
+                                     on_prefill=on_prefill,
+                                     speculation=self.speculation(self.session.model) if self.speculation else None):
             if chunk.finish_reason:
                 self.last_stats = chunk.stats
                 if len(self.session.tokens) >= len(prompt):  # else the prompt itself was cut short
@@ -371,9 +374,12 @@ def run_chat(args):
     model, tokenizer, is_demo = load_for_cli(args.model)
     if is_demo:
         terminal.write(DEMO_NOTE + "\n")
+    speculation = speculation_from_args(args)
+    if speculation:
+        speculation(model)  # load the drafter now: a bad file is said before the first turn
     conversation = Conversation(new_session(model), tokenizer, system=args.system, thinking=args.think,
                                 sampling=sampling_from_args(args), max_tokens=args.max_tokens,
-                                disk=disk_store_from_args(args, min_tokens=1))
+                                disk=disk_store_from_args(args, min_tokens=1), speculation=speculation)
     terminal.write("ds4-mlx chat: type a message, /help for commands, /quit to leave.\n")
     if args.resume:
         write_resumed(conversation, terminal)
@@ -401,5 +407,6 @@ def register(subparsers):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sampling_arguments(p)
     add_disk_arguments(p)
+    add_speculation_arguments(p)
     p.add_argument("--resume", action="store_true", help="continue the last conversation (with --kv-disk-dir)")
     p.set_defaults(func=run_chat)

@@ -56,6 +56,9 @@ class Session:
         self.layers_per_turn = None
         self.frontier_horizon, self.recent_checkpoints = frontier_horizon, recent_checkpoints
         self.exact_rewinds = exact_rewinds
+        # a drafter's record of the target's streams (`ds4_mlx.cache.taps.TapLog`), or None: speculative
+        # decoding sets it, and every feed then hands it the streams it asks for
+        self.tap_log = None
         self.reset()
 
     def reset(self):
@@ -70,6 +73,8 @@ class Session:
         self.checkpoints: dict[int, list] = {}
         self.logits = None  # next-token logits after self.tokens, when known
         self.last_sync = {"reused": 0, "replayed": 0, "computed": 0}
+        if self.tap_log is not None:
+            self.tap_log.restart(0)
 
     # Public API ---------------------------------------------------------------------------------
     def sync(self, prompt_ids, *, on_chunk=None):
@@ -144,14 +149,17 @@ class Session:
 
     def snapshot(self):
         """A handle on the current state: O(1), arrays are shared until either side writes."""
+        taps = self.tap_log.snapshot() if self.tap_log is not None else None
         return (list(self.tokens), self.logits, dict(self.checkpoints), [c.snapshot() for c in self.cache],
-                self.clean)
+                self.clean, taps)
 
     def restore(self, snapshot):
-        tokens, self.logits, checkpoints, layers, self.clean = snapshot
+        tokens, self.logits, checkpoints, layers, self.clean, *taps = snapshot
         self.tokens, self.checkpoints = list(tokens), dict(checkpoints)
         for c, s in zip(self.cache, layers):
             c.restore(s)
+        if self.tap_log is not None:  # another session's snapshot may hold no streams: start them here
+            self.tap_log.restore(taps[0]) if taps and taps[0] is not None else self.tap_log.restart(len(tokens))
 
     def save(self, path, *, history=256):
         """Write the session to one safetensors file (`ds4_mlx.cache.state`), with what a rewind of up
@@ -166,6 +174,8 @@ class Session:
         from ds4_mlx.cache.state import import_session, read_state_file
 
         import_session(self, *read_state_file(path))
+        if self.tap_log is not None:  # the file holds no drafter streams: they start again here
+            self.tap_log.restart(len(self.tokens))
 
     @property
     def nbytes(self):
@@ -182,6 +192,8 @@ class Session:
             return []
         self.logits = None
         self.checkpoints = {p: cp for p, cp in self.checkpoints.items() if p <= target}
+        if self.tap_log is not None:
+            self.tap_log.trim(target)
         if not self.exact_rewinds and self._everywhere(all(c.can_trim(target) for c in self.cache)):
             for c in self.cache:
                 c.trim(target)
@@ -235,10 +247,11 @@ class Session:
             n = min(len(ids) - done, self.max_chunk - pos % self.max_chunk,
                     self.checkpoint_every - pos % self.checkpoint_every)
             chunk = ids[done : done + n]
+            taps = self.tap_log.request() if self.tap_log is not None else None
             try:
                 views = [[c.view(n) for c in self.cache]]
                 run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32), views, last_only=rows is None,
-                                               layers_per_step=self.layers_per_turn)
+                                               layers_per_step=self.layers_per_turn, taps=taps)
                 while True:
                     try:
                         next(run)
@@ -258,6 +271,8 @@ class Session:
                 raise
             if pos == self.clean and self._on_grid(pos + n):
                 self.clean = pos + n
+            if taps is not None:
+                self.tap_log.record(pos, taps)
             self.tokens.extend(chunk)
             self.logits = logits
             done += n

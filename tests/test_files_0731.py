@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
-import gguf.quants
 from gguf import GGUFReader, GGMLQuantizationType as T
 
 from ds4_mlx.convert import gguf as G

@@ -62,9 +62,14 @@ def convert(gguf_path, out_dir, *, shard_gb=5.0, force=False, progress=True, log
         raise ValueError(f"{gguf_path}: no such file")
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: already exists (use --force to replace it)")
+    from ds4_mlx.convert.drafters import DrafterGGUF, is_drafter_gguf
+
+    if model is None and is_drafter_gguf(gguf_path):  # a DSpark or MTP drafter: into a folder of its own
+        model = DrafterGGUF(gguf_path, experts=experts)
     if model is None:  # validates before anything is written
         model = GGUFModel(gguf_path, expert_bits=expert_bits, group_size=group_size, experts=experts)
-    tokenizer = _tokenizer(model, gguf_path, tokenizer_dir, require_tokenizer)
+    drafter = isinstance(model, DrafterGGUF)
+    tokenizer = None if drafter else _tokenizer(model, gguf_path, tokenizer_dir, require_tokenizer)
     if model.notice:
         (log or (lambda msg: print(f"ds4-mlx: {msg}", file=sys.stderr)))(model.notice)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"

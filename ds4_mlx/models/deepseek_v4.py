@@ -998,6 +998,10 @@ class MoE(nn.Module):
         return mx.concatenate(outs)
 
 
+# tokens a session's step may have to run as a compiled graph: a decoded token, or a verify of a few drafts
+COMPILED_TOKENS = 8
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -1012,10 +1016,11 @@ class DecoderLayer(nn.Module):
     def __call__(self, streams, ids, positions, steps, quant_sim):
         """streams [B * T, hc, H] (float32) of T tokens of each of B sessions, their ids and `positions`
         [B * T]; `steps`: each session's (`Slots`, arrays) of this layer (`LayerCache.view`). -> (streams,
-        each session's arrays written). A few rows (decoded tokens, a verify) run as compiled graphs: one
-        for one session; for several, one for what reads no cache and one for each session's cache part
-        (a graph over all of them would be traced anew for every mix of their steps)."""
-        if streams.shape[0] >= self.few_rows:
+        each session's arrays written). A few rows of a few tokens each (decoded tokens, a verify of drafts)
+        run as compiled graphs: one for one session; for several, one for what reads no cache and one for
+        each session's cache part (a graph over all of them would be traced anew for every mix of their
+        steps). Longer steps run as plain MLX: a graph is traced for every length, and prompts end anywhere."""
+        if steps[0][0].tokens > COMPILED_TOKENS or streams.shape[0] >= self.few_rows:
             return self._step(streams, ids, positions, steps, quant_sim)
         if len(steps) == 1:
             return self._compiled_step(streams, ids, positions, steps, quant_sim)
@@ -1081,20 +1086,24 @@ class Model(nn.Module):
         return make_caches(self.args, history=history, frontier_history=frontier_history,
                            row_dtype=mx.float16 if self.quant_sim else mx.float32)[held.start : held.stop]
 
-    def forward(self, ids, views, *, last_only=False):
+    def forward(self, ids, views, *, last_only=False, taps=None):
         """The one forward: ids int32 [B, T], T tokens of each of B sessions; `views`: each session's
         per-layer (`Slots`, arrays) (`LayerCache.view(T)`). Prefill chunks (B = 1), decoded tokens (T = 1),
         a verify of drafted tokens and batched streams are all this. Changes no cache: -> (logits
         [B, T, vocab] float32 (or [B, 1, vocab] with `last_only`), each session's per-layer arrays written,
-        for `LayerCache.commit`)."""
-        run = self.forward_steps(ids, views, last_only=last_only)
+        for `LayerCache.commit`).
+
+        `taps`: None, or a dict whose keys name residual streams a drafter reads (speculative decoding):
+        a layer index i (the streams leaving layer i) or "final" (leaving the last layer, before the HC
+        head); the forward sets each key to those streams, [B * T, hc, H] float32, for every row."""
+        run = self.forward_steps(ids, views, last_only=last_only, taps=taps)
         while True:
             try:
                 next(run)
             except StopIteration as done:
                 return done.value
 
-    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None):
+    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
         """`forward` as a generator: with `layers_per_step`, it evaluates the layers so far and yields after
         every that many layers (a server runs other streams' tokens in between; the arithmetic is the same
         as in one piece). Its return value is `forward`'s."""
@@ -1107,19 +1116,24 @@ class Model(nn.Module):
             streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
             for mine, step in zip(written, steps):
                 mine.append(step)
+            if taps is not None and i in taps:
+                taps[i] = streams
             if layers_per_step and (i + 1) % layers_per_step == 0 and i + 1 < len(self.layers):
                 mx.eval(streams, written)
                 yield
+        if taps is not None and "final" in taps:
+            taps["final"] = streams
         if last_only:
             streams = streams.reshape(B, T, *streams.shape[1:])[:, -1]
         return self._logits(streams).reshape(B, -1, self.args.vocab_size), written
 
-    def __call__(self, inputs, cache=None, *, last_only=False):
+    def __call__(self, inputs, cache=None, *, last_only=False, taps=None):
         """inputs int32 [1, T] after the tokens `cache` holds (a fresh cache when None); returns logits
         [1, T, vocab] (or [1, 1, vocab] with last_only). `forward` with the cache's view and commit."""
         if cache is None:
             cache = self.make_cache()
-        logits, written = self.forward(inputs, [[c.view(inputs.shape[1]) for c in cache]], last_only=last_only)
+        logits, written = self.forward(inputs, [[c.view(inputs.shape[1]) for c in cache]], last_only=last_only,
+                                       taps=taps)
         for c, arrays in zip(cache, written[0]):
             c.commit(arrays, inputs.shape[1])
         return logits

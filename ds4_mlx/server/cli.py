@@ -44,10 +44,16 @@ def run_serve(args):
     if args.metrics_key is not None and (not args.metrics_key.strip() or args.metrics_key in (args.api_key or ())):
         raise ValueError("--metrics-key must not be empty nor one of the --api-key keys")
 
+    from ds4_mlx.speculative import server_generate, speculation_from_args
+
+    speculation = speculation_from_args(args)
+
     def load():  # runs on the worker thread once the app starts, so `server` below is set
         model, tokenizer, is_demo = load_for_cli(args.model)
         if is_demo:
             log.info(DEMO_NOTE)
+        if speculation:
+            speculation(model)  # the drafter, loaded with the model
         server.info.ctx = fit_context(args.ctx, model.args.max_position_embeddings, log)
         server.info.chat_release = release_of(tokenizer and tokenizer.config.get("chat_template"), args.model)
         return model, tokenizer
@@ -60,6 +66,7 @@ def run_serve(args):
                           shared_prefill_layers=args.shared_prefill_layers,
                           exact_rewinds=args.exact_rewinds, batch=args.batch,
                           max_tokens=args.max_tokens,
+                          **({"generate": server_generate(speculation, log.info)} if speculation else {}),
                           disk=disk_store_from_args(args),
                           max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
                           max_connections=fit_connection_cap(args.max_connections),
@@ -202,4 +209,7 @@ def register(subparsers):
                    help="a name clients may reach the server by, besides loopback names and IP addresses "
                         "(repeatable; a request with another Host is refused, against DNS rebinding)")
     add_disk_arguments(p)
+    from ds4_mlx.speculative import add_arguments as add_speculation_arguments
+
+    add_speculation_arguments(p)
     p.set_defaults(func=run_serve)

@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.tools import bench_distributed, bench_load, bench_memory, bench_parity, bench_speed
+from ds4_mlx.tools import bench_distributed, bench_load, bench_memory, bench_parity, bench_speculative, bench_speed
 from ds4_mlx.tools.random_model import expert_bits, like_option, model_from_flags
 
 
@@ -126,7 +126,8 @@ def bench_model(a):
     rng = np.random.default_rng(0)
     prefill, decode = [], []
     for _ in range(a.repeats):
-        s = Session(model, rewind_slack=0)
+        s = Session(model, rewind_slack=0, **({"max_chunk": a.chunk} if a.chunk else {}))
+        s.layers_per_turn = a.layers_per_turn
         prompt = rng.integers(0, vocab, a.prompt).tolist()
         t, logits = _timed(lambda: s.sync(prompt))
         prefill.append(a.prompt / t)
@@ -139,7 +140,8 @@ def bench_model(a):
         decode.append(1 / statistics.median(steps))
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts,
-               "expert_bits": expert_bits(a), "like": a.like, "prompt": a.prompt,
+               "expert_bits": expert_bits(a), "like": a.like, "prompt": a.prompt, "chunk": a.chunk,
+               "layers_per_turn": a.layers_per_turn,
                "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
     return figures
 
@@ -149,6 +151,9 @@ def _bench_model_options(q):
     q.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     q.add_argument("--decode", type=int, default=16, help="decode steps (their median is reported)")
     q.add_argument("--repeats", type=int, default=1, help="runs (their median is reported)")
+    q.add_argument("--chunk", type=int, default=None, help="prefill chunk (the grid; default: the session's)")
+    q.add_argument("--layers-per-turn", type=int, default=None,
+                   help="evaluate a chunk this many layers at a time, as a server does beside other streams")
 
 
 def bench_rewind(a):
@@ -302,4 +307,5 @@ BENCHES = [
     ("parity", bench_parity.bench_parity, bench_parity.parity_options),
     ("batch", bench_batch, _bench_batch_options),
     ("distributed", bench_distributed.bench_distributed, bench_distributed.options),
+    ("speculative", bench_speculative.bench_speculative, lambda q: (_model_options(q), bench_speculative.options(q))),
 ]

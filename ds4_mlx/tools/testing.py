@@ -95,8 +95,8 @@ def _tokenizer_metadata(tokenizer_json) -> dict:
     }
 
 
-def write_gguf(path, metadata: dict, tensors: dict, tokenizer_json=None):
-    """Write a GGUF v3 file of architecture `deepseek4`.
+def write_gguf(path, metadata: dict, tensors: dict, tokenizer_json=None, arch=ARCH):
+    """Write a GGUF v3 file of architecture `arch` (`deepseek4`).
 
     `metadata`: full key -> value (ints are written as uint32, floats as float32, int lists as int32 arrays,
     float lists as float32 arrays). `tensors`: ds4 name -> numpy array in numpy order (the reverse of GGUF's
@@ -106,7 +106,7 @@ def write_gguf(path, metadata: dict, tensors: dict, tokenizer_json=None):
     meta = dict(metadata)
     if tokenizer_json is not None:
         meta.update(_tokenizer_metadata(tokenizer_json))
-    writer = GGUFWriter(str(path), ARCH)
+    writer = GGUFWriter(str(path), arch)
     for key, value in meta.items():
         if key != "general.architecture":
             _add_metadata(writer, key, value)
