@@ -199,19 +199,22 @@ class Stage:
     def make_cache(self, **options):
         return self.model.make_cache(**options)
 
-    def forward(self, ids, views, *, last_only=False):
+    def forward(self, ids, views, *, last_only=False, taps=None):
         """`Model.forward` over the pipeline: ids int32 [B, T]; `views` this rank's layers' views of each
         session. -> (logits [B, T or 1, vocab] on rank 0, each session's arrays written by this rank's
-        layers); one exchange a link for all B sessions. Changes no cache."""
+        layers); one exchange a link for all B sessions. Changes no cache. No `taps` (speculative decoding
+        is refused across ranks: `run`)."""
+        if taps is not None:
+            raise ValueError("a pipeline stage hands no streams to a drafter")
         with self._in_step():
             return self._forward(ids, views, last_only)
 
-    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None):
+    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
         """`Model.forward_steps`, always in one piece: `layers_per_step` is set aside, since a piece would
         have to end at the same point on every rank and each rank holds other layers (a chunk of a
         prompt runs whole between other streams' tokens)."""
         yield from ()  # a generator, as the model's, that never pauses
-        return self.forward(ids, views, last_only=last_only)
+        return self.forward(ids, views, last_only=last_only, taps=taps)
 
     @contextlib.contextmanager
     def _in_step(self):
@@ -551,6 +554,8 @@ def run(args, command):
         if getattr(args, "kv_disk_dir", None):  # the store writes and reads rank 0's caches alone
             raise ValueError("--kv-disk-dir does not work across several ranks yet: leave it out (sessions stay in "
                              "memory)")
+        if getattr(args, "mtp", None):  # a drafter reads the streams of layers other ranks hold
+            raise ValueError("--mtp (speculative decoding) does not work across several ranks yet: leave it out")
         return command(args)
     except RankLost:
         lost = True

@@ -347,3 +347,9 @@ def test_the_disk_store_is_refused_across_ranks(tmp_path, demo):
     done = launched(2, "-m", "ds4_mlx.cli", "chat", "--kv-disk-dir", str(tmp_path))
     assert "--kv-disk-dir does not work across several ranks" in done.stderr and "Traceback" not in done.stderr
     assert "exited with code 1" in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_speculative_decoding_is_refused_across_ranks(tmp_path, demo):
+    done = launched(2, "-m", "ds4_mlx.cli", "generate", "-p", "Hi", "-n", "2", "--mtp", str(tmp_path / "drafter.gguf"))
+    assert "--mtp (speculative decoding) does not work across several ranks" in done.stderr
+    assert "Traceback" not in done.stderr and "exited with code 1" in done.stderr
