@@ -94,7 +94,8 @@ def test_speed_bench_profiles_a_decode_step(capsys):
         assert all(profile[part][k] > 0 for k in ("hc_pre", "attention", "moe", "total", "graph_build"))
 
 
-# every bench that runs in seconds on a CPU, with small settings (`load` starts servers for minutes)
+# every bench that runs in seconds on a CPU, with small settings (`load` starts servers for minutes,
+# `distributed` processes under mlx.launch: tests/test_distributed.py runs it)
 QUICK = {
     "model": ["--prompt", "16", "--decode", "2"],
     "rewind": ["--contexts", "64", "--repeats", "1", "--generated", "2"],
@@ -104,13 +105,14 @@ QUICK = {
     "memory": ["--contexts", "256"],
     "parity": ["--tokens", "16", "--decode", "2", "--modes", "exact"],
     "batch": ["--streams", "1", "--context", "32", "--decode", "1"],
+    "speculative": ["--context", "32", "--decode", "4", "--repeats", "1"],
 }
 
 
 def test_every_bench_is_listed():
     from ds4_mlx.tools.bench import BENCHES
 
-    assert set(QUICK) | {"load"} == {name for name, _, _ in BENCHES}
+    assert set(QUICK) | {"load", "distributed"} == {name for name, _, _ in BENCHES}
 
 
 @pytest.mark.parametrize("name", list(QUICK))

@@ -21,6 +21,7 @@ class RowWriter:
 
     def __init__(self, args: ModelArgs, quant_sim=True):
         self.args, self.quant_sim = args, quant_sim
+        self.layer_range = range(args.num_hidden_layers)  # every layer, as `Model.make_cache` reads it
         self._blocks = {}
         self._logits = mx.zeros((1, 1, args.vocab_size))
 
@@ -33,8 +34,8 @@ class RowWriter:
             self._blocks[key] = mx.random.normal((max(n, 256), width)).astype(dtype)
         return self._blocks[key][:n]
 
-    def forward_steps(self, ids, views, *, last_only=True, layers_per_step=None):
-        """Random rows where the forward writes its rows (`Model.forward_steps`' contract)."""
+    def forward_steps(self, ids, views, *, last_only=True, layers_per_step=None, taps=None):
+        """Random rows where the forward writes its rows (`Model.forward_steps`' contract; no taps)."""
         written = []
         for slots, arrays in views[0]:
             arrays = dict(arrays)
