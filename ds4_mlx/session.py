@@ -214,8 +214,8 @@ class Session:
         return replay
 
     def _undo_chunk(self, n):
-        """A chunk of n tokens failed (an exception or out of memory mid-graph). A forward commits every
-        layer or none (`Model.__call__`): if it committed, its arrays may not evaluate, so go back to
+        """A chunk of n tokens failed (an exception or out of memory mid-graph). A step commits every layer
+        or none (`_feed_steps`, `step_together`): if it committed, its arrays may not evaluate, so go back to
         `self.tokens` and evaluate what is left; when that cannot be done, start over empty. Either way the
         layers agree with `self.tokens`. (Holding the arrays of before the chunk instead would cost a copy
         of every ring per chunk: MLX could no longer update them in place.)"""
