@@ -115,11 +115,12 @@ def test_a_requests_logprobs_are_the_same_beside_other_streams(quant_sim, batch)
 
     from ds4_mlx.server.build import BackgroundServer, build_server
 
-    words = " ".join(f"w{i}" for i in range(1300))  # two chunks of the grid
+    words = " ".join(f"w{i}" for i in range(350))  # two chunks of a 512-token grid
     mine = f"The list: {words}. Go on:"
-    others = [f"Other {k}: " + " ".join(f"x{k}{i}" for i in range(400 * k)) for k in (1, 2, 3)]
+    others = [f"Other {k}: " + " ".join(f"x{k}{i}" for i in range(120 * k)) for k in (1, 2, 3)]
     server = build_server(lambda: load(demo_model_path(), quant_sim=quant_sim, progress=False),
-                          model_id=DEMO_MODEL_ID, ctx=8192, sessions=4, budget_bytes=2**32, batch=batch)
+                          model_id=DEMO_MODEL_ID, ctx=8192, sessions=4, budget_bytes=2**32, batch=batch,
+                          prefill_chunk=512)
     with BackgroundServer(server) as bg:
         client = OpenAI(base_url=bg.url + "/v1", api_key="-", max_retries=0)
         want = logprobs_of(client, mine, "alone")
