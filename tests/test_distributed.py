@@ -188,13 +188,19 @@ def start_ranks(ranks, folder, *command):
             for r in range(ranks)]
 
 
-def test_a_rank_killed_mid_request_stops_rank_0_with_an_error(models, tmp_path):
+def started_slow_request(models, tmp_path):
+    """Two ranks of a slow request, once rank 0 says it has started decoding."""
     ranks = start_ranks(2, tmp_path, "-m", "ds4_mlx.tools.pipeline_check", str(models["tiny"]), str(tmp_path),
                         "--slow")
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() and ranks[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ranks
+
+
+def test_a_rank_killed_mid_request_stops_rank_0_with_an_error(models, tmp_path):
+    ranks = started_slow_request(models, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "started").exists() and ranks[0].poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
         assert (tmp_path / "started").exists(), ranks[0].communicate(timeout=10)
         ranks[1].kill()  # mid-request: rank 0 is decoding
         out, err = ranks[0].communicate(timeout=30)  # no hang
@@ -208,12 +214,8 @@ def test_a_rank_killed_mid_request_stops_rank_0_with_an_error(models, tmp_path):
 
 def test_a_rank_that_stops_answering_is_given_up(models, tmp_path, monkeypatch):
     monkeypatch.setenv("DS4_MLX_RANK_TIMEOUT", "3")
-    ranks = start_ranks(2, tmp_path, "-m", "ds4_mlx.tools.pipeline_check", str(models["tiny"]), str(tmp_path),
-                        "--slow")
+    ranks = started_slow_request(models, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "started").exists() and ranks[0].poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
         assert (tmp_path / "started").exists(), ranks[0].communicate(timeout=10)
         ranks[1].send_signal(signal.SIGSTOP)  # alive, its connections open, silent
         out, err = ranks[0].communicate(timeout=30)  # no hang

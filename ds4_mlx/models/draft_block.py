@@ -18,6 +18,19 @@ def block_args(args: ModelArgs) -> ModelArgs:
     return replace(args, num_hidden_layers=1, compress_ratios=[0], num_hash_layers=0)
 
 
+def sanitized(weights: dict, args: ModelArgs, blocks) -> dict:
+    """A drafter's weights as its blocks hold them: the grouped output projections reshaped to [groups,
+    rank, in] (as `Model.sanitize` does), each block's optional router bias defaulted to zeros (`blocks`:
+    the blocks' parameter prefixes)."""
+    out = dict(weights)
+    for name, w in weights.items():
+        if ".attn.o_a." in name and w.ndim == 2:
+            out[name] = w.reshape(args.o_groups, -1, w.shape[-1])
+    for prefix in blocks:
+        out.setdefault(f"{prefix}.ffn.bias", mx.zeros((args.n_routed_experts,)))
+    return out
+
+
 class DraftBlock(DecoderLayer):
     """`DecoderLayer`'s parameters (same names), computed over explicit context rows."""
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ds4_mlx.models.deepseek_v4 import HyperHead, Linear, ModelArgs
-from ds4_mlx.models.draft_block import DraftBlock
+from ds4_mlx.models.draft_block import DraftBlock, sanitized
 
 
 @dataclass
@@ -143,11 +143,6 @@ class DSpark(nn.Module):
         return tokens, mx.stack(rows), conf
 
     def sanitize(self, weights):
-        out = dict(weights)
-        for name, w in weights.items():
-            if ".attn.o_a." in name and w.ndim == 2:
-                out[name] = w.reshape(self.args.o_groups, -1, w.shape[-1])
-        for s in range(len(self.stages)):
-            out.setdefault(f"stages.{s}.ffn.bias", mx.zeros((self.args.n_routed_experts,)))
+        out = sanitized(weights, self.args, [f"stages.{s}" for s in range(len(self.stages))])
         out.setdefault("confidence_head.proj.bias", mx.zeros((1,)))
         return out

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ds4_mlx.models.deepseek_v4 import HyperHead, Linear, ModelArgs
-from ds4_mlx.models.draft_block import DraftBlock, window_mask
+from ds4_mlx.models.draft_block import DraftBlock, sanitized, window_mask
 
 
 class MTP(nn.Module):
@@ -91,9 +91,4 @@ class MTP(nn.Module):
         return tokens, mx.stack(logits), None
 
     def sanitize(self, weights):
-        out = dict(weights)
-        for name, w in weights.items():
-            if ".attn.o_a." in name and w.ndim == 2:
-                out[name] = w.reshape(self.args.o_groups, -1, w.shape[-1])
-        out.setdefault("block.ffn.bias", mx.zeros((self.args.n_routed_experts,)))
-        return out
+        return sanitized(weights, self.args, ["block"])
