@@ -11,7 +11,6 @@ def test_blocks_rows_and_frontier_follow_the_block_definition(m):
     for p in range(0, 3 * m + 2):
         blocks = [b for b in range(p // m + 2) if (b + 1) * m - 1 <= p]  # blocks whose last position is <= p
         assert g.rows_visible(p, m) == len(blocks) == g.rows_done(p + 1, m)
-        assert g.closes_block(p, m) == ((p + 1) % m == 0)
         assert g.block_of(p, m) * m <= p < (g.block_of(p, m) + 1) * m
         # the open block's inputs (and the previous block's, with overlap) are what pooling will read
         open_start = g.block_of(p, m) * m

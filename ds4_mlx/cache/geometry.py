@@ -39,11 +39,6 @@ def rows_visible(p, m):
     return (p + 1) // m
 
 
-def closes_block(p, m):
-    """Feeding position p completes its block (the compressor pools it)."""
-    return in_block(p, m) == m - 1
-
-
 def window_reach(window):
     """Positions before a query that its raw window reads."""
     return window - 1
