@@ -14,7 +14,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.tools import bench_distributed, bench_load, bench_memory, bench_parity, bench_speculative, bench_speed
+from ds4_mlx.tools import (bench_distributed, bench_kernels, bench_load, bench_memory, bench_parity, bench_speculative,
+                           bench_speed)
 from ds4_mlx.tools.random_model import expert_bits, like_option, model_from_flags
 
 
@@ -306,6 +307,7 @@ BENCHES = [
     ("load", bench_load.bench_load, bench_load.bench_load_options),
     ("parity", bench_parity.bench_parity, bench_parity.parity_options),
     ("batch", bench_batch, _bench_batch_options),
+    ("kernels", bench_kernels.bench_kernels, bench_kernels.options),
     ("distributed", bench_distributed.bench_distributed, bench_distributed.options),
     ("speculative", bench_speculative.bench_speculative, lambda q: (_model_options(q), bench_speculative.options(q))),
 ]

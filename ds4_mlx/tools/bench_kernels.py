@@ -1,0 +1,173 @@
+"""`ds4-mlx bench kernels`: what one forward launches on a CUDA GPU, kernel by kernel.
+
+For each shape (a decoded token, a verify of k rows, a batched step of B streams) it times the host's
+share (building and encoding the graph) and records the GPU's kernels with PyTorch's profiler:
+CUPTI sees every kernel of the process, MLX's included. The table groups kernels by kind, per step."""
+
+import importlib.util
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import mlx.core as mx
+import numpy as np
+
+# kinds of kernels, first match wins; the names are MLX's CUDA kernels and ours (ds4_*)
+KINDS = [
+    ("quantized product (experts)", r"gather_q|gather_qmv|gather_qmm"),
+    ("quantized product (dense)", r"qmv|qmm|quantized|affine_q|fp_q"),
+    ("matrix product", r"gemv|gemm|cublas|cutlass|sm90|nvjet|matmul|xmma"),
+    ("gather product", r"gather_mm|segmented_mm|gather_mv"),
+    ("ours", r"ds4_"),
+    ("reduction", r"reduce|row_reduce|col_reduce|all_reduce|logsumexp|softmax"),
+    ("rms norm", r"rms"),
+    ("rope", r"rope"),
+    ("sort / top-k", r"sort|argpartition|partition|radix"),
+    ("scatter / slice update", r"scatter|slice_update|masked_scatter"),
+    ("gather", r"gather"),
+    ("copy", r"copy|cast|contiguous"),
+    ("arange / fill", r"arange|fill|iota|full"),
+    ("fused element-wise", r"compiled|fused"),
+    ("element-wise", r"binary|unary|ternary|ew_|elementwise"),
+]
+
+
+def _kind(name):
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def _short(name, width=70):
+    name = re.sub(r"<.*", "", name)  # template arguments
+    return name if len(name) <= width else name[: width - 1] + "~"
+
+
+def _shapes(model, a):
+    """(label, step) pairs: each step builds one lazy forward and returns (output, settle)."""
+    from ds4_mlx.session import Session, step_together
+
+    context = a.context
+    rng = np.random.default_rng(0)
+    vocab = model.args.vocab_size
+    first = Session(model)
+    first.sync(rng.integers(0, vocab, context).tolist())
+    mx.clear_cache()
+
+    def batch(n):
+        sessions = []
+        for b in range(n):
+            s = Session(model)
+            s.restore(first.snapshot())
+            s.trim(context - 1 - b % 4)
+            sessions.append(s)
+        tokens = [mx.array([s.tokens[-1] for s in sessions], dtype=mx.int32)]
+
+        def step():
+            logits = step_together(sessions, tokens[0])
+            tokens[0] = mx.argmax(logits, axis=-1).astype(mx.int32)
+
+            def settle():
+                for s in sessions:
+                    s.settle()
+            return tokens[0], settle
+        return step
+
+    def verify(k):
+        def step():
+            draft = rng.integers(0, vocab, k).tolist()
+            logits = first.verify(draft)
+            return logits, lambda: first.trim(len(first.tokens) - k)
+        return step
+
+    out = []
+    for spec in a.shapes.split(","):
+        kind, _, n = spec.partition(":")
+        n = int(n or 1)
+        if kind == "decode":
+            out.append(("decode" if n == 1 else f"batch of {n}", batch(n)))
+        elif kind == "verify":
+            out.append((f"verify of {n} rows", verify(n)))
+        else:
+            raise ValueError(f"unknown shape {spec!r}: use decode, decode:B or verify:K")
+    return out
+
+
+def _host_times(step, repeats):
+    """Medians of the time until the step's call returns (building and encoding its graph: decode starts
+    the evaluation itself; a verify waits for it) and of the whole step."""
+    host, total = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out, settle = step()
+        t1 = time.perf_counter()
+        mx.eval(out)
+        settle()
+        host.append(t1 - t0), total.append(time.perf_counter() - t0)
+    return {"host_ms": statistics.median(host) * 1000, "step_ms": statistics.median(total) * 1000}
+
+
+def _kernels(step, repeats):
+    import torch.profiler as tp
+
+    with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            out, settle = step()
+            mx.eval(out)
+            settle()
+    by_name = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.name and not e.name.startswith("Memcpy"):
+            entry = by_name[e.name]
+            entry[0] += 1
+            entry[1] += getattr(e, "device_time", None) or e.cuda_time
+    kinds = defaultdict(lambda: [0, 0.0])
+    for name, (calls, us) in by_name.items():
+        kinds[_kind(name)][0] += calls
+        kinds[_kind(name)][1] += us
+    per = lambda calls, us: {"calls": calls / repeats, "us": us / repeats}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    return {"kernels": sum(c for c, _ in by_name.values()) / repeats,
+            "gpu_ms": sum(u for _, u in by_name.values()) / repeats / 1000,
+            "kinds": {k: per(*v) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
+            "top": [{"name": _short(n), "kind": _kind(n), **per(*v)} for n, v in top]}
+
+
+def bench_kernels(a):
+    """Kernels a forward launches on CUDA (count and GPU time by kind) and the host's share of a step."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        raise SystemExit("bench kernels needs MLX's CUDA build on an NVIDIA GPU (it reads CUPTI through PyTorch)")
+    if importlib.util.find_spec("torch") is None:
+        raise SystemExit("bench kernels needs PyTorch (its profiler reads the GPU's kernels)")
+    from ds4_mlx.tools.bench import _model_for
+
+    model = _model_for(a, prefill_tokens=a.context, decode_steps=0)
+    results = []
+    for label, step in _shapes(model, a):
+        for _ in range(3):  # warm-up: graphs traced, kernels compiled
+            out, settle = step()
+            mx.eval(out)
+            settle()
+        row = {"shape": label, **_host_times(step, a.repeats), **_kernels(step, a.repeats)}
+        results.append(row)
+        print(f"{label}: {row['step_ms']:.2f} ms a step (host {row['host_ms']:.2f}), "
+              f"{row['kernels']:.0f} kernels, {row['gpu_ms']:.2f} ms of GPU time", file=sys.stderr, flush=True)
+        for kind, v in row["kinds"].items():
+            print(f"    {kind:32s} {v['calls']:7.1f} {v['us'] / 1000:8.3f} ms", file=sys.stderr)
+        for t in row["top"]:
+            print(f"    {t['calls']:7.1f} {t['us']:9.1f} us  {t['name']}", file=sys.stderr)
+    return {"layers": model.args.num_hidden_layers, "like": a.like, "dtype": a.dtype, "context": a.context,
+            "results": results}
+
+
+def options(q):
+    from ds4_mlx.tools.bench import _model_options
+
+    _model_options(q)
+    q.add_argument("--context", type=int, default=8192, help="tokens the session holds")
+    q.add_argument("--shapes", default="decode,verify:6,decode:8",
+                   help="comma-separated: decode (one token), decode:B (B streams in one step), verify:K")
+    q.add_argument("--repeats", type=int, default=8, help="steps timed and profiled per shape")
