@@ -636,24 +636,58 @@ __device__ inline void iq2xxs_unit(const uint8_t* blk, int unit, const float* la
 }
 """
 
+# The product of a few rows reads the codes in wide words and x in float4s, and looks the IQ2_XXS lattice
+# up in shared memory as 8 bytes an entry: a lattice entry read from global memory as floats, per lane,
+# touched a separate cache line for nearly every lane of a warp. A Q2_K lane takes 4 code bytes (16
+# values, each group of 4 contiguous in x); an IQ2_XXS lane takes 8 values of one sub-block.
 _GGUF_ROWS_CUDA = """
+    __shared__ uint2 grid_bytes[256];
+    __shared__ uint8_t sign_bytes[128];
+    if (CODEC == 1) {
+        for (int i = threadIdx.x; i < 256; i += GROUP) grid_bytes[i] = reinterpret_cast<const uint2*>(lattice)[i];
+        for (int i = threadIdx.x; i < 128; i += GROUP) sign_bytes[i] = ksigns[i];
+        __syncthreads();
+    }
     const int lane = threadIdx.x % 32, job = blockIdx.x * (GROUP / 32) + threadIdx.x / 32;
     if (job >= PAIRS * OUT) return;
     const int pair = job / OUT, row = job % OUT;
     const uint8_t* r = w + ((size_t)indices[pair] * OUT + row) * (IN / 256 * BLOCK);
     const float* xv = x + (size_t)pair * IN;
-    float acc = 0.0f, v[8];
-    int at[4];
+    float acc = 0.0f;
     if (CODEC == 0) {
-        for (int u = lane; u < IN / 256 * 64; u += 32) {
-            q2k_unit(r + (u / 64) * BLOCK, u % 64, v, at);
-            for (int i = 0; i < 4; ++i) acc += v[i] * xv[(u / 64) * 256 + at[i]];
+        for (int u = lane; u < IN / 256 * 16; u += 32) {
+            const uint8_t* blk = r + (u / 16) * BLOCK;
+            const int byte = (u % 16) * 4, half = byte / 32, l = byte % 32;
+            const uint32_t q = *reinterpret_cast<const uint32_t*>(blk + 16 + byte);
+            const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+            const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+            for (int i = 0; i < 4; ++i) {
+                const int at = half * 128 + i * 32 + l;
+                const uint8_t sc = blk[at / 16];
+                const float4 xs = *reinterpret_cast<const float4*>(xv + (u / 16) * 256 + at);
+                const float codes = (float)((q >> (2 * i)) & 3) * xs.x + (float)((q >> (8 + 2 * i)) & 3) * xs.y
+                                  + (float)((q >> (16 + 2 * i)) & 3) * xs.z + (float)((q >> (24 + 2 * i)) & 3) * xs.w;
+                acc += d * (float)(sc & 0xF) * codes - dmin * (float)(sc >> 4) * (xs.x + xs.y + xs.z + xs.w);
+            }
         }
     } else {
         for (int u = lane; u < IN / 256 * 32; u += 32) {
-            iq2xxs_unit(r + (u / 32) * BLOCK, u % 32, lattice, ksigns, v);
-            const float* xs = xv + (u / 32) * 256 + (u % 32) * 8;
-            for (int k = 0; k < 8; ++k) acc += v[k] * xs[k];
+            const uint8_t* blk = r + (u / 32) * BLOCK;
+            const int sub = (u % 32) / 4, g = u % 4;
+            const uint16_t* sb = reinterpret_cast<const uint16_t*>(blk + 2 + sub * 8);
+            const uint32_t aux = sb[2] | ((uint32_t)sb[3] << 16);
+            const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+            const uint2 point = grid_bytes[blk[2 + sub * 8 + g]];
+            const int signs = sign_bytes[(aux >> (7 * g)) & 127];
+            const float4* xs = reinterpret_cast<const float4*>(xv + (u / 32) * 256 + (u % 32) * 8);
+            const float4 a = xs[0], b = xs[1];
+            const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float sum = 0.0f;
+            for (int k = 0; k < 8; ++k) {
+                const float value = (float)(((k < 4 ? point.x : point.y) >> (8 * (k % 4))) & 0xFF);
+                sum += ((signs >> k) & 1 ? -value : value) * e[k];
+            }
+            acc += db * sum;
         }
     }
     for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
@@ -674,9 +708,9 @@ def _gguf_rows_cuda(x, w, indices, codec):
     from ds4_mlx.models import gguf_blocks
 
     (pairs, inp), out = x.shape, w.shape[1]
-    grid, ksigns = gguf_blocks.iq2xxs_kernel_tables()
+    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
     return _gguf_rows_kernel()(
-        inputs=[x.astype(mx.float32), w, indices.astype(mx.uint32), grid, ksigns],
+        inputs=[x.astype(mx.float32), w, indices.astype(mx.uint32), lattice, ksigns],
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs),
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("GROUP", _EXPERT_GROUP)],
         grid=(-(-pairs * out * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
