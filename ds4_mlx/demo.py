@@ -24,7 +24,8 @@ import numpy as np
 
 from ds4_mlx.chat import EOS, THINK_END
 from ds4_mlx.loader import cache_root, load
-from ds4_mlx.models.deepseek_v4 import CSA, SLIDING, ModelArgs, mlx_name
+from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
+from ds4_mlx.models.gguf_names import mlx_name
 
 DEMO_VERSION = "demo-v2"  # bump when the demo's config or weights change, so old caches are not reused
 END_SCALE = 4.0  # EOS and `</think>` output rows, times a random row: sampled answers end in a few dozen tokens

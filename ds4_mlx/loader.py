@@ -7,18 +7,21 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ds4_mlx.models import deepseek_v4 as dsv4
+from ds4_mlx.models.args import ModelArgs
+from ds4_mlx.models.deepseek_v4 import Model
+from ds4_mlx.models.gguf_names import held_name
+from ds4_mlx.models.linear import dequantize_into
 
 
 def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool, packed_floats=None, layers=None):
     """The model holding `weights`; `quantization` names its quantized modules' formats, `packed_floats`
     the float parameters stored as exact codes (dequantized here, to float32). `layers`: a model holding
-    only that range of layers (`dsv4.Model`), from the weights, formats and packed floats it holds."""
+    only that range of layers (`Model`), from the weights, formats and packed floats it holds."""
     if layers is not None:
         weights, quantization, packed_floats = (held_part(d or {}, args, layers)
                                                 for d in (weights, quantization, packed_floats))
     weights = unpack_floats(weights, packed_floats or {})
-    model = dsv4.Model(args, quant_sim=quant_sim, layers=layers)
+    model = Model(args, quant_sim=quant_sim, layers=layers)
     model.apply_quantization(quantization)
     try:
         model.load_weights(list(model.sanitize(weights).items()), strict=True)
@@ -30,10 +33,10 @@ def build_model(args, weights: dict, quantization: dict, *, quant_sim: bool, pac
 
 def held_part(named: dict, args, layers: range) -> dict:
     """The entries of `named` (by parameter or module name) that a model holding only `layers` holds, under
-    its names (`dsv4.held_name`)."""
+    its names (`held_name`)."""
     out = {}
     for name, value in named.items():
-        held = dsv4.held_name(name, layers, args.num_hidden_layers)
+        held = held_name(name, layers, args.num_hidden_layers)
         if held is not None:
             out[held] = value
     return out
@@ -55,8 +58,8 @@ def unpack_floats(weights: dict, packed: dict) -> dict:
     out = dict(weights)
     for path, fmt in packed.items():
         scales, biases = (out.pop(f"{path}.{part}") for part in ("scales", "biases"))
-        out[path] = dsv4.dequantize_into(mx.float32, out[path], scales, biases, group_size=fmt["group_size"],
-                                         bits=fmt["bits"], mode=fmt["mode"])
+        out[path] = dequantize_into(mx.float32, out[path], scales, biases, group_size=fmt["group_size"],
+                                    bits=fmt["bits"], mode=fmt["mode"])
     return out
 
 
@@ -101,7 +104,7 @@ def load(path, *, quant_sim=None, progress=True, layers=None):
     if g.needs_requant:
         return _load_folder(_converted_once(g, progress), quant_sim, layers)
     if layers is not None:  # read only the tensors this stage holds
-        g.tensors = [t for t in g.tensors if dsv4.held_name(t.path, layers, g.args.num_hidden_layers)]
+        g.tensors = [t for t in g.tensors if held_name(t.path, layers, g.args.num_hidden_layers)]
     quantization, packed = {}, {}
     weights = dict(g.iter_weights(quantization, packed))
     model = build_model(g.args, weights, quantization, quant_sim=quant_sim, packed_floats=packed, layers=layers)
@@ -122,7 +125,7 @@ def _load_folder(path, quant_sim, layers=None):
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
         weights.update(mx.load(str(f)))  # lazy: a stage of a pipeline reads only the arrays it keeps
-    args = dsv4.ModelArgs.from_dict(config)
+    args = ModelArgs.from_dict(config)
     tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
     try:
         model = build_model(args, weights, quantization, quant_sim=quant_sim, packed_floats=packed, layers=layers)

@@ -13,7 +13,7 @@ import pytest
 import mlx.core as mx
 
 import ds4_mlx
-from ds4_mlx.models.deepseek_v4 import keeps_float32
+from ds4_mlx.precision import keeps_float32
 from ds4_mlx.demo import random_gguf_tensors
 from ds4_mlx.tools.testing import gguf_metadata, tiny_args, write_gguf
 

@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from ds4_mlx.convert import gguf as G
 from ds4_mlx.demo import random_gguf_tensors
 from ds4_mlx.models import gguf_blocks
+from ds4_mlx.models.gguf_names import mlx_name
 
 EXACT = {T.Q8_0: "affine", T.Q4_0: "affine", T.Q4_1: "affine", T.Q5_0: "affine", T.Q5_1: "affine",
          T.Q4_K: "affine", T.Q5_K: "affine", T.MXFP4: "mxfp4"}
@@ -218,7 +219,7 @@ def _write_model(tmp_path, dtype=None, quant=None, llama_cpp=False, every_matrix
     values = {}
     mix = quant
     for name, a in tensors.items():
-        path = G.dsv4.mlx_name(name)
+        path = mlx_name(name)
         quant = _q2_mix(name) if mix == "q2" else mix
         block = GGML_QUANT_SIZES[quant][0] if quant else 1
         if types is not None:
@@ -418,7 +419,7 @@ def _assert_holds_the_gguf_values(path, out, but=()):
             continue
         want = t.data if t.tensor_type == T.I32 else gguf.quants.dequantize(t.data, t.tensor_type)
         want = want.reshape(tuple(reversed(t.shape.tolist())))
-        name = G.dsv4.mlx_name(t.name)
+        name = mlx_name(t.name)
         stem = name.removesuffix(".weight") if name.removesuffix(".weight") in quantization else name
         fmt = quantization.get(stem) or packed.get(stem)
         if fmt:

@@ -4,14 +4,14 @@ quantized product (mx.quantized_matmul / gather_qmm) within float rounding; the 
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.models import deepseek_v4 as dv
+from ds4_mlx.models import linear
 
 FORMATS = [(32, 8, "affine"), (64, 4, "affine"), (64, 2, "affine"), (32, 4, "mxfp4")]
 
 
 def quantized_linear(inp, out, fmt, key):
     group, bits, mode = fmt
-    layer = dv.Linear(inp, out).to_quantized(group_size=group, bits=bits, mode=mode)
+    layer = linear.Linear(inp, out).to_quantized(group_size=group, bits=bits, mode=mode)
     layer.weight, layer.scales, *biases = mx.quantize(mx.random.normal((out, inp), key=key) / inp**0.5, group, bits,
                                                       mode=mode)
     if biases:
@@ -21,7 +21,7 @@ def quantized_linear(inp, out, fmt, key):
 
 def quantized_grouped(groups, inp, out, fmt, key):
     group, bits, mode = fmt
-    layer = dv.GroupedLinear(groups, inp, out).to_quantized(group_size=group, bits=bits, mode=mode)
+    layer = linear.GroupedLinear(groups, inp, out).to_quantized(group_size=group, bits=bits, mode=mode)
     layer.weight, layer.scales, *biases = mx.quantize(mx.random.normal((groups, out, inp), key=key) / inp**0.5,
                                                       group, bits, mode=mode)
     if biases:
@@ -31,7 +31,7 @@ def quantized_grouped(groups, inp, out, fmt, key):
 
 def both_paths(monkeypatch, layer, x):
     out = {}
-    for path in dv.DENSE_PATHS:
+    for path in linear.DENSE_PATHS:
         monkeypatch.setenv("DS4_MLX_DENSE_PATH", path)
         out[path] = layer(x)
     return out
@@ -60,24 +60,24 @@ def test_a_chunk_through_the_dequantized_weight_equals_the_quantized_product(mon
                                          transpose=True, group_size=fmt[0], bits=fmt[1], mode=fmt[2])
                      for j in range(4)], axis=1)
     scale = float(mx.abs(want).max())
-    for path in dv.DENSE_PATHS:
+    for path in linear.DENSE_PATHS:
         assert out[path].shape == (70, 4, 64)
         assert float(mx.abs(out[path] - want).max()) < 1e-5 * scale, path
-    assert float(mx.abs(dv.GroupedLinear(4, 128, 64).update({"weight": w})(x) - want).max()) < 1e-5 * scale
+    assert float(mx.abs(linear.GroupedLinear(4, 128, 64).update({"weight": w})(x) - want).max()) < 1e-5 * scale
 
 
 def test_the_rule_dequantizes_chunks_on_cuda_only(monkeypatch):
     monkeypatch.delenv("DS4_MLX_DENSE_PATH", raising=False)
-    assert not dv.dequantizes(2048)  # the CPU keeps quantized_matmul
-    monkeypatch.setattr(dv, "backend", lambda: "cuda")
-    threshold = dv.DEQUANTIZE_FROM_ROWS["cuda"]
-    assert not dv.dequantizes(1) and not dv.dequantizes(threshold - 1)
-    assert dv.dequantizes(threshold) and dv.dequantizes(2048)
+    assert not linear.dequantizes(2048)  # the CPU keeps quantized_matmul
+    monkeypatch.setattr(linear, "backend", lambda: "cuda")
+    threshold = linear.DEQUANTIZE_FROM_ROWS["cuda"]
+    assert not linear.dequantizes(1) and not linear.dequantizes(threshold - 1)
+    assert linear.dequantizes(threshold) and linear.dequantizes(2048)
     monkeypatch.setenv("DS4_MLX_DENSE_PATH", "quantized")
-    assert not dv.dequantizes(2048)
+    assert not linear.dequantizes(2048)
     monkeypatch.setenv("DS4_MLX_DENSE_PATH", "dequantise")
     with pytest.raises(ValueError, match="DS4_MLX_DENSE_PATH must be one of quantized, dequantize"):
-        dv.dequantizes(2048)
+        linear.dequantizes(2048)
 
 
 def test_a_model_in_the_q2_layout_prefills_and_decodes_alike_on_both_paths(monkeypatch):
@@ -90,7 +90,7 @@ def test_a_model_in_the_q2_layout_prefills_and_decodes_alike_on_both_paths(monke
 
     prompt = [int(t) for t in mx.random.randint(0, 512, (90,), key=mx.random.key(1)).tolist()]
     logits = {}
-    for path in dv.DENSE_PATHS:
+    for path in linear.DENSE_PATHS:
         monkeypatch.setenv("DS4_MLX_DENSE_PATH", path)
         session = Session(published_model(tiny_args(moe_intermediate_size=64), "q2", native=False), max_chunk=32)
         steps = [session.sync(prompt)]
@@ -116,7 +116,7 @@ def test_on_cuda_the_chosen_chunk_path_equals_the_quantized_product(on_cuda, mon
     """Real widths (an 8-bit g32 projection of 4096 -> 4096, the grouped output projection 8 x 4096 ->
     1024), a 2048-token chunk: the path the rule picks on CUDA against mx.quantized_matmul on the GPU."""
     monkeypatch.delenv("DS4_MLX_DENSE_PATH", raising=False)
-    assert dv.dequantizes(2048)
+    assert linear.dequantizes(2048)
     k1, k2, k3, k4 = mx.random.split(mx.random.key(0), 4)
     layer = quantized_linear(4096, 4096, (32, 8, "affine"), k1)
     grouped = quantized_grouped(8, 4096, 1024, (32, 8, "affine"), k3)

@@ -20,7 +20,7 @@ import pytest
 
 from ds4_mlx.distributed import plan_layers
 from ds4_mlx.loader import load
-from ds4_mlx.models.deepseek_v4 import held_name
+from ds4_mlx.models.gguf_names import held_name
 from ds4_mlx.session import Session
 from ds4_mlx.tools import pipeline_check as check
 from ds4_mlx.tools.testing import gguf_metadata, tiny_args, tiny_pro_args, write_gguf

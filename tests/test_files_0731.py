@@ -14,7 +14,9 @@ import mlx.core as mx
 from gguf import GGUFReader, GGMLQuantizationType as T
 
 from ds4_mlx.convert import gguf as G
-from ds4_mlx.models import deepseek_v4 as dsv4, gguf_blocks
+from ds4_mlx.models import gguf_blocks
+from ds4_mlx.models.gguf_names import mlx_name
+from ds4_mlx.models.linear import GGUFSwitchLinear, QuantizedSwitchLinear
 from ds4_mlx.tools import bench_convert
 from test_convert import _assert_holds_the_gguf_values, _convert, _hf_logits, _kl, _logits, _tiny, _write_model
 
@@ -98,7 +100,7 @@ def test_folder_is_the_files_size_and_holds_its_experts_byte_for_byte(written, c
     for t in GGUFReader(str(path)).tensors:
         if "_exps." not in t.name:
             continue
-        module = dsv4.mlx_name(t.name).removesuffix(".weight")
+        module = mlx_name(t.name).removesuffix(".weight")
         raw = np.asarray(t.data).reshape(*np.asarray(t.data).shape[:-1], -1)
         if t.tensor_type == T.MXFP4:  # MLX's own mxfp4, each byte the file's
             assert quantization[module] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
@@ -124,9 +126,9 @@ def test_converted_and_direct_loads_match_transformers(written, converted, monke
         kept = model.layers[i].ffn.experts["down"]
         t = layout[f"blk.{i}.ffn_down_exps.weight"]
         if t == T.MXFP4:
-            assert isinstance(kept, dsv4.QuantizedSwitchLinear) and kept.mode == "mxfp4"
+            assert isinstance(kept, QuantizedSwitchLinear) and kept.mode == "mxfp4"
         else:
-            assert isinstance(kept, dsv4.GGUFSwitchLinear) and kept.gguf_type == gguf_blocks.CODECS[t]
+            assert isinstance(kept, GGUFSwitchLinear) and kept.gguf_type == gguf_blocks.CODECS[t]
     model.set_dtype(mx.float32)  # the exact mode: F16 tensors computed in float32, as transformers does
     got = _logits(model, ids)
     assert np.abs(got - ref).max() <= ATOL, np.abs(got - ref).max()
@@ -146,7 +148,7 @@ def test_the_mixed_file_through_affine_experts(written, tmp_path, monkeypatch):
     quantization = json.loads((out / "config.json").read_text())["quantization"]
     requantized = set()
     for name, t in _expert_types(layout).items():
-        fmt = quantization[dsv4.mlx_name(name).removesuffix(".weight")]
+        fmt = quantization[mlx_name(name).removesuffix(".weight")]
         if t == T.Q4_K:
             assert fmt == G._EXACT_FORMATS[T.Q4_K]
         else:

@@ -3,7 +3,7 @@
 import pytest
 
 from ds4_mlx.cache import geometry as g
-from ds4_mlx.models.deepseek_v4 import ModelArgs
+from ds4_mlx.models.args import ModelArgs
 
 
 @pytest.mark.parametrize("m", [4, 128])

@@ -1,6 +1,6 @@
 """The fast paths against the plain ones they replace: each fused kernel of `ds4_mlx.models.kernels` on
 the GPU backend that runs it (Metal or CUDA; skipped where MLX has no GPU, as on this CPU CI: the device
-run is in docs/PERFORMANCE.md), and the per-backend choices of `deepseek_v4` (attention, expert
+run is in docs/PERFORMANCE.md), and the per-backend choices of `models/` (attention, expert
 products) against each other, on any device."""
 
 import os
@@ -151,13 +151,13 @@ def test_indexer_tiles_do_not_change_the_logits(monkeypatch):
     import numpy as np
 
     from ds4_mlx.tools.random_model import random_model
-    from ds4_mlx.models import deepseek_v4 as dv
+    from ds4_mlx.models import attention
     from ds4_mlx.tools.testing import tiny_args
 
     model = random_model(tiny_args(0), seed=0)
     ids = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, 300)), dtype=mx.int32)
     whole = model(ids)
-    monkeypatch.setattr(dv, "INDEXER_TILE_BYTES", 1)  # one compressed row a tile
+    monkeypatch.setattr(attention, "INDEXER_TILE_BYTES", 1)  # one compressed row a tile
     assert float(mx.abs(model(ids) - whole).max()) == 0
 
 
@@ -296,16 +296,16 @@ def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):
 
 def test_the_switch_keeps_the_algorithm(monkeypatch):
     """Switching kernels off swaps kernels for their definitions only: the per-backend choices stay."""
-    from ds4_mlx.models import deepseek_v4 as dv
+    from ds4_mlx.models import moe
 
     monkeypatch.delenv("DS4_MLX_EXPERT_PATH", raising=False)
     monkeypatch.delenv("DS4_MLX_ATTENTION", raising=False)
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(dv, "backend", lambda: "cuda")
-    on = (dv.expert_path(), kernels.attention_path(16))
+    monkeypatch.setattr(moe, "backend", lambda: "cuda")
+    on = (moe.expert_path(), kernels.attention_path(16))
     kernels.use_kernels(False)
     try:
-        assert (dv.expert_path(), kernels.attention_path(16)) == on == ("loop", "matmul")
+        assert (moe.expert_path(), kernels.attention_path(16)) == on == ("loop", "matmul")
     finally:
         kernels.use_kernels(True)
 

@@ -12,7 +12,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ds4_mlx"
 FLOORS = [
     ["ds4_mlx.precision"],  # which modes are exact: float32 parameters, TF32 off
     ["ds4_mlx.cache"],  # per-layer state, saving sessions, the disk store
-    ["ds4_mlx.models"],  # the forward pass: ids and caches to logits
+    # the forward pass, by idea: configuration, GGUF names and blocks, shared numerics
+    ["ds4_mlx.models.args", "ds4_mlx.models.gguf_names", "ds4_mlx.models.gguf_blocks", "ds4_mlx.models.numerics",
+     "ds4_mlx.models.variants"],
+    ["ds4_mlx.models.kernels", "ds4_mlx.models.compiling", "ds4_mlx.models.linear"],  # kernels, compiling, linears
+    ["ds4_mlx.models.hyper", "ds4_mlx.models.compressor", "ds4_mlx.models.attention", "ds4_mlx.models.moe"],  # blocks
+    ["ds4_mlx.models.deepseek_v4"],  # the decoder layer and the model: ids, Slots and arrays to logits
+    ["ds4_mlx.models"],  # the drafters
     ["ds4_mlx.session"],  # one conversation's tokens and caches: when to go back
     ["ds4_mlx.tokenizer", "ds4_mlx.chat"],  # text: tokens, rendering prompts, parsing answers
     ["ds4_mlx.generate", "ds4_mlx.constrain"],  # sampling, stop conditions, streaming on a session
@@ -121,6 +127,7 @@ def test_the_checks_see_a_bad_import(monkeypatch):
     bad = {m: set(d) for m, d in GRAPH.items()}
     bad["ds4_mlx.models.deepseek_v4"].add("ds4_mlx.tools.testing")
     bad["ds4_mlx.cache.layers"].add("ds4_mlx.models.deepseek_v4")
+    bad["ds4_mlx.models.linear"].add("ds4_mlx.models.attention")
     monkeypatch.setitem(globals(), "GRAPH", bad)
     for check in (test_no_import_points_up, test_no_import_cycle):
         try:

@@ -12,7 +12,9 @@ import pytest
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
-from ds4_mlx.models import deepseek_v4 as dsv4, gguf_blocks
+from ds4_mlx.models import gguf_blocks
+from ds4_mlx.models.gguf_names import mlx_name
+from ds4_mlx.models.linear import GGUFSwitchLinear, gguf_gather_product
 from test_convert import _convert, _hf_logits, _write_model, random_blocks
 
 ATOL = 1e-3
@@ -62,7 +64,7 @@ def test_folder_keeps_the_blocks(q2_native):
     experts = [t for t in GGUFReader(str(path)).tensors if "_exps" in t.name]
     assert len(experts) == 3 * len(config["compress_ratios"])
     for t in experts:  # the file's bytes, as they are
-        stored = arrays[dsv4.mlx_name(t.name)]
+        stored = arrays[mlx_name(t.name)]
         assert stored.dtype == mx.uint8 and np.array_equal(np.array(stored).reshape(-1), np.asarray(t.data).reshape(-1))
 
 
@@ -72,7 +74,7 @@ def test_native_experts_match_transformers(q2_native, monkeypatch, source):
     monkeypatch.setenv("DS4_MLX_KQUANT", "0")  # the plain reference path
     model = _load(out if source == "folder" else path, monkeypatch)
     experts = model.layers[0].ffn.experts
-    assert isinstance(experts["gate"], dsv4.GGUFSwitchLinear) and experts["gate"].weight.dtype == mx.uint8
+    assert isinstance(experts["gate"], GGUFSwitchLinear) and experts["gate"].weight.dtype == mx.uint8
     for pieces in ([40], [7, 13], [3, 5, 9]):  # whole, chunked then decoded
         got = _run(model, ids, pieces)
         assert got.dtype == np.float32
@@ -96,9 +98,9 @@ def test_kquant_path(q2_native, monkeypatch):
     x = mx.array(rng.standard_normal((6, 1, 256)).astype(np.float32))
     idx = mx.array([0, 3, 1, 1, 2, 0], mx.uint32)
     want = np.einsum("tk,tok->to", np.array(x)[:, 0], values[np.array(idx)])
-    y = dsv4.gguf_gather_product(x, w, idx, "q2_k", False)
+    y = gguf_gather_product(x, w, idx, "q2_k", False)
     assert y.dtype == mx.float32 and np.abs(np.array(y)[:, 0] - want).max() <= 1e-4 * np.abs(want).max()
-    y = dsv4.gguf_gather_product(x.astype(mx.bfloat16), w, idx, "q2_k", False)  # mlx-kquant's own product
+    y = gguf_gather_product(x.astype(mx.bfloat16), w, idx, "q2_k", False)  # mlx-kquant's own product
     assert y.dtype == mx.bfloat16 and np.abs(np.array(y.astype(mx.float32))[:, 0] - want).max() <= 0.05 * np.abs(want).max()
 
 

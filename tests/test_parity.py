@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import ds4_mlx  # noqa: E402
-from ds4_mlx.models.deepseek_v4 import CSA, HCA, SLIDING  # noqa: E402
+from ds4_mlx.models.args import CSA, HCA, SLIDING  # noqa: E402
 
 N_TOKENS = 300
 ATOL = 1e-3

@@ -9,7 +9,8 @@ import mlx.core as mx
 
 import ds4_mlx
 from ds4_mlx.cache.layers import make_caches
-from ds4_mlx.models.deepseek_v4 import CSA, HCA, SLIDING, args_from_gguf, expected_gguf_names
+from ds4_mlx.models.args import CSA, HCA, SLIDING
+from ds4_mlx.models.gguf_names import args_from_gguf, expected_gguf_names
 from ds4_mlx.models.variants import pro_args
 from ds4_mlx.session import Session
 from ds4_mlx.tools.testing import gguf_metadata, tiny_pro_args

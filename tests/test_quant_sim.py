@@ -5,7 +5,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.models.deepseek_v4 import fp4_e2m1_round, fp4_e2m1_sim, fp8_e4m3_sim, hadamard_fp4_sim
+from ds4_mlx.models.numerics import fp4_e2m1_round, fp4_e2m1_sim, fp8_e4m3_sim, hadamard_fp4_sim
 
 
 def test_fp8_block_scale_and_ties_to_even():

@@ -279,7 +279,7 @@ def test_decode_steps_equal_cold_prefill(monkeypatch, quant_sim, compile_decode)
 def test_an_error_while_a_step_is_traced_leaves_the_model_whole(monkeypatch):
     """A decoded token that raises while its compiled graph is traced raises for that step alone: the
     model's parameters stay arrays (MLX would leave them as tracers), and the next steps are exact."""
-    from ds4_mlx.models.deepseek_v4 import Attention
+    from ds4_mlx.models.attention import Attention
 
     model = random_model(tiny_args(0), seed=0)  # fresh: nothing traced yet
     tokens = [int(t) for t in np.random.default_rng(8).integers(0, model.args.vocab_size, 40)]

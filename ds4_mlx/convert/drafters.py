@@ -18,7 +18,7 @@ from gguf import GGUFReader
 
 from ds4_mlx.convert.gguf import SUPPORTED, GGUFModel, TensorPlan, _one_line
 from ds4_mlx.models import gguf_blocks
-from ds4_mlx.models.deepseek_v4 import _LAYER_NAMES
+from ds4_mlx.models.gguf_names import LAYER_NAMES
 from ds4_mlx.models.dspark import DSparkArgs
 
 DSPARK_ARCH = "deepseek4-dspark"
@@ -50,13 +50,13 @@ def drafter_name(gguf_name, kind):
             return f"confidence_head.proj.{suffix.group(1) if suffix else 'weight'}"
         if base in _DSPARK_TOP:
             return _DSPARK_TOP[base]
-        sub = _LAYER_NAMES.get(base) or _DSPARK_EXTRA.get(base)
+        sub = LAYER_NAMES.get(base) or _DSPARK_EXTRA.get(base)
         return f"stages.{stage}.{sub}" if sub else None
     if stage != 0:
         return None
     if base in _MTP_EXTRA:
         return _MTP_EXTRA[base]
-    sub = _LAYER_NAMES.get(base)
+    sub = LAYER_NAMES.get(base)
     return f"block.{sub}" if sub else None
 
 

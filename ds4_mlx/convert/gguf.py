@@ -26,7 +26,7 @@ import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGMLQuantizationType as T
 
 from ds4_mlx.convert import EXPERT_BITS, GROUP_SIZES
-from ds4_mlx.models import deepseek_v4 as dsv4, gguf_blocks
+from ds4_mlx.models import gguf_blocks, gguf_names
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 # repacked into an MLX format that holds their values exactly (`repack`)
@@ -51,7 +51,7 @@ SUPPORTED = FLOAT_TYPES | EXACT_TYPES | REQUANT_TYPES | {T.I32}
 # compressor projections): small, or read in ways QuantizedLinear does not cover.
 _FLOAT_PARAMS = re.compile(r"(\.ffn\.gate|\.indexer\.proj|\.compressor\.(kv|gate))\.weight$")
 # Types whose MLX affine form holds every value exactly. The embedding stays quantized in them (its
-# rows are dequantized in float32 by `deepseek_v4.Embedding`); the other parameters the model keeps in
+# rows are dequantized in float32 by `linear.Embedding`); the other parameters the model keeps in
 # float are stored in that form too and dequantized to float32 on load (`loader.unpack_floats`), which
 # keeps a converted folder near its GGUF's size.
 EXACT_AFFINE = {t for t, fmt in _EXACT_FORMATS.items() if fmt["mode"] == "affine"}
@@ -227,16 +227,16 @@ class GGUFModel:
         if embd is None:
             raise ValueError(f"{self.path}: missing tensor token_embd.weight")
         try:
-            self.args = dsv4.args_from_gguf(self.metadata, vocab_size=int(embd.shape[1]))
+            self.args = gguf_names.args_from_gguf(self.metadata, vocab_size=int(embd.shape[1]))
         except (ValueError, TypeError, KeyError, IndexError) as e:
             raise ValueError(f"{self.path}: {_one_line(e)}") from None
         have = {re.sub(r"\.(weight|bias)$", "", n) for n in by_name}
-        for name in dsv4.expected_gguf_names(self.args):
+        for name in gguf_names.expected_gguf_names(self.args):
             if name not in have:
                 raise ValueError(f"{self.path}: missing tensor {name}")
         self.tensors = []
         for t, file in found:
-            path_ = dsv4.mlx_name(t.name)
+            path_ = gguf_names.mlx_name(t.name)
             if path_ is None:
                 raise ValueError(f"{file}: unknown tensor {t.name}")
             if t.tensor_type not in SUPPORTED:

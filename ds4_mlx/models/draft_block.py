@@ -10,7 +10,10 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from ds4_mlx.models.deepseek_v4 import DecoderLayer, HyperConnection, ModelArgs, attend
+from ds4_mlx.models.args import ModelArgs
+from ds4_mlx.models.deepseek_v4 import DecoderLayer
+from ds4_mlx.models.hyper import HyperConnection
+from ds4_mlx.models.kernels import attend
 
 
 def block_args(args: ModelArgs) -> ModelArgs:

@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ds4_mlx.models.deepseek_v4 import HyperHead, Linear, ModelArgs
+from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.draft_block import DraftBlock, sanitized
+from ds4_mlx.models.hyper import HyperHead
+from ds4_mlx.models.linear import Linear
 
 
 @dataclass

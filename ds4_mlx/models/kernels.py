@@ -1,4 +1,4 @@
-"""Fused GPU kernels for the hot paths of `deepseek_v4`, each with the plain-MLX function it replaces.
+"""Fused GPU kernels for the model's hot paths, each with the plain-MLX function it replaces.
 
 The plain function is the definition: the CPU runs it, and tests/test_kernels.py checks each kernel
 against it on the backend that runs the kernel (Metal or CUDA). Every kernel also checks itself the
@@ -605,7 +605,7 @@ ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
 # ---------------------------------------------------------------------------------------------
 # Routed experts kept in GGUF blocks (IQ2_XXS, Q2_K), for a few tokens: one warp an output row of one
 # (token, expert) pair, its lanes over the row's blocks, dequantizing as they read (the IQ2_XXS lattice
-# and sign tables come from the `gguf` package, as inputs). The product of `deepseek_v4.gguf_gather_product`.
+# and sign tables come from the `gguf` package, as inputs). The product of `linear.gguf_gather_product`.
 
 # One unit of a block decoded, shared by both kernels below. Q2_K (scales[16] as sc | m << 4, qs[64] of 4
 # values a byte, then d and dmin): code byte `byte` holds the values at[0..3] of its 256-value block.

@@ -11,8 +11,10 @@ made again each round from the session's tap log (`draft_block.DraftBlock`).
 import mlx.core as mx
 import mlx.nn as nn
 
-from ds4_mlx.models.deepseek_v4 import HyperHead, Linear, ModelArgs
+from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.draft_block import DraftBlock, sanitized, window_mask
+from ds4_mlx.models.hyper import HyperHead
+from ds4_mlx.models.linear import Linear
 
 
 class MTP(nn.Module):

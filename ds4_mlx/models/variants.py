@@ -5,7 +5,7 @@ hand: projections of file sizes, memory and traffic between machines (`bench con
 distributed`), and the tests' real-width checks.
 """
 
-from ds4_mlx.models.deepseek_v4 import ModelArgs
+from ds4_mlx.models.args import ModelArgs
 
 
 def flash_args(**overrides) -> ModelArgs:

@@ -38,7 +38,7 @@ def _plan(size_gb):
     Experts: gate/up Q4_K, down MXFP4; attention, shared experts and head Q8_0; the rest F16/F32."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-    from ds4_mlx.models.deepseek_v4 import ModelArgs
+    from ds4_mlx.models.args import ModelArgs
     from ds4_mlx.demo import gguf_shapes
 
     layers = 1
@@ -225,7 +225,8 @@ def project_file(file, args=None) -> dict:
     from ds4_mlx.convert.gguf import TensorPlan
     from ds4_mlx.convert.requant import affine_format
     from ds4_mlx.convert.writer import ITEMSIZE
-    from ds4_mlx.models.deepseek_v4 import ModelArgs, mlx_name
+    from ds4_mlx.models.args import ModelArgs
+    from ds4_mlx.models.gguf_names import mlx_name
 
     args = args or ModelArgs()
     gguf_bytes, folder = 0, {True: 0, False: 0}
@@ -251,7 +252,7 @@ def published_weights(variant):
     """{type name: weights} of the published file (every other tensor as `tensor_type` says)."""
     from gguf import GGMLQuantizationType as T
 
-    from ds4_mlx.models.deepseek_v4 import ModelArgs
+    from ds4_mlx.models.args import ModelArgs
     from ds4_mlx.demo import gguf_shapes
 
     from ds4_mlx.models.variants import pro_args

@@ -11,7 +11,9 @@ import sys
 
 import mlx.core as mx
 
-from ds4_mlx.models.deepseek_v4 import Model, ModelArgs, write_rows
+from ds4_mlx.models.args import ModelArgs
+from ds4_mlx.models.deepseek_v4 import Model
+from ds4_mlx.models.numerics import write_rows
 
 
 class RowWriter:

@@ -27,7 +27,7 @@ MODES = {"exact": {"MLX_ENABLE_TF32": "0"}, "fast": {"MLX_ENABLE_TF32": "1"}, "b
 def parity_args(a):
     """Real widths (V4 Flash's, with `--ratios` layers and `--experts` routed experts) or the real cache
     geometry at tiny widths."""
-    from ds4_mlx.models.deepseek_v4 import ModelArgs
+    from ds4_mlx.models.args import ModelArgs
     from ds4_mlx.tools.testing import real_geometry_args
 
     ratios = [int(r) for r in a.ratios.split(",")]

@@ -95,7 +95,10 @@ def _timed_parts(times, detail=False):
     """Evaluate and time each part of every layer (HC pre, attention, MoE, HC post) as it is called.
     The syncs between parts inflate every figure a little; the split is what the profile is for. The
     parts run uncompiled (DS4_MLX_COMPILE=0): a compiled graph has no parts to time."""
-    from ds4_mlx.models import deepseek_v4 as dv
+    from ds4_mlx.models import attention
+    from ds4_mlx.models.hyper import HyperConnection, HyperHead
+    from ds4_mlx.models.linear import QuantizedGroupedLinear, QuantizedLinear
+    from ds4_mlx.models.moe import MoE
 
     patched = []
     compile_setting = os.environ.get("DS4_MLX_COMPILE")
@@ -117,20 +120,20 @@ def _timed_parts(times, detail=False):
         setattr(owner, name, staticmethod(timed) if static else timed)
 
     try:  # a part that cannot be wrapped puts back those that were
-        wrap(dv.HyperConnection, "pre", "hc_pre")
-        wrap(dv.HyperConnection, "post", "hc_post", static=True)
-        wrap(dv.Attention, "project", "attention")
-        wrap(dv.Attention, "attend", "attention")
-        wrap(dv.MoE, "__call__", "moe")
-        wrap(dv.HyperHead, "__call__", "head")
+        wrap(HyperConnection, "pre", "hc_pre")
+        wrap(HyperConnection, "post", "hc_post", static=True)
+        wrap(attention.Attention, "project", "attention")
+        wrap(attention.Attention, "attend", "attention")
+        wrap(MoE, "__call__", "moe")
+        wrap(HyperHead, "__call__", "head")
         if detail:  # inside attention (nested: these are part of its figure)
-            wrap(dv.Attention, "_compress", "attn.compress")
-            wrap(dv.Attention, "_top_rows", "attn.select")
-            wrap(dv, "attend", "attn.attend")
-            wrap(dv, "decode_attention", "attn.attend")
+            wrap(attention.Attention, "_compress", "attn.compress")
+            wrap(attention.Attention, "_top_rows", "attn.select")
+            wrap(attention, "attend", "attn.attend")
+            wrap(attention, "decode_attention", "attn.attend")
             # quantized dense products wherever they are (attention, shared experts, head), dequantizing included
-            wrap(dv.QuantizedLinear, "__call__", "dense.quantized")
-            wrap(dv.QuantizedGroupedLinear, "__call__", "dense.quantized")
+            wrap(QuantizedLinear, "__call__", "dense.quantized")
+            wrap(QuantizedGroupedLinear, "__call__", "dense.quantized")
         yield
     finally:
         for owner, name, original in patched:
@@ -181,7 +184,7 @@ def dense_products(a):
     through mx.quantized_matmul and through the weight dequantized once plus a dense product (the two
     paths of `QuantizedLinear`), the dequantization alone, and the dense product of a kept dequantized
     copy (what keeping one would save): where `DEQUANTIZE_FROM_ROWS` should sit."""
-    from ds4_mlx.models import deepseek_v4 as dv
+    from ds4_mlx.models import linear
 
     args = _bench_args(a)
     dtype = getattr(mx, a.dtype)
@@ -196,22 +199,22 @@ def dense_products(a):
     forced = os.environ.get("DS4_MLX_DENSE_PATH")
     try:
         for name, shape in shapes.items():
-            dense = dv.GroupedLinear(*shape) if len(shape) == 3 else dv.Linear(*shape)
+            dense = linear.GroupedLinear(*shape) if len(shape) == 3 else linear.Linear(*shape)
             dense.weight = (mx.random.normal(dense.weight.shape) / np.sqrt(dense.weight.shape[-1])).astype(dtype)
             layer = dense.to_quantized(**fmt)
             layer.weight, layer.scales, layer.biases = mx.quantize(dense.weight, **fmt)
-            kept = dv.dequantized(layer, dtype)
+            kept = linear.dequantized(layer, dtype)
             mx.eval(layer.parameters(), kept)
             del dense
             width = shape[-2] if len(shape) == 3 else shape[0]
             for rows in rows_list:
                 x = mx.random.normal((rows, G, width) if len(shape) == 3 else (rows, width)).astype(dtype)
                 row = {"product": name, "rows": rows}
-                for path in dv.DENSE_PATHS:
+                for path in linear.DENSE_PATHS:
                     os.environ["DS4_MLX_DENSE_PATH"] = path
                     row[f"{path}_ms"] = _median_ms(lambda: layer(x), a.repeats)
-                row["dequantize_weight_ms"] = _median_ms(lambda: dv.dequantized(layer, dtype), a.repeats)
-                row["kept_copy_ms"] = _median_ms(lambda: dv.grouped_product(x, kept) if len(shape) == 3
+                row["dequantize_weight_ms"] = _median_ms(lambda: linear.dequantized(layer, dtype), a.repeats)
+                row["kept_copy_ms"] = _median_ms(lambda: linear.grouped_product(x, kept) if len(shape) == 3
                                                  else x @ kept.T, a.repeats)
                 results.append(row)
                 if row["dequantize_ms"] < row["quantized_ms"] and name not in crossover:

@@ -5,7 +5,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4_mlx.models.deepseek_v4 import ModelArgs, Model
+from ds4_mlx.models.args import ModelArgs
+from ds4_mlx.models.deepseek_v4 import Model
 
 
 # `--expert-format q2`: the published q2 file's routed experts, kept in their GGUF blocks
@@ -113,7 +114,7 @@ def published_layout(args: ModelArgs, variant: str, native: bool):
     from ds4_mlx.convert.gguf import TensorPlan
     from ds4_mlx.convert.requant import affine_format
     from ds4_mlx.demo import gguf_shapes
-    from ds4_mlx.models.deepseek_v4 import mlx_name
+    from ds4_mlx.models.gguf_names import mlx_name
 
     experts = tuple(T[n] for n in PUBLISHED[variant])
     arrays, quantization = {}, {}

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ds4_mlx.demo import distinct_experts, random_like
-from ds4_mlx.models.deepseek_v4 import CSA, HCA, ModelArgs, _GGUF_KEYS
+from ds4_mlx.models.args import CSA, HCA, ModelArgs
+from ds4_mlx.models.gguf_names import GGUF_KEYS
 
 ARCH = "deepseek4"
 
@@ -34,7 +35,7 @@ def gguf_metadata(args: ModelArgs) -> dict:
     p = ARCH + "."
     # cast by field type, so e.g. rope_theta=10000 is still written as a float32
     meta = {p + key: (float(d[f]) if types[f] is float else int(d[f]) if types[f] is int else d[f])
-            for key, f in _GGUF_KEYS.items()}
+            for key, f in GGUF_KEYS.items()}
     meta[p + "attention.compress_ratios"] = [int(r) for r in args.compress_ratios]
     meta[p + "attention.head_count_kv"] = 1
     meta[p + "attention.value_length"] = int(args.head_dim)

@@ -1,0 +1,173 @@
+"""Attention with sinks over a sliding window of raw rows plus compressed rows (all of them, or those the
+indexer picks), in two parts: `project` reads no cache, `attend` reads and writes one session's arrays."""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ds4_mlx.cache.geometry import window_reach
+from ds4_mlx.cache.slots import RingSlots, Slots
+from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
+from ds4_mlx.models.compiling import compiled
+from ds4_mlx.models.compressor import Compressor, Indexer
+from ds4_mlx.models.kernels import attend, decode_attention
+from ds4_mlx.models.linear import GroupedLinear, Linear
+from ds4_mlx.models.numerics import (Rope, f16_round, fp8_e4m3_sim, hadamard_fp4_sim, index_rounding, rms_norm,
+                                     write_rows)
+
+
+INDEXER_TILE_BYTES = 1 << 28
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.args = args
+        self.kind = args.layer_type(layer_id)
+        self.ratio = args.compress_ratios[layer_id]
+        H, nh, hd = args.hidden_size, args.num_attention_heads, args.head_dim
+        self.n_heads, self.head_dim = nh, hd
+        self.q_a = Linear(H, args.q_lora_rank)
+        self.q_a_norm = nn.RMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
+        self.q_b = Linear(args.q_lora_rank, nh * hd)
+        self.kv = Linear(H, hd)
+        self.kv_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.sinks = mx.zeros((nh,))
+        self.o_a = GroupedLinear(args.o_groups, nh * hd // args.o_groups, args.o_lora_rank)
+        self.o_b = Linear(args.o_groups * args.o_lora_rank, H)
+        if self.kind == SLIDING:
+            self.rope = Rope(args.qk_rope_head_dim, args.rope_theta)
+        else:
+            self.rope = Rope(args.qk_rope_head_dim, args.compress_rope_theta, args.rope_scaling)
+            self.compressor = Compressor(args, self.ratio, hd)
+        if self.kind == CSA:
+            self.indexer = Indexer(args)
+
+    def project(self, x, positions, in_blocks, selecting, quant_sim):
+        """What the step's tokens compute from themselves alone, reading no cache (so the tokens of several
+        sessions run it together): x [N, H] at `positions` [N], `in_blocks` [N] their offsets in their
+        compressed blocks; `selecting`: some session's indexer picks its rows. -> rows by name, [N, ...] each."""
+        qr, q, kv = self._project(x, positions)
+        rows = {"q": q, "kv": self._store_kv(kv, quant_sim)}
+        if self.kind != SLIDING:
+            rows["frontier"] = self.compressor.project(x, in_blocks)
+            if self.kind == CSA:
+                rows["index_frontier"] = self.indexer.compressor.project(x, in_blocks)
+                if selecting:
+                    rows["index_q"], rows["index_w"] = self._index_query(qr, x, positions, quant_sim)
+        return rows
+
+    def attend(self, rows, steps, quant_sim, attend_one):
+        """Each session's cache part of the step (`attend_one`: `_attend_one` or its compiled graph) on its
+        own rows of `rows` (`project`'s). -> (outputs [N, nh, hd] with RoPE still on, each session's arrays
+        written)."""
+        T = steps[0][0].tokens
+        outs, written = [], []
+        for b, (slots, arrays) in enumerate(steps):
+            mine = {name: r[b * T : (b + 1) * T] for name, r in rows.items()} if len(steps) > 1 else rows
+            out, arrays = attend_one(mine, slots, arrays, quant_sim)
+            outs.append(out)
+            written.append(arrays)
+        return mx.concatenate(outs) if len(outs) > 1 else outs[0], written
+
+    def _attend_one(self, rows, slots: Slots, arrays, quant_sim):
+        """One session's part of a step: write its rows into its cache arrays and attend over its window and
+        compressed rows. -> (attention output [T, nh, hd] with RoPE still on, the arrays written)."""
+        arrays = dict(arrays)
+        ring = arrays["raw"]  # read before the write: a decoded token's window reads it in place
+        kv = rows["kv"].astype(ring.dtype)
+        arrays["raw"] = write_rows(ring, slots.raw.write, kv[kv.shape[0] - slots.raw.write.shape[0] :])
+        compressed = selected = None
+        if self.kind != SLIDING:
+            compressed = self._compress(self.compressor, rows["frontier"], slots, slots.frontier, arrays, "frontier",
+                                        "rows", lambda r: self._store_kv(r, quant_sim))
+            if self.kind == CSA:
+                index_rows = self._compress(self.indexer.compressor, rows["index_frontier"], slots,
+                                            slots.index_frontier, arrays, "index_frontier", "index_rows",
+                                            index_rounding(quant_sim))
+                if slots.selecting:
+                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
+        if slots.steady:  # one decoded token: the fused kernel reads its window from the ring in place
+            out = decode_attention(rows["q"][0], ring, kv, compressed, None if selected is None else selected[0],
+                                   slots.positions[0], self.sinks, slots.window, self.ratio, slots.raw.read[0],
+                                   slots.visible)
+            return out[None], arrays
+        window = mx.concatenate([ring[slots.raw.read], kv])  # the raw rows from start - (W - 1) on
+        return self._attend_rows(rows["q"], window, compressed, selected, slots), arrays
+
+    _compiled_attend_one = compiled(_attend_one)
+
+    def _attend_rows(self, q, window, compressed, selected, slots: Slots):
+        """Each token's heads q [T, nh, hd] over its window (from `window`: the raw rows of positions
+        start - (W - 1) on) and its compressed rows (`selected` ones, else all visible). -> [T, nh, hd]"""
+        T, W = slots.tokens, slots.window
+        reach = mx.arange(T)[:, None] + mx.arange(W)[None, :]  # [T, W] into `window`
+        keys = [window[reach] if T > 1 else window[None]]
+        masks = [(slots.positions[:, None] - window_reach(W) + mx.arange(W)[None, :]) >= 0]
+        visible = None if compressed is None else slots.visible[:, None]
+        if selected is not None:
+            keys.append(compressed[selected])
+            masks.append(selected < visible)
+        elif compressed is not None:
+            keys.append(mx.broadcast_to(compressed[None], (T,) + compressed.shape))
+            masks.append(mx.arange(compressed.shape[0])[None, :] < visible)
+        f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
+        keys = mx.concatenate(keys, axis=1) if len(keys) > 1 else keys[0]
+        return attend(q.astype(f32), keys.astype(f32), mx.concatenate(masks, axis=1) if len(masks) > 1 else masks[0],
+                      self.sinks.astype(f32), self.head_dim ** -0.5)
+
+    def _compress(self, compressor, fresh, slots: Slots, at: RingSlots, arrays, ring, buffer, rounding):
+        """A compressor's part of a step on the named arrays: log its rows, pool the blocks the step
+        completes into finished rows of `buffer`. -> the buffer's first `slots.rows` rows (rows from a
+        token's visible count on are not valid for it)."""
+        arrays[ring], pooled = compressor.step(fresh, arrays[ring], at, slots)
+        if pooled is not None:
+            m = compressor.ratio
+            finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
+            finished = rounding(self.rope(finished, slots.first_row * m, m))
+            arrays[buffer] = write_rows(arrays[buffer], slots.first_row + mx.arange(slots.pooled), finished)
+        return arrays[buffer][: slots.rows]
+
+    def _store_kv(self, kv, quant_sim):
+        if not quant_sim:
+            return kv
+        nope = self.head_dim - self.args.qk_rope_head_dim
+        return f16_round(mx.concatenate([fp8_e4m3_sim(kv[:, :nope]), kv[:, nope:]], axis=-1))
+
+    @compiled
+    def _project(self, x, positions):
+        """-> (q_a output [T, q_lora_rank], queries [T, nh, hd], kv rows [T, hd]) at `positions` [T]."""
+        T = x.shape[0]
+        qr = self.q_a_norm(self.q_a(x))
+        q = rms_norm(self.q_b(qr).reshape(T, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
+        return qr, self.rope(q, positions), self.rope(self.kv_norm(self.kv(x)), positions)
+
+    @compiled
+    def _project_out(self, out, positions):
+        """Attention output [T, nh, hd] (RoPE still on) -> [T, H], in the compute dtype."""
+        T, G = out.shape[0], self.args.o_groups
+        out = self.rope(out, positions, inverse=True).astype(self.q_a_norm.weight.dtype)
+        low = self.o_a(out.reshape(T, G, -1))  # each head group has its own projection
+        return self.o_b(low.reshape(T, -1))
+
+    def _index_query(self, qr, x, positions, quant_sim):
+        """The indexer's queries [T, heads, dim] and head weights [T, heads] of tokens at `positions`."""
+        idx = self.indexer
+        T = qr.shape[0]
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), positions).astype(mx.float32)
+        if quant_sim:
+            qi = hadamard_fp4_sim(qi)
+        return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
+
+    def _top_rows(self, qi, w, index_rows, visible):
+        """The index_topk rows of `index_rows` with the highest scores for each query (`_index_query`),
+        rows at or past `visible` [T, 1] excluded."""
+        idx, args = self.indexer, self.args
+        T = qi.shape[0]
+        C = index_rows.shape[0]
+        # ReLU per head, weighted over heads; in tiles of rows so [T, heads, rows] stays ~256 MB
+        tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
+        scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[i : i + tile].T, 0))[:, 0]
+                                 for i in range(0, C, tile)], axis=1)  # [T, C]
+        scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
+        k = args.index_topk
+        return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]

@@ -1,0 +1,75 @@
+"""The compressor, which pools blocks of tokens into compressed rows, and the indexer, which picks the
+compressed rows each query reads (ratio-4 layers)."""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ds4_mlx.cache.geometry import overlaps
+from ds4_mlx.cache.slots import RingSlots, Slots
+from ds4_mlx.models.args import ModelArgs
+from ds4_mlx.models.linear import Linear
+from ds4_mlx.models.numerics import write_rows
+
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one row: a per-channel softmax over token scores. The ratio-4
+    kind overlaps: each row pools the first half of the previous block's channels and the second half
+    of its own block's."""
+
+    def __init__(self, args: ModelArgs, ratio, head_dim):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlaps(ratio)
+        width = head_dim * (2 if self.overlap else 1)
+        # the file's kv and gate matrices stacked, and its score offsets (ape) beside zeros for the kv half
+        # (`Model.sanitize`): a logged row is one product plus one row
+        self.kv_gate = nn.Linear(args.hidden_size, 2 * width, bias=False)
+        self.ape = mx.zeros((ratio, 2 * width))
+        self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.width = width
+
+    def project(self, xn, in_blocks):
+        """The rows to log for tokens at offsets `in_blocks` in their blocks: kv | score, float32 (pooling is
+        a softmax)."""
+        return self.kv_gate(xn).astype(mx.float32) + self.ape[in_blocks]
+
+    def step(self, fresh, ring, at: RingSlots, slots: Slots):
+        """Log a step's rows `fresh` [T, 2 * width] (`project`'s) in the ring's rows array, and pool the blocks
+        the step completes. -> (the ring's rows written, pooled rows [slots.pooled, head_dim] before norm and
+        RoPE, or None)."""
+        m = self.ratio
+        fresh = fresh.astype(ring.dtype)
+        source = mx.concatenate([ring[at.read], fresh]) if slots.pooled else None  # read before the write
+        ring = write_rows(ring, at.write, fresh[fresh.shape[0] - at.write.shape[0] :])
+        if not slots.pooled:
+            return ring, None
+        blocks = mx.arange(slots.pooled)
+        tokens = slots.pool_offset + blocks[:, None] * m + mx.arange(m)[None, :]  # [rows, m] in `source`
+        if not self.overlap:
+            return ring, self.pool(source[tokens])
+        prev_valid = (slots.first_row + blocks >= 1)[:, None, None]  # the very first block has none before it
+        return ring, self.pool(source[tokens], source[mx.maximum(tokens - m, 0)], prev_valid)
+
+    def pool(self, logged, prev=None, prev_valid=None):
+        """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap,
+        `prev` holds the blocks before them (their scores count only where `prev_valid`)."""
+        W, d = self.width, self.head_dim
+        kv, score = logged[..., :W], logged[..., W:]
+        if self.overlap:
+            prev_score = prev[..., W : W + d]
+            if prev_valid is not None:
+                prev_score = mx.where(prev_valid, prev_score, -mx.inf)
+            kv = mx.concatenate([prev[..., :d], kv[..., d:]], axis=1)
+            score = mx.concatenate([prev_score, score[..., d:]], axis=1)
+        weights = mx.softmax(score.astype(mx.float32), axis=1)
+        return (weights * kv).sum(axis=1)
+
+
+class Indexer(nn.Module):
+    """Scores compressed rows for each query (ReLU per head, weighted over heads)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.q_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(args, 4, self.head_dim)

@@ -1,0 +1,52 @@
+"""Hyper-connections: the `hc` residual streams mixed into a sub-layer's input and back (Sinkhorn-balanced,
+in `kernels.hc_mix`), and the head that mixes them into one."""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ds4_mlx.models.args import ModelArgs
+from ds4_mlx.models.kernels import hc_mix, hc_project
+
+
+class HyperConnection(nn.Module):
+    """Mixes the `hc` residual streams into one sub-layer input, and back (pre / post / comb)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hc = args.hc_mult
+        self.fn = mx.zeros(((2 + hc) * hc, hc * args.hidden_size))
+        self.base = mx.zeros(((2 + hc) * hc,))
+        self.scale = mx.ones((3,))
+        self.hc, self.iters, self.eps, self.norm_eps = hc, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
+
+    def pre(self, streams):
+        """streams [T, hc, H] -> (sub-layer input [T, H], post [T, hc], comb [T, hc, hc]), all float32."""
+        T, hc, H = streams.shape
+        mix = hc_project(streams.reshape(T, hc * H), self.fn, self.norm_eps)
+        return hc_mix(mix, self.scale, self.base, streams, self.iters, self.eps)
+
+    @staticmethod
+    @mx.compile
+    def post(out, streams, post, comb):
+        # the 4 x 4 stream mix as element-wise terms: one fused kernel, exact in float32 (a matrix product
+        # here would run on TF32 tensor cores on CUDA); the terms read slices that keep their axes, which
+        # takes fewer view nodes than indexing and expanding (each is host time on every decoded layer)
+        into = comb.swapaxes(1, 2)  # [T, to, from]
+        mixed = sum(into[:, :, j : j + 1] * streams[:, j : j + 1] for j in range(streams.shape[1]))
+        return post[:, :, None] * out[:, None, :].astype(mx.float32) + mixed
+
+
+class HyperHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hc = args.hc_mult
+        self.fn = mx.zeros((hc, hc * args.hidden_size))
+        self.base = mx.zeros((hc,))
+        self.scale = mx.ones((1,))
+        self.eps, self.norm_eps = args.hc_eps, args.rms_norm_eps
+
+    def __call__(self, streams):
+        T, hc, H = streams.shape
+        mix = hc_project(streams.reshape(T, hc * H), self.fn, self.norm_eps)
+        w = mx.sigmoid(mix * self.scale[0] + self.base) + self.eps
+        return (w[:, :, None] * streams).sum(axis=1)

@@ -1,0 +1,134 @@
+"""The mixture of experts: routing (top-k on biased scores, or fixed by the token id in hash layers), the
+routed experts and the shared one."""
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ds4_mlx.models.args import ModelArgs
+from ds4_mlx.models.compiling import compiled
+from ds4_mlx.models.kernels import backend, clamped_swiglu, routed_experts
+from ds4_mlx.models.linear import Linear, QuantizedSwitchLinear, SwitchLinear
+
+
+# routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
+# expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
+EXPERT_PATHS = {"cuda": "loop"}
+
+
+def expert_path():
+    return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
+
+
+def _routing_weights(scores, chosen, scaling):
+    weights = mx.take_along_axis(scores, chosen, axis=-1)
+    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
+
+
+@mx.compile
+def route_top_k(logits, bias, k, scaling):
+    """sqrt(softplus) scores; top-k on the biased scores, weights from the unbiased ones, normalised and
+    scaled. -> (experts [T, k], weights [T, k])."""
+    scores = mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0))
+    chosen = mx.argpartition(-(scores + bias), k - 1, axis=-1)[:, :k]
+    return chosen, _routing_weights(scores, chosen, scaling)
+
+
+@mx.compile
+def route_hashed(logits, chosen, scaling):
+    """The same weights for experts fixed by the token id (hash layers)."""
+    return _routing_weights(mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0)), chosen, scaling)
+
+
+# token-expert pairs below which a MoE call is decode-sized: one compiled graph, the fused expert
+# kernels, per-token expert products (no sort)
+FEW_PAIRS = 64
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        E, H, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        self.args = args
+        self.hashed = layer_id < args.num_hash_layers
+        self.gate = nn.Linear(H, E, bias=False)
+        if self.hashed:
+            self.tid2eid = mx.zeros((args.vocab_size, args.num_experts_per_tok), mx.int32)
+        else:
+            self.bias = mx.zeros((E,))
+        self.experts = {"gate": SwitchLinear(E, H, I), "up": SwitchLinear(E, H, I), "down": SwitchLinear(E, I, H)}
+        shared = I * args.n_shared_experts
+        self.shared = {"gate": Linear(H, shared), "up": Linear(H, shared), "down": Linear(shared, H)}
+
+    def __call__(self, x, ids):
+        if x.shape[0] * self.args.num_experts_per_tok < FEW_PAIRS:  # one compiled graph, no sync inside
+            return self._compiled_forward(x, ids)
+        return self._forward(x, ids)
+
+    def _forward(self, x, ids):
+        args = self.args
+        if self.hashed:
+            chosen = self.tid2eid[ids]
+            weights = route_hashed(self.gate(x.astype(mx.float32)), chosen, args.routed_scaling_factor)
+        else:
+            chosen, weights = route_top_k(self.gate(x.astype(mx.float32)), self.bias, args.num_experts_per_tok,
+                                          args.routed_scaling_factor)
+        y = self._fused_experts(x, chosen, weights)
+        if y is None:
+            routed = self._experts(x, chosen)
+            y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
+        s = self.shared
+        return y + s["down"](clamped_swiglu(s["gate"](x), s["up"](x), args.swiglu_limit))
+
+    _compiled_forward = compiled(_forward)
+
+    def _fused_experts(self, x, chosen, weights):
+        """The routed experts' weighted sum in two kernels for a few tokens (CUDA, affine experts)."""
+        e = self.experts
+        if chosen.size >= FEW_PAIRS or not isinstance(e["gate"], QuantizedSwitchLinear):
+            return None
+        matrices = [e[name].packed() for name in ("gate", "up", "down")]
+        if None in matrices:
+            return None
+        y = routed_experts(x, chosen, weights, *matrices, self.args.swiglu_limit)
+        return None if y is None else y.astype(x.dtype)
+
+    def _experts(self, x, chosen):
+        """[T, H] with chosen experts [T, k] -> [T, k, H]; rows sorted by expert for big batches."""
+        T, k = chosen.shape
+        if T * k < FEW_PAIRS:
+            return self._glu(x[:, None, None, :], chosen, False)[:, :, 0, :]
+        flat = chosen.flatten()
+        order = mx.argsort(flat)
+        xs, idx = x[order // k], flat[order]
+        gathers = getattr(self.experts["gate"], "gathers", lambda dtype: True)(xs.dtype)
+        if expert_path() == "loop" or not gathers:
+            y = self._expert_loop(xs, idx)
+        else:
+            y = self._glu(xs[:, None, :], idx, True)[:, 0, :]
+        return y[mx.argsort(order)].reshape(T, k, -1)
+
+    def _glu(self, xs, idx, sorted_):
+        e, limit = self.experts, self.args.swiglu_limit
+        h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
+        return e["down"](h, idx, sorted_)
+
+    def _expert_loop(self, xs, idx):
+        """One product per expert over its contiguous rows (a sync to read the row counts): on CUDA this
+        beats `gather_qmm`, which does not batch the rows of an expert."""
+        e, limit = self.experts, self.args.swiglu_limit
+        counts = mx.zeros((self.args.n_routed_experts,), mx.int32).at[idx].add(1).tolist()
+        # half-precision products get a kernel built per row count: round the rows up to a few sizes
+        # (the extra rows are the next expert's, or zeros at the end, and their outputs are dropped)
+        step = 16 if xs.dtype in (mx.bfloat16, mx.float16) else 1
+        if step > 1:
+            xs = mx.concatenate([xs, mx.zeros((step, xs.shape[-1]), xs.dtype)])
+        outs, start = [], 0
+        for i, n in enumerate(counts):
+            if n:
+                rows = xs[start : start + -(-n // step) * step]
+                y = e["down"].one(clamped_swiglu(e["gate"].one(rows, i), e["up"].one(rows, i), limit), i)
+                outs.append(y[:n] if step > 1 else y)
+                start += n
+        return mx.concatenate(outs)

@@ -1,0 +1,118 @@
+"""Numerics shared by the layers: RMS norm, rotary embeddings (YaRN), the rounding of cached rows to the
+formats ds4 stores them in (FP8, FP4, float16), and writing rows into a cache array."""
+
+import math
+
+import mlx.core as mx
+
+
+def rms_norm(x, weight, eps):
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def yarn_inv_freq(dim, base, scaling):
+    """Inverse frequencies of the rotary pairs; YaRN blends interpolated and original frequencies
+    (magnitude scaling is cancelled, as in the official model)."""
+    inv = 1.0 / (base ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim))
+    if not scaling:
+        return inv
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(scaling.get("beta_fast", 32.0))), 0)
+    high = min(math.ceil(correction_dim(scaling.get("beta_slow", 1.0))), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dim // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: original frequency, 0: interpolated by `factor`
+    return inv / factor * (1 - keep) + inv * keep
+
+
+class Rope:
+    """Interleaved-pair rotary embedding on the last `dim` features of each head."""
+
+    def __init__(self, dim, base, scaling=None):
+        self.dim = dim
+        self.periods = 1.0 / yarn_inv_freq(dim, base, scaling)  # mx.fast.rope takes 1 / frequency
+        self._full = {}
+        mx.eval(self.periods)  # a lazy array would tie the model to the building thread's stream
+
+    def full_periods(self, width):
+        """Periods for all `width` features: infinite for the leading pairs, whose angle is then 0 and
+        which come out unchanged (exactly), so a whole head rotates in one op with no split."""
+        if width not in self._full:
+            full = mx.concatenate([mx.full(((width - self.dim) // 2,), mx.inf), self.periods])
+            mx.eval(full)
+            self._full[width] = full
+        return self._full[width]
+
+    def __call__(self, x, start, step=1, inverse=False):
+        """x [T, ..., D] holds positions start, start + step, ... along its first axis; or, with `start`
+        an int array [T], row t is at position start[t] (tokens of several sessions decoded together)."""
+        D = x.shape[-1]
+        if isinstance(start, mx.array) and start.ndim == 1:
+            t = x.reshape(x.shape[0], -1, 1, D)  # one position per row: mx.fast.rope's per-batch offsets
+            t = mx.fast.rope(t, D, traditional=True, base=None, scale=-1.0 if inverse else 1.0, offset=start,
+                             freqs=self.full_periods(D))
+            return t.reshape(x.shape)
+        t = x.reshape(x.shape[0], -1, D).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
+        t = mx.fast.rope(t, D, traditional=True, base=None, scale=-step if inverse else step,
+                         offset=start if step == 1 else start // step, freqs=self.full_periods(D))
+        return t.swapaxes(0, 1).reshape(x.shape)
+
+
+def fp8_e4m3_sim(x, block=64):
+    """Round trip through FP8 E4M3 with a power-of-two scale per `block` values (ds4's KV rows)."""
+    shape = x.shape
+    block = min(block, shape[-1])  # tiny test models have narrower heads
+    x = x.reshape(shape[:-1] + (shape[-1] // block, block)).astype(mx.float32)
+    amax = mx.maximum(mx.max(mx.abs(x), axis=-1, keepdims=True), 1e-4)
+    scale = mx.power(2.0, mx.ceil(mx.log2(amax / 448.0)))
+    v = mx.clip(x / scale, -448.0, 448.0)
+    v = mx.from_fp8(mx.to_fp8(v), dtype=mx.float32)
+    return (v * scale).reshape(shape)
+
+
+_FP4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fp4_e2m1_round(v):
+    """Nearest E2M1 value to v (|v| <= 6), ties to the even grid index."""
+    a = mx.abs(v)
+    index = sum(((a >= t) if inclusive else (a > t)).astype(mx.int32) for t, inclusive in _FP4_STEPS)
+    return mx.sign(v) * mx.array(_FP4_GRID)[index]
+
+
+def fp4_e2m1_sim(x, block=32):
+    shape = x.shape
+    block = min(block, shape[-1])
+    x = x.reshape(shape[:-1] + (shape[-1] // block, block)).astype(mx.float32)
+    amax = mx.maximum(mx.max(mx.abs(x), axis=-1, keepdims=True), 7.052966e-38)
+    scale = mx.power(2.0, mx.ceil(mx.log2(amax / 6.0)))
+    v = fp4_e2m1_round(mx.clip(x / scale, -6.0, 6.0))
+    return (v * scale).reshape(shape)
+
+
+def f16_round(x):
+    return x.astype(mx.float16).astype(x.dtype)
+
+
+def hadamard_fp4_sim(x):
+    x = mx.hadamard_transform(x.astype(mx.float32), scale=1.0 / math.sqrt(x.shape[-1]))
+    return f16_round(fp4_e2m1_sim(x))
+
+
+def index_rounding(quant_sim):
+    """What indexer rows go through before they are stored: FP4 after a Hadamard transform (ds4)."""
+    return hadamard_fp4_sim if quant_sim else (lambda r: r)
+
+
+def write_rows(rows, at, values):
+    """`rows` [n, width] with `values` [k, width] at rows `at` [k] (int32: ring slots, buffer rows). A
+    scatter, which MLX runs in place when nothing else holds `rows` (one launch; a slice update at a
+    computed index is two on CUDA, and a kernel writing a copy is slower: the rings hold the rewind
+    history)."""
+    return mx.put_along_axis(rows, mx.broadcast_to(at[:, None], values.shape), values.astype(rows.dtype), axis=0)
