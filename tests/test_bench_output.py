@@ -95,7 +95,7 @@ def test_speed_bench_profiles_a_decode_step(capsys):
 
 
 # every bench that runs in seconds on a CPU, with small settings (`load` starts servers for minutes,
-# `distributed` processes under mlx.launch: tests/test_distributed.py runs it)
+# `distributed` processes under mlx.launch: tests/test_distributed.py runs it; `kernels` reads a CUDA GPU)
 QUICK = {
     "model": ["--prompt", "16", "--decode", "2"],
     "rewind": ["--contexts", "64", "--repeats", "1", "--generated", "2"],
@@ -112,7 +112,17 @@ QUICK = {
 def test_every_bench_is_listed():
     from ds4_mlx.tools.bench import BENCHES
 
-    assert set(QUICK) | {"load", "distributed"} == {name for name, _, _ in BENCHES}
+    assert set(QUICK) | {"load", "distributed", "kernels"} == {name for name, _, _ in BENCHES}
+
+
+def test_kernels_bench_says_what_it_needs_on_a_cpu():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "bench", "kernels", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and done.stdout == ""
+    assert "needs MLX's CUDA build" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("name", list(QUICK))
