@@ -294,6 +294,16 @@ class DecodeStep:
     token: mx.array
 
 
+@dataclass
+class VerifyStep:
+    """Yielded by a speculating `stream_generate(..., together=True)`: the caller feeds `ids` (the last
+    token and the drafts after it) to `session` in one forward, with other streams' (`verify_together`),
+    and sends back their logits [len(ids), vocab]."""
+
+    session: object
+    ids: list
+
+
 def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,
                     sampling: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
                     stop_ids: Optional[Sequence[int]] = None,
@@ -313,9 +323,10 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
     prefill chunk, so that a caller serving several requests can interleave them chunk by chunk.
     `sampler(logits) -> token id` replaces the draw from `sampling` (a scripted model's tokens).
     `together`: yield a `DecodeStep` before each decoded token and take the step's logits from `send`, so
-    that a caller serving several streams decodes them in one forward.
+    that a caller serving several streams decodes them in one forward (a speculating stream yields a
+    `VerifyStep` for its rows that verify drafts).
     `speculation`: a `ds4_mlx.speculative.Speculation` (a drafter), which decodes several tokens a forward
-    and gives the same output (not with `together`, a constraint, a `sampler` or sampling settings it does not
+    and gives the same output (not with a constraint, a `sampler` or sampling settings it does not
     reproduce, `Speculation.supports`: those decode plainly).
     Runs on the calling thread; nothing here is shared, so one generator per session at a time.
     See the module docstring for what `session.tokens` holds afterwards."""
@@ -332,7 +343,7 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
 
     constraint = sampling.constraint(tokenizer) if sampling.constraint else None
     controls = ControlTokenMask(tokenizer, prompt_ids)  # no control token is drawn as answer text
-    if speculation is not None and (together or constraint or sampler or not speculation.supports(sampling)):
+    if speculation is not None and (constraint or sampler or not speculation.supports(sampling)):
         speculation = None
     if speculation is not None:
         speculation.attach(session)  # the prefill records the streams the drafter reads
@@ -418,7 +429,9 @@ def stream_generate(session, tokenizer, prompt_ids: Sequence[int], *, max_tokens
         if should_abort():
             yield finish(FINISH_ABORT)
             return
-        if speculation is not None:
+        if speculation is not None and together:
+            logits = yield from speculation.steps(session, sample, drawn)
+        elif speculation is not None:
             logits = speculation.step(session, sample, drawn)
         else:
             logits = (yield DecodeStep(session, drawn)) if together else session.step_async(drawn)

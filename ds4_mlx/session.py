@@ -241,11 +241,9 @@ class Session:
         after each. `rows`: a list that takes the logits of every row of each chunk."""
         done = 0
         while done < len(ids):
-            pos = len(self.tokens)
             # chunks end on a grid of absolute positions, whatever came before: the same prompt is computed
             # in the same chunks alone, beside other streams, or replayed from a checkpoint
-            n = min(len(ids) - done, self.max_chunk - pos % self.max_chunk,
-                    self.checkpoint_every - pos % self.checkpoint_every)
+            n = min(len(ids) - done, self._room())
             chunk = ids[done : done + n]
             taps = self.tap_log.request() if self.tap_log is not None else None
             try:
@@ -269,15 +267,26 @@ class Session:
             except BaseException:
                 self._undo_chunk(n)
                 raise
-            if pos == self.clean and self._on_grid(pos + n):
-                self.clean = pos + n
-            if taps is not None:
-                self.tap_log.record(pos, taps)
-            self.tokens.extend(chunk)
-            self.logits = logits
+            self._fed(chunk, logits, taps)
             done += n
-            self._take_checkpoints(pos, len(self.tokens))
             yield done
+
+    def _fed(self, chunk, logits, taps):
+        """The bookkeeping of a chunk the layers took: its tokens, their streams for the drafter, the
+        next-token logits after it, checkpoints."""
+        pos = len(self.tokens)
+        if pos == self.clean and self._on_grid(pos + len(chunk)):
+            self.clean = pos + len(chunk)
+        if taps is not None:
+            self.tap_log.record(pos, taps)
+        self.tokens.extend(chunk)
+        self.logits = logits
+        self._take_checkpoints(pos, len(self.tokens))
+
+    def _room(self):
+        """How many tokens the next chunk may hold: up to the next grid position."""
+        pos = len(self.tokens)
+        return min(self.max_chunk - pos % self.max_chunk, self.checkpoint_every - pos % self.checkpoint_every)
 
     def _on_grid(self, p):
         return p % self.max_chunk == 0 or p % self.checkpoint_every == 0
@@ -341,3 +350,48 @@ def step_together(sessions, tokens):
         s._stepped(tokens[b], logits[b])
     mx.async_eval(logits, [c.arrays() for s in sessions for c in s.cache])
     return logits
+
+
+def verify_together(sessions, id_lists):
+    """`Session.verify` for several sessions of one model in one forward (`Model.forward` over [B, T]): each
+    session's ids padded to the longest with copies of its last, the padding's rows trimmed off again in
+    place. -> each session's logits [len(ids), vocab]. A session that cannot take the padded rows as one
+    chunk or trim them in place (`exact_rewinds`, a short rewind slack), or that runs over several machines,
+    verifies alone."""
+    T = max(len(ids) for ids in id_lists)
+
+    def joins(s, n):
+        return (getattr(type(s), "step_together", None) is None and s.model is sessions[0].model and s._room() >= T
+                and (n == T or not s.exact_rewinds and min(s.rewind_slack, s.frontier_horizon) >= T))
+
+    together = [i for i, (s, ids) in enumerate(zip(sessions, id_lists)) if joins(s, len(ids))]
+    if len({id(s) for s in sessions}) < len(sessions):
+        raise ValueError("verify_together takes distinct sessions")
+    if len(together) < 2:
+        together = []
+    out = [None if i in together else s.verify(ids) for i, (s, ids) in enumerate(zip(sessions, id_lists))]
+    if not together:
+        return out
+    group = [sessions[i] for i in together]
+    padded = [[int(t) for t in id_lists[i]] + [int(id_lists[i][-1])] * (T - len(id_lists[i])) for i in together]
+    keys = {k: None for s in group if s.tap_log is not None for k in s.tap_log.keys}
+    taps = dict(keys) if keys else None
+    try:
+        views = [[c.view(T) for c in s.cache] for s in group]
+        logits, written = group[0].model.forward(mx.array(padded, dtype=mx.int32), views, taps=taps)
+        for s, steps in zip(group, written):
+            for c, arrays in zip(s.cache, steps):  # every layer of every session or none
+                c.commit(arrays, T)
+        mx.eval(logits, [c.arrays() for s in group for c in s.cache])
+    except BaseException:
+        for s in group:
+            s._undo_chunk(T)
+        raise
+    for b, (i, s) in enumerate(zip(together, group)):
+        mine = None if s.tap_log is None else {k: taps[k][b * T : (b + 1) * T] for k in s.tap_log.keys}
+        pos, n = len(s.tokens), len(id_lists[i])
+        s._fed(padded[b], logits[b, -1], mine)
+        if n < T:
+            s.trim(pos + n, logits=logits[b, n - 1])
+        out[i] = logits[b, :n]
+    return out

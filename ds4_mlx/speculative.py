@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ds4_mlx.cache.taps import TapLog
-from ds4_mlx.generate import GREEDY_BELOW, filter_logits
+from ds4_mlx.generate import GREEDY_BELOW, DecodeStep, VerifyStep, filter_logits
 
 # rows of the tap log beyond the drafter's window: a verify's rejected tail is trimmed within them
 TAP_SLACK = 64
@@ -42,6 +42,10 @@ EXACT_SETTINGS = {"temperature", "top_p", "top_k", "min_p", "seed", "logprobs", 
 ACCEPTANCE_WINDOW = 32
 ROW_COST_GUESS = 0.25
 PROBE_EVERY = 64
+
+
+def _id(token):
+    return int(token.item()) if isinstance(token, mx.array) else int(token)
 
 
 def transformed(sampler, logits):
@@ -203,14 +207,29 @@ class Speculation:
         """`session.step(token)`: the next-token logits after it. Runs a round when no committed token
         is waiting and drafting pays, else a plain step (pipelined, as without speculation; tapped, so
         the drafter keeps its context, when the drafter reads the target's streams)."""
+        work = self.steps(session, sampler, token)
+        try:
+            request = next(work)
+            while True:
+                if isinstance(request, DecodeStep):
+                    request = work.send(session.step_async(request.token))
+                else:
+                    request = work.send(session.verify(request.ids))
+        except StopIteration as done:
+            return done.value
+
+    def steps(self, session, sampler, token):
+        """`step` as a generator that leaves the forward to its caller: it yields a `DecodeStep` (a plain
+        step) or a `VerifyStep` (the rows to verify), takes their logits from `send`, and returns the
+        next-token logits after `token`, so that a server runs several streams' forwards as one."""
         if not self.pending:
             count = self.draft_count()
             self._started(count + 1)
             if count == 0:
                 if self.drafter.tap_keys:
-                    return session.step(int(token.item()) if isinstance(token, mx.array) else int(token))
-                return session.step_async(token if isinstance(token, mx.array) else mx.array(token))
-        token = int(token.item()) if isinstance(token, mx.array) else int(token)
+                    return (yield VerifyStep(session, [_id(token)]))[0]
+                return (yield DecodeStep(session, token if isinstance(token, mx.array) else mx.array(token)))
+        token = _id(token)
         if self.pending:
             expected, logits = self.pending.pop(0)
             if expected != token:
@@ -220,7 +239,7 @@ class Speculation:
             session.trim(self.base + 1 + self.handed)
             session.logits = logits
             return logits
-        return self.round(session, sampler, token, count)
+        return (yield from self.round(session, sampler, token, count))
 
     @property
     def acceptance(self):
@@ -269,9 +288,9 @@ class Speculation:
         del self.outcomes[:-ACCEPTANCE_WINDOW]
 
     def round(self, session, sampler, anchor, count):
-        """Draft up to `count` tokens, verify [anchor, drafts], accept; the session ends at the anchor, with
-        the accepted drafts waiting in `pending` and the next token in `next_token`. -> the logits after
-        the anchor."""
+        """Draft up to `count` tokens, verify [anchor, drafts] (a generator: it yields the `VerifyStep`),
+        accept; the session ends at the anchor, with the accepted drafts waiting in `pending` and the next
+        token in `next_token`. -> the logits after the anchor."""
         n = len(session.tokens)
         greedy = sampler.params.temperature < GREEDY_BELOW
         tokens, draft_logits = [], None
@@ -296,7 +315,7 @@ class Speculation:
         self.stats.draft_seconds += time.perf_counter() - start
         self.last_start = (self.last_start[0], len(tokens) + 1)  # the rows this round verifies, after all
         start = time.perf_counter()
-        logits = session.verify([anchor] + tokens)
+        logits = yield VerifyStep(session, [anchor] + tokens)
         if self.mask_rows is not None:
             logits = self.mask_rows(logits, [anchor] + tokens)
         self.stats.verify_seconds += time.perf_counter() - start
@@ -370,17 +389,19 @@ def summary(stats: SpeculationStats) -> str:
 
 
 def server_generate(make, log=None):
-    """The server's `stream_generate` with speculation: each stream decodes on its own with a fresh
-    `Speculation` (`make(model)`), not in the batched forward of streams without one; each finished
-    stream's figures go to `log`."""
+    """The server's `stream_generate` with speculation: each stream has a fresh `Speculation`
+    (`make(model)`), and decodes together with the other streams (`DecodeStep`, `VerifyStep`): plain
+    steps in one forward, the verifies of the streams that drafted in another; each finished stream's
+    figures go to `log`."""
     from ds4_mlx.generate import stream_generate
 
     def generate(session, *args, **kwargs):
         speculation = make(session.model)
-        if not speculation.fits(session):  # --rewind-slack below a round: plain decoding, batched
+        if not speculation.fits(session):  # --rewind-slack below a round: plain decoding
             yield from stream_generate(session, *args, yield_prefill=True, together=True, **kwargs)
             return
-        yield from stream_generate(session, *args, yield_prefill=True, speculation=speculation, **kwargs)
+        yield from stream_generate(session, *args, yield_prefill=True, together=True, speculation=speculation,
+                                   **kwargs)
         if log is not None:
             log(summary(speculation.stats))
 

@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 from test_drafter_gguf import dspark_metadata, dspark_tensors, mtp_tensors
 
+import ds4_mlx.session
 from ds4_mlx.cache.store import DiskStore
 from ds4_mlx.speculative import Speculation, server_generate, speculation_from_args
 from ds4_mlx.session import Session, common_prefix
@@ -75,7 +76,8 @@ def drafters(demo, tmp_path_factory):
 
     lookahead = SpoiledLookahead(DRAFTS)
     return {"plain": None,
-            "dspark": from_flags("--mtp", str(dspark_file), "--dspark", "--draft-tokens", str(DRAFTS)),
+            "dspark": from_flags("--mtp", str(dspark_file), "--dspark", "--draft-tokens", str(DRAFTS),
+                             "--dspark-confidence", "0.5"),
             "mtp": from_flags("--mtp", str(mtp_file), "--draft-tokens", str(DRAFTS)),
             "spoiled lookahead": lambda model: Speculation(lookahead, draft_tokens=DRAFTS, schedule=False)}
 
@@ -149,6 +151,13 @@ def plain(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["dspark", "mtp", "spoiled lookahead"])
-def test_speculative_server_answers_as_the_plain_one(kind, drafters, plain, tmp_path):
-    mx.random.seed(0)
+def test_speculative_server_answers_as_the_plain_one(kind, drafters, plain, tmp_path, monkeypatch):
+    forwards = []
+    verify_together = ds4_mlx.session.verify_together
+
+    def counted(sessions, id_lists):
+        forwards.append(sorted(len(ids) for ids in id_lists))
+        return verify_together(sessions, id_lists)
+    monkeypatch.setattr(ds4_mlx.session, "verify_together", counted)
     assert _answers(drafters[kind], tmp_path) == plain
+    assert max(map(len, forwards)) > 1, "no two streams' drafts were verified in one forward"

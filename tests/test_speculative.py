@@ -101,6 +101,36 @@ def test_verify_rows_are_the_decoded_rows(target):
     assert np.allclose(np.array(chunk.step(300)), np.array(rows[2]), atol=1e-4)
 
 
+def test_verify_together_is_each_sessions_verify(target):
+    """Several sessions' rows in one forward (padded to the longest, the padding trimmed): each session ends
+    as its own `verify` leaves it (tokens, checkpoints, the drafter's streams, the next step), also one
+    whose padded rows would cross a checkpoint (it verifies alone) and one with exact rewinds."""
+    from ds4_mlx.session import verify_together
+
+    drafter = random_dspark(target.args, seed=2)
+    cases = [(PROMPTS[0], [4, 77, 300], {}), (PROMPTS[2], [9], {}), (PROMPTS[3], [5, 6, 7, 8, 9], {}),
+             (PROMPTS[4], [12, 13], {"checkpoint_every": 8}), (PROMPTS[1], [3, 3], {"exact_rewinds": True})]
+    made = []
+    for _ in range(2):
+        sessions = []
+        for prompt, _, options in cases:
+            session = Session(target, **options)
+            Speculation(drafter, draft_tokens=5).attach(session)
+            session.sync(prompt)
+            sessions.append(session)
+        made.append(sessions)
+    alone, together = made
+    expected = [s.verify(ids) for s, (_, ids, _) in zip(alone, cases)]
+    got = verify_together(together, [ids for _, ids, _ in cases])
+    for a, b, e, g in zip(alone, together, expected, got):
+        assert g.shape == e.shape and np.allclose(np.array(g), np.array(e), atol=1e-4)
+        assert a.tokens == b.tokens and set(a.checkpoints) == set(b.checkpoints)
+        n = len(a.tokens)
+        assert b.tap_log.pos == n and np.allclose(np.array(b.tap_log.window(n, 8)[1]),
+                                                   np.array(a.tap_log.window(n, 8)[1]), atol=1e-4)
+        assert np.allclose(np.array(b.step(21)), np.array(a.step(21)), atol=1e-4)
+
+
 # -- sampling: the acceptance rule against the exact distribution ---------------------------------------
 
 VOCAB = 6

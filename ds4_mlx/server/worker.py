@@ -25,7 +25,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from ds4_mlx.generate import RATE_MIN_TOKENS, DecodeStep, GenerationStats, SamplingParams
+from ds4_mlx.generate import RATE_MIN_TOKENS, DecodeStep, GenerationStats, SamplingParams, VerifyStep
 from ds4_mlx.server.slots import Placement, Slot, place
 from ds4_mlx.session import common_prefix
 
@@ -135,7 +135,7 @@ class _Running:
     placement: Placement
     chunks: object  # the iterator from stream_generate
     started: bool = False  # the prefill is over and the first chunk came
-    step: DecodeStep | None = None  # its next token, waiting for the turn's batched forward
+    step: DecodeStep | VerifyStep | None = None  # its next token(s), waiting for the turn's batched forward
     from_disk: int = 0  # prompt tokens the disk store restored
 
 
@@ -374,27 +374,36 @@ class Worker:
         self._take(run, next, run.chunks)
 
     def _decode_together(self):
-        """The turn's decoded tokens: the streams waiting in `run.step` step together, `batch` at a time
-        (`step_together`), and each stream takes its logits."""
+        """The turn's decoded tokens: the streams waiting in `run.step` step together, `batch` at a time:
+        plain steps in one forward (`step_together`), speculating streams' verifies in another
+        (`verify_together`); each stream takes its logits."""
         import mlx.core as mx
 
-        from ds4_mlx.session import step_together
+        import ds4_mlx.session as together  # looked up at each turn: a test counts the forwards
+
+        def step(steps):
+            tokens = mx.concatenate([s.token.reshape(1) for s in steps])
+            return together.step_together([s.session for s in steps], tokens)
+
+        def verify(steps):
+            return together.verify_together([s.session for s in steps], [s.ids for s in steps])
 
         waiting = [run for run in self._running if run.step is not None]
-        for i in range(0, len(waiting), self.batch):
-            group = waiting[i : i + self.batch]
-            steps = [run.step for run in group]
-            for run in group:
-                run.step = None
-            try:
-                tokens = mx.concatenate([s.token.reshape(1) for s in steps])
-                logits = step_together([s.session for s in steps], tokens)
-            except Exception as e:  # noqa: BLE001 - these jobs fail (their sessions are back at their tokens)
+        for forward, kind in ((step, DecodeStep), (verify, VerifyStep)):
+            runs = [run for run in waiting if isinstance(run.step, kind)]
+            for i in range(0, len(runs), self.batch):
+                group = runs[i : i + self.batch]
+                steps = [run.step for run in group]
                 for run in group:
-                    self._guarded(run, self._fail, run, e)  # still in the except block: its traceback
-                continue
-            for b, run in enumerate(group):
-                self._guarded(run, self._take, run, run.chunks.send, logits[b])
+                    run.step = None
+                try:
+                    logits = forward(steps)
+                except Exception as e:  # noqa: BLE001 - these jobs fail (their sessions are back at their tokens)
+                    for run in group:
+                        self._guarded(run, self._fail, run, e)  # still in the except block: its traceback
+                    continue
+                for b, run in enumerate(group):
+                    self._guarded(run, self._take, run, run.chunks.send, logits[b])
 
     def _fail(self, run: _Running, error: Exception):
         log.error(f"{run.job.request.label} failed:\n{traceback.format_exc()}")
@@ -409,7 +418,7 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - this job fails, the server goes on
             self._fail(run, e)
             return
-        if isinstance(chunk, DecodeStep):
+        if isinstance(chunk, (DecodeStep, VerifyStep)):
             run.step = chunk
             return
         if chunk.prefill is not None:
