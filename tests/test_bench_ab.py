@@ -34,3 +34,14 @@ def test_nothing_starts_past_the_deadline(capsys):
 def test_medians_are_per_context_over_processes():
     runs = [{"results": [{"context": 8, "tok_s": v, "peak": None}]} for v in (3.0, 1.0, 2.0)]
     assert bench_ab.medians(runs) == [{"context": 8, "tok_s": 2.0, "processes": 3}]
+
+
+def test_medians_keep_labelled_rows_apart():
+    """Rows of one context with different text fields (a drafter's name) are different settings; `--rows`
+    names other rows to take medians of."""
+    runs = [{"results": [{"context": 8, "drafter": "oracle", "tok_s": v}, {"context": 8, "drafter": "random", "tok_s": -v}],
+             "verify_cost": [{"context": 8, "verify": "2 rows", "rows": 2, "seconds": v}]} for v in (3.0, 1.0, 2.0)]
+    assert bench_ab.medians(runs) == [{"drafter": "oracle", "tok_s": 2.0, "context": 8, "processes": 3},
+                                      {"drafter": "random", "tok_s": -2.0, "context": 8, "processes": 3}]
+    assert bench_ab.medians(runs, "verify_cost") == [{"verify": "2 rows", "rows": 2, "seconds": 2.0, "context": 8,
+                                                      "processes": 3}]

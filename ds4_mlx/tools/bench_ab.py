@@ -50,17 +50,20 @@ def run_once(bench_args, env, timeout):
     return {"error": f"exit status {done.returncode}: {tail}"}, seconds
 
 
-def medians(figures_list):
-    """Each context's median of every numeric figure over the processes' `results` rows."""
-    by_context = {}
+def medians(figures_list, key="results"):
+    """The median of every numeric figure over the processes' `key` rows, per context and labels (a row's
+    text fields, such as a drafter's name: rows that differ there are different settings)."""
+    groups = {}
     for figures in figures_list:
-        for row in figures.get("results", []):
-            by_context.setdefault(row["context"], []).append(row)
+        for row in figures.get(key, []):
+            labels = tuple((k, v) for k, v in row.items() if isinstance(v, str))
+            groups.setdefault((row["context"], labels), []).append(row)
     out = []
-    for context, rows in sorted(by_context.items()):
+    for (context, labels), rows in sorted(groups.items(), key=lambda item: item[0][0]):
         keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        out.append({k: statistics.median(r[k] for r in rows if r.get(k) is not None) for k in keys
-                    if any(r.get(k) is not None for r in rows)} | {"context": context, "processes": len(rows)})
+        out.append(dict(labels) | {k: statistics.median(r[k] for r in rows if r.get(k) is not None) for k in keys
+                                   if any(r.get(k) is not None for r in rows)}
+                   | {"context": context, "processes": len(rows)})
     return out
 
 
@@ -75,6 +78,8 @@ def main(argv=None):
     p.add_argument("--variant", type=parse_variant, action="append", required=True,
                    help="NAME or NAME:KEY=VALUE,... (environment settings of its processes)")
     p.add_argument("--deadline-s", type=float, default=None, help="seconds the whole job may take")
+    p.add_argument("--rows", action="append", default=[], metavar="KEY",
+                   help="also the medians of the figures' KEY rows, beside `results` (e.g. verify_cost)")
     a = p.parse_args(argv[:split])
     bench_args = argv[split + 1 :]
     start, longest = time.perf_counter(), 0.0
@@ -93,7 +98,8 @@ def main(argv=None):
                   flush=True)
             if "error" not in figures:
                 done[name].append(figures)
-    print(json.dumps({"medians": {name: medians(figs) for name, figs in done.items()}, "bench": bench_args}))
+    more = {f"medians_{key}": {name: medians(figs, key) for name, figs in done.items()} for key in a.rows}
+    print(json.dumps({"medians": {name: medians(figs) for name, figs in done.items()}, **more, "bench": bench_args}))
     return 0
 
 

@@ -63,7 +63,8 @@ def _verify_costs(model, snapshot, rows=(2, 4, 6), repeats=15):
             took[T].append(time.perf_counter() - start)
             session.trim(n)
     times = {T: statistics.median(t[1:]) for T, t in took.items()}
-    return [{"rows": T, "seconds": times[T], "vs_one_token": times[T] / times[1]} for T in rows]
+    return [{"verify": f"{T} rows", "rows": T, "seconds": times[T], "vs_one_token": times[T] / times[1]}
+            for T in rows]
 
 
 def bench_speculative(a):
@@ -106,9 +107,10 @@ def bench_speculative(a):
         tok_s = statistics.median(r[0] for r in rows)
         lengths = [x for r in rows for x in r[1].accepted_lengths]
         drafted = sum(r[1].drafted for r in rows)
-        results.append({"drafter": name, "accepted_length": sum(lengths) / len(lengths) if lengths else 1.0,
+        results.append({"drafter": name, "context": context, "accepted_length": sum(lengths) / len(lengths) if lengths else 1.0,
                         "acceptance": sum(r[1].accepted for r in rows) / drafted if drafted else 0.0,
                         "tok_s": tok_s, "plain_tok_s": plain_tok_s, "speedup": tok_s / plain_tok_s})
     return {"preset": a.preset, "layers": model.args.num_hidden_layers, "like": a.like, "context": context,
             "decoded": n, "block": a.block, "greedy_identical": identical, "plain_tok_s": plain_tok_s,
-            "results": results, "verify_cost": _verify_costs(model, snapshot)}
+            "results": results,
+            "verify_cost": [row | {"context": context} for row in _verify_costs(model, snapshot)]}
