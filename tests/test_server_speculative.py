@@ -17,7 +17,7 @@ from test_drafter_gguf import dspark_metadata, dspark_tensors, mtp_tensors
 
 import ds4_mlx.session
 from ds4_mlx.cache.store import DiskStore
-from ds4_mlx.speculative import Speculation, server_generate, speculation_from_args
+from ds4_mlx.speculative import Speculation, add_arguments, server_generate, speculation_from_args
 from ds4_mlx.session import Session, common_prefix
 from ds4_mlx.tools.drafters import OracleDrafter, random_dspark, random_mtp
 from ds4_mlx.tools.testing import answer_text, served, write_gguf
@@ -59,7 +59,7 @@ class SpoiledLookahead(OracleDrafter):
 
 @pytest.fixture(scope="module")
 def drafters(demo, tmp_path_factory):
-    """{kind: make(model) -> a Speculation drafting `DRAFTS` tokens every round (no scheduler), or None}."""
+    """{kind: make(model) -> a Speculation drafting up to `DRAFTS` tokens every round (no scheduler)}."""
     folder = tmp_path_factory.mktemp("drafters")
     args = demo[0].args
     dspark = random_dspark(args, seed=3)
@@ -67,17 +67,16 @@ def drafters(demo, tmp_path_factory):
                              arch="deepseek4-dspark")
     mtp_file = write_gguf(folder / "mtp.gguf", {}, mtp_tensors(random_mtp(args, seed=4)))
 
-    def from_flags(*flags):
-        p = argparse.ArgumentParser()
-        p.add_argument("--mtp"), p.add_argument("--dspark", action="store_true")
-        p.add_argument("--draft-tokens", type=int), p.add_argument("--dspark-confidence", type=float, default=0.0)
-        make = speculation_from_args(p.parse_args(list(flags)))
+    def from_flags(*flags):  # as `ds4-mlx serve` reads them
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        make = speculation_from_args(parser.parse_args(list(flags)))
         return lambda model: _every_round(make(model))
 
     lookahead = SpoiledLookahead(DRAFTS)
-    return {"plain": None,
-            "dspark": from_flags("--mtp", str(dspark_file), "--dspark", "--draft-tokens", str(DRAFTS),
-                             "--dspark-confidence", "0.5"),
+    # DSpark's rounds cut by confidence: of different lengths, padded to one another's in a batched verify
+    return {"dspark": from_flags("--mtp", str(dspark_file), "--dspark", "--draft-tokens", str(DRAFTS),
+                                 "--dspark-confidence", "0.5"),
             "mtp": from_flags("--mtp", str(mtp_file), "--draft-tokens", str(DRAFTS)),
             "spoiled lookahead": lambda model: Speculation(lookahead, draft_tokens=DRAFTS, schedule=False)}
 
