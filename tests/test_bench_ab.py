@@ -39,7 +39,8 @@ def test_medians_are_per_context_over_processes():
 def test_medians_keep_labelled_rows_apart():
     """Rows of one context with different text fields (a drafter's name) are different settings; `--rows`
     names other rows to take medians of."""
-    runs = [{"results": [{"context": 8, "drafter": "oracle", "tok_s": v}, {"context": 8, "drafter": "random", "tok_s": -v}],
+    runs = [{"results": [{"context": 8, "drafter": "oracle", "tok_s": v},
+                         {"context": 8, "drafter": "random", "tok_s": -v}],
              "verify_cost": [{"context": 8, "verify": "2 rows", "rows": 2, "seconds": v}]} for v in (3.0, 1.0, 2.0)]
     assert bench_ab.medians(runs) == [{"drafter": "oracle", "tok_s": 2.0, "context": 8, "processes": 3},
                                       {"drafter": "random", "tok_s": -2.0, "context": 8, "processes": 3}]

@@ -107,7 +107,8 @@ def bench_speculative(a):
         tok_s = statistics.median(r[0] for r in rows)
         lengths = [x for r in rows for x in r[1].accepted_lengths]
         drafted = sum(r[1].drafted for r in rows)
-        results.append({"drafter": name, "context": context, "accepted_length": sum(lengths) / len(lengths) if lengths else 1.0,
+        results.append({"drafter": name, "context": context,
+                        "accepted_length": sum(lengths) / len(lengths) if lengths else 1.0,
                         "acceptance": sum(r[1].accepted for r in rows) / drafted if drafted else 0.0,
                         "tok_s": tok_s, "plain_tok_s": plain_tok_s, "speedup": tok_s / plain_tok_s})
     return {"preset": a.preset, "layers": model.args.num_hidden_layers, "like": a.like, "context": context,
