@@ -220,7 +220,7 @@ def test_kernels_pass_their_self_checks():
     try:
         kind = kernels.backend()
         for kernel in (kernels.HC_MIX, kernels.DECODE_ATTENTION, kernels.HC_PROJECT, kernels.ROUTED_EXPERTS,
-                       *kernels.GGUF_ROWS.values(), *kernels.GGUF_DEQUANTIZE.values()):
+                       *kernels.GGUF_ROWS.values(), *kernels.GGUF_DEQUANTIZE.values(), kernels.FEW_ROWS):
             if kind in kernel.launches:
                 assert kernel.backend() == kind, kernel.name
     finally:
@@ -370,3 +370,46 @@ def test_gguf_dequantize_kernel_matches_gguf(codec):
     assert got.dtype == mx.float32
     want = gguf.quants.dequantize(np.array(w), T[codec.upper()])
     assert np.abs(np.array(got) - want).max() <= 1e-6 * np.abs(want).max()  # a fused multiply-add at most
+
+
+def _few_rows_case(rows, groups, out, inp, dtype):
+    w, scales, biases = mx.quantize(0.02 * mx.random.normal((groups, out, inp), key=mx.random.key(out)),
+                                    group_size=32, bits=8)
+    x = mx.random.normal((rows, groups, inp), key=mx.random.key(rows)).astype(dtype)
+    return x, w, scales.astype(mx.float16), biases.astype(mx.float16)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("groups,out,inp", [(1, 1024, 4096), (8, 1024, 4096), (1, 4096, 2048)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_few_rows_kernel_matches_dequantized_product(groups, out, inp, dtype):
+    """The 8-bit product of a few rows against float64 products of MLX's own dequantization, and each row
+    the same bits whatever the number of rows beside it (a decoded token, a verify, a batched step)."""
+    import numpy as np
+
+    x, w, scales, biases = _few_rows_case(16, groups, out, inp, dtype)
+    with mx.stream(mx.cpu):
+        weights = np.array(mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), 32, 8), np.float64)
+    want = np.einsum("mgk,gok->mgo", np.array(x.astype(mx.float32), np.float64), weights)
+    for rows in (1, 6, 16):
+        got = on_cuda(kernels.few_rows, x[:rows], w, scales, biases, 32, 8, "affine")
+        assert got.shape == (rows, groups, out) and got.dtype == dtype
+        tolerance = 1e-5 if dtype == mx.float32 else 1e-2
+        assert np.abs(np.array(got.astype(mx.float32)) - want[:rows]).max() <= tolerance * np.abs(want).max()
+        if rows == 1:
+            first = np.array(got.astype(mx.float32))
+        else:
+            assert (np.array(got[:1].astype(mx.float32)) == first).all()
+
+
+def test_few_rows_definition_matches_quantized_matmul():
+    """The kernel's definition, on any device, against mx.quantized_matmul; no kernel on the CPU."""
+    import numpy as np
+
+    x, w, scales, biases = _few_rows_case(3, 2, 8, 256, mx.float32)
+    got = np.array(kernels.few_rows_reference(x, w, scales, biases, 32))
+    for g in range(2):
+        want = mx.quantized_matmul(x[:, g], w[g], scales[g].astype(mx.float32), biases[g].astype(mx.float32),
+                                   transpose=True, group_size=32, bits=8)
+        assert np.abs(got[:, g] - np.array(want)).max() <= 1e-5 * np.abs(np.array(want)).max()
+    assert kernels.few_rows(x, w, scales, biases, 32, 8, "affine") is None

@@ -814,3 +814,89 @@ def gguf_dequantize(w, codec):
     kernel = GGUF_DEQUANTIZE.get(codec)
     kind = None if kernel is None else kernel.backend()
     return None if kind is None else kernel.launches[kind](w, codec)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8-bit affine products of a few rows (a decoded token, a verify, a batched step): the attention
+# projections, the grouped output projection, the shared expert and the head of the published files (Q8_0).
+# MLX's quantized product re-reads the weight for each row past the first and takes a tensor-core kernel
+# from a few rows on; here a warp reads R output rows' codes once, 16 at a time as one 16-byte word, and
+# applies them to every row of x. `G` groups: output row n reads x's group n / (N / G) (the grouped map).
+_FEW_ROWS_CUDA = """
+    constexpr int R = 2, NG = N / G;
+    const int lane = threadIdx.x % 32, row0 = (blockIdx.x * (GROUP / 32) + threadIdx.x / 32) * R;
+    if (row0 >= N) return;
+    float acc[R][M];
+    for (int r = 0; r < R; ++r) for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    for (int c = lane; c < K / 16; c += 32) {
+        const int k0 = c * 16;
+        float wf[R][16], scale[R], bias[R];
+        for (int r = 0; r < R; ++r) {
+            const uint4 codes = reinterpret_cast<const uint4*>(w + (size_t)(row0 + r) * (K / 4))[c];
+            const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+            for (int j = 0; j < 16; ++j) wf[r][j] = (float)((words[j / 4] >> (8 * (j % 4))) & 0xFF);
+            scale[r] = static_cast<float>(scales[(size_t)(row0 + r) * (K / GS) + k0 / GS]);
+            bias[r] = static_cast<float>(biases[(size_t)(row0 + r) * (K / GS) + k0 / GS]);
+        }
+        const int g = row0 / NG;  // R divides NG: the warp's rows share a group
+        for (int m = 0; m < M; ++m) {
+            float xv[16], total = 0.0f;
+            for (int j = 0; j < 16; ++j) {
+                xv[j] = static_cast<float>(x[((size_t)m * G + g) * K + k0 + j]);
+                total += xv[j];
+            }
+            for (int r = 0; r < R; ++r) {
+                float dot = 0.0f;
+                for (int j = 0; j < 16; ++j) dot += wf[r][j] * xv[j];
+                acc[r][m] += scale[r] * dot + bias[r] * total;
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) {
+            float v = acc[r][m];
+            for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+            if (lane == 0) y[(size_t)m * N + row0 + r] = v;
+        }
+"""
+FEW_ROWS_MAX = 16
+
+
+@lru_cache(maxsize=None)
+def _few_rows_kernel():
+    return mx.fast.cuda_kernel(name="ds4_few_rows_q8", input_names=["x", "w", "scales", "biases"],
+                               output_names=["y"], source=_FEW_ROWS_CUDA)
+
+
+def few_rows_reference(x, w, scales, biases, group_size):
+    """x [M, groups, K] through 8-bit affine maps w [groups, out, K / 4] -> [M, groups, out] float32."""
+    weights = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size, 8)
+    return (x.astype(mx.float32).swapaxes(0, 1) @ weights.swapaxes(-1, -2)).swapaxes(0, 1)
+
+
+def _few_rows_cuda(x, w, scales, biases, group_size):
+    (M, G, K), N = x.shape, w.shape[0] * w.shape[1]
+    return _few_rows_kernel()(
+        inputs=[x, w, scales, biases],
+        template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("GROUP", _EXPERT_GROUP)],
+        grid=(-(-(N // 2) * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
+        output_shapes=[(M, G, N // G)], output_dtypes=[mx.float32])[0]
+
+
+def _few_rows_sample():
+    w, scales, biases = mx.quantize(0.05 * _random(2, 6, 256, seed=7), group_size=32, bits=8)
+    return _random(3, 2, 256, seed=8), w, scales.astype(mx.float16), biases.astype(mx.float16), 32
+
+
+FEW_ROWS = Kernel("few_rows_q8", few_rows_reference, _few_rows_sample, 1e-4)
+FEW_ROWS.launches["cuda"] = _few_rows_cuda
+
+
+def few_rows(x, w, scales, biases, group_size, bits, mode):
+    """`few_rows_reference` (in x's dtype), one kernel on CUDA for up to FEW_ROWS_MAX rows of 8-bit affine
+    maps; None where the kernel does not apply (the caller then runs its own path)."""
+    M, _, K = x.shape
+    if (bits != 8 or mode != "affine" or biases is None or M > FEW_ROWS_MAX or K % 16 or group_size % 16
+            or w.shape[1] % 2 or FEW_ROWS.backend() is None):
+        return None
+    return FEW_ROWS.launches["cuda"](x, w, scales, biases, group_size).astype(x.dtype)

@@ -64,9 +64,19 @@ class QuantizedLinear(nn.QuantizedLinear):
     their dtype and a dense product where the backend's quantized product is slower (`dequantizes`)."""
 
     def __call__(self, x):
-        if dequantizes(x.size // x.shape[-1]):
+        rows = x.size // x.shape[-1]
+        if dequantizes(rows):
             return x @ dequantized(self, x.dtype).T
+        if rows <= kernels.FEW_ROWS_MAX:
+            y = kernels.few_rows(x.reshape(rows, 1, -1), self.weight[None], self.scales[None],
+                                 _expanded(self.get("biases")), self.group_size, self.bits, self.mode)
+            if y is not None:
+                return y.reshape(*x.shape[:-1], -1)
         return super().__call__(x)
+
+
+def _expanded(a):
+    return None if a is None else a[None]
 
 
 def grouped_product(x, w):
@@ -111,6 +121,9 @@ class QuantizedGroupedLinear(nn.Module):
     def __call__(self, x):
         if dequantizes(x.shape[0]):
             return grouped_product(x, dequantized(self, x.dtype))
+        y = kernels.few_rows(x, self.weight, self.scales, self.get("biases"), self.group_size, self.bits, self.mode)
+        if y is not None:
+            return y
         y = mx.gather_qmm(x[:, :, None, :], self.weight, self.scales, self.get("biases"), rhs_indices=self._maps,
                           transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
         return y[:, :, 0, :]
