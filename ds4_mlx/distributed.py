@@ -46,8 +46,9 @@ RANK_TIMEOUT_S = 600.0
 BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends begin an exchange's error  # longest wait for another rank: a prefill chunk of the largest model fits in it
 
 
-class RankLost(RuntimeError):
-    """Another rank of the pipeline failed, left, or did not answer in time."""
+class RankLost(BaseException):
+    """Another rank of the pipeline failed or left. It ends the command, as KeyboardInterrupt does: no
+    handler of one request's failure (the server's, the REPL's) takes it for that request's alone."""
 
 
 def launched():
@@ -64,6 +65,7 @@ class Group:
         self.group = group if group is not None else mx.distributed.init(strict=True)
         self.rank, self.size = self.group.rank(), self.group.size()
         self.timeout_s = float(os.environ.get("DS4_MLX_RANK_TIMEOUT", RANK_TIMEOUT_S)) if timeout_s is None else timeout_s
+        self.lost = None  # what the first failed exchange said: the backend may hang on any exchange after it
 
     def wait(self, arrays, what, *, forever=False):
         """Evaluate `arrays` (which send to or receive from other ranks); `forever`: with no time limit (a
@@ -73,6 +75,8 @@ class Group:
                   "stopping (DS4_MLX_RANK_TIMEOUT sets the wait)", file=sys.stderr, flush=True)
             os._exit(3)
 
+        if self.lost is not None:
+            raise RankLost(self.lost)
         timer = threading.Timer(self.timeout_s, give_up)
         timer.daemon = True
         if not forever:
@@ -82,7 +86,8 @@ class Group:
         except RuntimeError as e:
             if not str(e).startswith(BACKEND_ERRORS):  # this rank's own computation failed
                 raise
-            raise RankLost(f"rank {self.rank} lost another rank of the pipeline while {what} ({e})") from None
+            self.lost = f"rank {self.rank} lost another rank of the pipeline while {what} ({e})"
+            raise RankLost(self.lost) from None
         finally:
             timer.cancel()
         return arrays
@@ -735,9 +740,10 @@ def run(args, command):
         if getattr(args, "mtp", None):  # a drafter reads the streams of layers other ranks hold
             raise ValueError("--mtp (speculative decoding) does not work across several ranks yet: leave it out")
         return command(args)
-    except RankLost:
+    except RankLost as e:
         lost = True
-        raise
+        print(f"ds4-mlx: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         finish(others_there=not lost)
 
@@ -765,10 +771,13 @@ def finish(*, others_there=True):
 def _load_rank_0(path):
     if _leader.stage is not None:
         raise ValueError("a command launched on several ranks loads one model")
-    stage, tokenizer = load_stage(path, _leader.group)
-    _leader.stage = stage
-    if _leader.store is not None:  # made before the model (the server's)
-        _leader.store.join()
+    try:
+        stage, tokenizer = load_stage(path, _leader.group)
+        _leader.stage = stage
+        if _leader.store is not None:  # made before the model (the server's)
+            _leader.store.join()
+    except RankLost as e:  # a load that failed, reported as any other (the server loads on a thread of its own)
+        raise RuntimeError(str(e)) from None
     return stage, tokenizer
 
 

@@ -366,11 +366,12 @@ def test_speculative_decoding_is_refused_across_ranks(tmp_path, demo):
     assert "Traceback" not in done.stderr and "exited with code 1" in done.stderr
 
 
-def test_the_server_on_two_ranks_answers_as_one_process_also_after_a_restart(demo, tmp_path):
+def test_the_server_on_two_ranks_answers_as_one_process_restarts_from_disk_and_stops_when_a_rank_dies(demo, tmp_path):
     """`serve` on 2 ranks answers as one process: a prompt, its resend (an exact rewind), another
     conversation, a long one. With `--kv-disk-dir`, each rank saves its own layers' caches at shutdown
     (rank 1 in its own subfolder); restarted, rank 0 finds the long conversation on disk, both ranks load
-    their part, and the answer is still one process's."""
+    their part, and the answer is still one process's. Then rank 1 is killed in the middle of a request:
+    the request gets an error and rank 0 stops at once, saying why in one line."""
     pytest.importorskip("openai")
     from openai import OpenAI
 
@@ -383,27 +384,42 @@ def test_the_server_on_two_ranks_answers_as_one_process_also_after_a_restart(dem
         return [answer_text(client.chat.completions.create(model=DEMO_MODEL_ID, messages=m, max_tokens=10,
                                                            temperature=0)) for m in asks]
 
-    with served(ctx=8192, sessions=2) as (_, client):
-        expected = answers(client, asks)
-    disk, logs = tmp_path / "kv", []
-    for asked in (asks, asks[-1:]):  # the second time, after a restart
+    def serving():
         port = free_port(1)
         ranks = start_ranks(2, tmp_path, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", "8192",
                             "--sessions", "2", "--model-id", DEMO_MODEL_ID, "--kv-disk-dir", str(disk))
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", ranks[0])
-            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
-            assert answers(client, asked) == expected[-len(asked):]
-            for process in ranks:
-                process.send_signal(signal.SIGTERM)  # as Ctrl+C does: rank 1 follows until rank 0 has saved
-            outputs = [process.communicate(timeout=60) for process in ranks]
-        finally:
-            for process in ranks:
-                if process.poll() is None:
-                    process.kill()
+        wait_healthy(f"http://127.0.0.1:{port}", ranks[0])
+        return ranks, OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+
+    with served(ctx=8192, sessions=2) as (_, client):
+        expected = answers(client, asks)
+    disk = tmp_path / "kv"
+    ranks = []
+    try:
+        ranks, client = serving()
+        assert answers(client, asks) == expected
+        for process in ranks:
+            process.send_signal(signal.SIGTERM)  # as Ctrl+C does: rank 1 follows until rank 0 has saved
+        outputs = [process.communicate(timeout=60) for process in ranks]
         assert [process.returncode for process in ranks] == [0, 0], outputs
-        logs.append(outputs[0][1])
+        assert "reason=shutdown" in outputs[0][1]
         stored = sorted(p.name for p in disk.glob("*.kv.safetensors"))
         assert stored and stored == sorted(p.name for p in (disk / "rank1").glob("*.kv.safetensors"))
-    assert "reason=shutdown" in logs[0]
-    assert "kv disk: hit" in logs[1] and "disk hit: slot 0 starts from a stored session" in logs[1], logs[1]
+
+        ranks, client = serving()
+        assert answers(client, asks[-1:]) == expected[-1:]
+        stream = client.chat.completions.create(model=DEMO_MODEL_ID, messages=asks[0], max_tokens=5000,
+                                                temperature=0, stream=True)
+        next(iter(stream))  # decoding
+        ranks[1].kill()
+        with pytest.raises(Exception, match="worker failed"):
+            list(stream)
+        _, log = ranks[0].communicate(timeout=30)  # no hang
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert "kv disk: hit" in log and "disk hit: slot 0 starts from a stored session" in log, log
+    assert ranks[0].returncode == 1 and "Traceback" not in log
+    assert re.search(r"the worker thread stopped: rank 0 lost another rank of the pipeline while .*\n.*exiting with "
+                     "status 1", log), log
