@@ -214,17 +214,24 @@ class Stage:
         session. -> (logits [B, T or 1, vocab] on rank 0, each session's arrays written by this rank's
         layers); one exchange a link for all B sessions. Changes no cache. No `taps` (speculative decoding
         is refused across ranks: `run`)."""
+        steps = self.forward_steps(ids, views, last_only=last_only, taps=taps)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
+        """`Model.forward_steps` over the pipeline. With `layers_per_step`, the pieces are the whole model's:
+        every rank pauses after every that many layers counted from the model's first, those of other
+        ranks included, so that all pause as often and at the same points (rank 0 orders each next piece).
+        The streams cross from rank to rank within the piece that holds the last layer before the
+        boundary, and the logits within the last piece: no exchange is left open while other sessions' steps
+        run between two pieces."""
         if taps is not None:
             raise ValueError("a pipeline stage hands no streams to a drafter")
         with self._in_step():
-            return self._forward(ids, views, last_only)
-
-    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
-        """`Model.forward_steps`, always in one piece: `layers_per_step` is set aside, since a piece would
-        have to end at the same point on every rank and each rank holds other layers (a chunk of a
-        prompt runs whole between other streams' tokens)."""
-        yield from ()  # a generator, as the model's, that never pauses
-        return self.forward(ids, views, last_only=last_only, taps=taps)
+            return (yield from self._pieces(ids, views, last_only, layers_per_step))
 
     @contextlib.contextmanager
     def _in_step(self):
@@ -232,50 +239,57 @@ class Stage:
         hold caches this one lacks): this rank stops, and the others learn it from their next exchange."""
         try:
             yield
-        except RankLost:
-            raise
         except Exception as e:  # noqa: BLE001
             print(f"ds4-mlx: rank {self.group.rank}: a forward failed ({type(e).__name__}: {e}); the ranks can no "
                   "longer keep step: stopping", file=sys.stderr, flush=True)
             os._exit(1)
 
-    def _forward(self, ids, views, last_only):
+    def _pieces(self, ids, views, last_only, layers_per_step):
         B, T = ids.shape
         flat = ids.reshape(-1)
         positions = mx.concatenate([v[0][0].positions for v in views]) if B > 1 else views[0][0][0].positions
-        streams = self._streams_in(flat, "a forward")
+        n, held = self.args.num_hidden_layers, self.layer_range
+        ends = [*range(layers_per_step, n, layers_per_step), n] if layers_per_step else [n]
+        streams = self.model._streams(flat) if self.first else None
         written = [[] for _ in views]
-        for i, layer in enumerate(self.model.layers):
-            streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
-            for mine, step in zip(written, steps):
-                mine.append(step)
-        return self._logits_out(streams, B, 1 if last_only else T, "a forward"), written
+        begin = 0
+        for end in ends:
+            if not self.first and begin < held.start <= end:  # the previous rank's last layer is in this piece
+                streams = self._received_streams(flat)
+            for i in range(max(begin, held.start), min(end, held.stop)):
+                streams, steps = self.model.layers[i - held.start](streams, flat, positions,
+                                                                   [v[i - held.start] for v in views], self.quant_sim)
+                for mine, step in zip(written, steps):
+                    mine.append(step)
+            if not self.last and begin < held.stop <= end:  # this rank's last layer is in this piece
+                self.group.send(streams, self.group.rank + 1, "passing on the streams of a forward")
+            if end < n:
+                mx.eval([] if streams is None else streams, written)
+                yield
+            begin = end
+        return self._logits(streams, B, 1 if last_only else T), written
 
-    def _streams_in(self, ids, what):
-        if self.first:
-            return self.model._streams(ids)
+    def _received_streams(self, ids):
         if not self.model.quant_sim and self.model.layers[0].attn_norm.weight.dtype == mx.float32:
             from ds4_mlx.precision import exact_float32
 
             exact_float32()
         shape = (ids.shape[0], self.args.hc_mult, self.args.hidden_size)
-        return self.group.recv(shape, mx.float32, self.group.rank - 1, f"receiving the streams of {what}")
+        return self.group.recv(shape, mx.float32, self.group.rank - 1, "receiving the streams of a forward")
 
-    def _logits_out(self, streams, B, rows, what):
-        """streams [B * T, hc, H] -> the last rank's logits of each of B sessions' last `rows` positions
-        [B, rows, vocab] on rank 0; a placeholder [B, rows, 1] elsewhere. The streams go on whole: the
-        next ranks' caches need every position."""
+    def _logits(self, streams, B, rows):
+        """The last rank's logits of each of B sessions' last `rows` positions [B, rows, vocab], on rank 0;
+        a placeholder [B, rows, 1] elsewhere (`streams` [B * T, hc, H]: the last rank's, whole, as the next
+        ranks' caches need every position)."""
         g = self.group
-        if not self.last:
-            g.send(streams, g.rank + 1, f"passing on the streams of {what}")
-            if not self.first:
-                return mx.zeros((B, rows, 1))
-            return g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1, f"receiving the logits of {what}")
-        tail = streams.reshape(B, -1, *streams.shape[1:])[:, -rows:]
-        logits = self.model._logits(tail.reshape(B * rows, *streams.shape[1:])).reshape(B, rows, -1)
-        if self.first:
-            return logits
-        g.send(logits, 0, f"passing on the logits of {what}")
+        if self.last:
+            tail = streams.reshape(B, -1, *streams.shape[1:])[:, -rows:]
+            logits = self.model._logits(tail.reshape(B * rows, *streams.shape[1:])).reshape(B, rows, -1)
+            if self.first:
+                return logits
+            g.send(logits, 0, "passing on the logits of a forward")
+        elif self.first:
+            return g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1, "receiving the logits of a forward")
         return mx.zeros((B, rows, 1))
 
 
@@ -378,9 +392,9 @@ class LockstepSession:
     """A `Session` on rank 0 whose operations every rank runs on its own layers (`follow`). Reads
     (tokens, logits, last_sync, nbytes of rank 0's part) are the local session's."""
 
-    # ordered on every rank when set; `layers_per_turn` is not: the pipeline runs a chunk whole (`Stage.forward_steps`)
+    # ordered on every rank when set to another value
     _SETTINGS = ("max_chunk", "rewind_slack", "checkpoint_every", "frontier_horizon", "recent_checkpoints",
-                 "exact_rewinds")
+                 "exact_rewinds", "layers_per_turn")
 
     def __init__(self, leader: Leader, **options):
         object.__setattr__(self, "_leader", leader)
@@ -393,7 +407,7 @@ class LockstepSession:
         return getattr(self._local, name)
 
     def __setattr__(self, name, value):
-        if name in self._SETTINGS:
+        if name in self._SETTINGS and getattr(self._local, name) != value:  # (a server sets some every turn)
             self._leader.order("set", self._id, name, value)
         setattr(self._local, name, value)
 

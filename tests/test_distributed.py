@@ -113,17 +113,23 @@ def assert_same(got, expected):
 @pytest.mark.parametrize("model,ranks,idle", [("tiny", 2, 0), ("pro", 3, 4)])  # the demo model: through generate
 def test_logits_equal_one_process(models, tmp_path, monkeypatch, model, ranks, idle):
     """`idle`: rank 0 waits longer than DS4_MLX_RANK_TIMEOUT before it starts: the others wait for its
-    orders with no time limit (an idle server keeps its ranks)."""
-    monkeypatch.setenv("DS4_MLX_RANK_TIMEOUT", "2" if idle else "600")
+    orders with no time limit (an idle server keeps its ranks). A prompt is also computed a few layers at a
+    time beside another session's tokens, in pieces that end inside one rank's layers and at a boundary."""
+    monkeypatch.setenv("DS4_MLX_RANK_TIMEOUT", "3" if idle else "600")
     expected = one_process(models[model])
     loaded, _ = load(models[model])
-    expected.update(check.batched(lambda: Session(loaded, **check.SESSION_OPTIONS),
-                                  check.prompt_ids(loaded.args.vocab_size)))
+    ids = check.prompt_ids(loaded.args.vocab_size)
+    expected.update(check.batched(lambda: Session(loaded, **check.SESSION_OPTIONS), ids))
+    pieces = (1, 2, 3)
+    for layers in pieces:
+        expected.update(check.in_pieces(lambda: Session(loaded, **check.SESSION_OPTIONS), ids, layers))
+    assert len([k for k in expected if k.startswith("beside1.")]) > loaded.args.num_hidden_layers
     # the script's rewinds take every path: in place, a lane, a checkpoint, from the start
     assert expected["rewind_in_place.replayed"] == 0
     assert 0 < expected["rewind_to_a_lane.replayed"] < 16 and 0 < expected["rewind_to_a_checkpoint.replayed"] < 16
     assert expected["rewind_to_the_start.replayed"] == 4 and expected["same_again.replayed"] == 0
-    assert_same(launched_script(ranks, models[model], tmp_path, "--idle", str(idle)), expected)
+    assert_same(launched_script(ranks, models[model], tmp_path, "--idle", str(idle), "--layers-per-turn",
+                                *map(str, pieces)), expected)
 
 
 def test_exact_rewinds_equal_one_process(models, tmp_path):
