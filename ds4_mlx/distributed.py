@@ -588,8 +588,8 @@ class PartFolder:
             identity = model_identity(self.stage)
             sizes = [self._size_if_fits(self.dir / name, identity) for name in names]
             for path in self.dir.iterdir():
-                if path.name != LOCK and path.name not in held:  # rank 0 knows no such entry (or a write was cut)
-                    path.unlink()
+                if path.is_file() and path.name != LOCK and path.name not in held:  # rank 0 knows no such entry
+                    path.unlink()  # (or its write was cut short)
             usable = 1
         except OSError as e:
             print(f"ds4-mlx: rank {group.rank}: kv disk: cannot use {self.dir}: {e}", file=sys.stderr, flush=True)
