@@ -10,7 +10,8 @@ operation it makes (new, sync, step, trim, reset, snapshot, restore, save, load,
 the other ranks as its name and arguments (`Leader`), and every rank runs the same `Session` code on its own
 layers' caches (`follow`). Where a session decides from its caches (can a rewind trim in place, is a
 checkpoint whole) the ranks agree first (`RankSession._everywhere`), so all take the same branch and a
-rewind is as exact as on one machine.
+rewind is as exact as on one machine. The disk store is rank 0's to decide as well (`LockstepStore`): each
+rank writes and reads its own layers' file of an entry as rank 0 orders (`PartFolder`).
 
 A rank that fails or leaves: the ring backend raises on the others' next exchange with it, and an exchange
 that waits longer than `DS4_MLX_RANK_TIMEOUT` seconds stops the process; rank 0 reports it in one line and
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -32,8 +34,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ds4_mlx import loader
+from ds4_mlx import cache, loader
 from ds4_mlx.cache.geometry import lane_every
+from ds4_mlx.cache.state import (StateFileError, export_session, file_size_bound, model_identity, read_header,
+                                 write_state_file)
+from ds4_mlx.cache.store import LOCK, DiskStore, lock_folder, log
 from ds4_mlx.session import Session, step_together
 
 BROADCAST_BYTES = 512  # an order up to this long goes to the other ranks in one exchange
@@ -41,8 +46,9 @@ RANK_TIMEOUT_S = 600.0
 BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends begin an exchange's error  # longest wait for another rank: a prefill chunk of the largest model fits in it
 
 
-class RankLost(RuntimeError):
-    """Another rank of the pipeline failed, left, or did not answer in time."""
+class RankLost(BaseException):
+    """Another rank of the pipeline failed or left. It ends the command, as KeyboardInterrupt does: no
+    handler of one request's failure (the server's, the REPL's) takes it for that request's alone."""
 
 
 def launched():
@@ -59,6 +65,7 @@ class Group:
         self.group = group if group is not None else mx.distributed.init(strict=True)
         self.rank, self.size = self.group.rank(), self.group.size()
         self.timeout_s = float(os.environ.get("DS4_MLX_RANK_TIMEOUT", RANK_TIMEOUT_S)) if timeout_s is None else timeout_s
+        self.lost = None  # what the first failed exchange said: the backend may hang on any exchange after it
 
     def wait(self, arrays, what, *, forever=False):
         """Evaluate `arrays` (which send to or receive from other ranks); `forever`: with no time limit (a
@@ -68,6 +75,8 @@ class Group:
                   "stopping (DS4_MLX_RANK_TIMEOUT sets the wait)", file=sys.stderr, flush=True)
             os._exit(3)
 
+        if self.lost is not None:
+            raise RankLost(self.lost)
         timer = threading.Timer(self.timeout_s, give_up)
         timer.daemon = True
         if not forever:
@@ -77,7 +86,8 @@ class Group:
         except RuntimeError as e:
             if not str(e).startswith(BACKEND_ERRORS):  # this rank's own computation failed
                 raise
-            raise RankLost(f"rank {self.rank} lost another rank of the pipeline while {what} ({e})") from None
+            self.lost = f"rank {self.rank} lost another rank of the pipeline while {what} ({e})"
+            raise RankLost(self.lost) from None
         finally:
             timer.cancel()
         return arrays
@@ -190,9 +200,9 @@ class Stage:
     def __init__(self, model, group: Group, ranges):
         self.model, self.group, self.ranges = model, group, ranges
         self.args, self.quant_sim = model.args, model.quant_sim
-        self.layers = ranges[group.rank]
+        self.layer_range = ranges[group.rank]
         # what names a saved session's model (`cache.state.model_identity`): each rank saves its own layers
-        self.weight_files = getattr(model, "weight_files", None), [self.layers.start, self.layers.stop]
+        self.weight_files = getattr(model, "weight_files", None), [self.layer_range.start, self.layer_range.stop]
         self.embed = getattr(model, "embed", None)
         self.first, self.last = group.rank == 0, group.rank == group.size - 1
 
@@ -204,17 +214,24 @@ class Stage:
         session. -> (logits [B, T or 1, vocab] on rank 0, each session's arrays written by this rank's
         layers); one exchange a link for all B sessions. Changes no cache. No `taps` (speculative decoding
         is refused across ranks: `run`)."""
+        steps = self.forward_steps(ids, views, last_only=last_only, taps=taps)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
+        """`Model.forward_steps` over the pipeline. With `layers_per_step`, the pieces are the whole model's:
+        every rank pauses after every that many layers counted from the model's first, those of other
+        ranks included, so that all pause as often and at the same points (rank 0 orders each next piece).
+        The streams cross from rank to rank within the piece that holds the last layer before the
+        boundary, and the logits within the last piece: no exchange is left open while other sessions' steps
+        run between two pieces."""
         if taps is not None:
             raise ValueError("a pipeline stage hands no streams to a drafter")
         with self._in_step():
-            return self._forward(ids, views, last_only)
-
-    def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
-        """`Model.forward_steps`, always in one piece: `layers_per_step` is set aside, since a piece would
-        have to end at the same point on every rank and each rank holds other layers (a chunk of a
-        prompt runs whole between other streams' tokens)."""
-        yield from ()  # a generator, as the model's, that never pauses
-        return self.forward(ids, views, last_only=last_only, taps=taps)
+            return (yield from self._pieces(ids, views, last_only, layers_per_step))
 
     @contextlib.contextmanager
     def _in_step(self):
@@ -222,50 +239,57 @@ class Stage:
         hold caches this one lacks): this rank stops, and the others learn it from their next exchange."""
         try:
             yield
-        except RankLost:
-            raise
         except Exception as e:  # noqa: BLE001
             print(f"ds4-mlx: rank {self.group.rank}: a forward failed ({type(e).__name__}: {e}); the ranks can no "
                   "longer keep step: stopping", file=sys.stderr, flush=True)
             os._exit(1)
 
-    def _forward(self, ids, views, last_only):
+    def _pieces(self, ids, views, last_only, layers_per_step):
         B, T = ids.shape
         flat = ids.reshape(-1)
         positions = mx.concatenate([v[0][0].positions for v in views]) if B > 1 else views[0][0][0].positions
-        streams = self._streams_in(flat, "a forward")
+        n, held = self.args.num_hidden_layers, self.layer_range
+        ends = [*range(layers_per_step, n, layers_per_step), n] if layers_per_step else [n]
+        streams = self.model._streams(flat) if self.first else None
         written = [[] for _ in views]
-        for i, layer in enumerate(self.model.layers):
-            streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
-            for mine, step in zip(written, steps):
-                mine.append(step)
-        return self._logits_out(streams, B, 1 if last_only else T, "a forward"), written
+        begin = 0
+        for end in ends:
+            if not self.first and begin < held.start <= end:  # the previous rank's last layer is in this piece
+                streams = self._received_streams(flat)
+            for i in range(max(begin, held.start), min(end, held.stop)):
+                streams, steps = self.model.layers[i - held.start](streams, flat, positions,
+                                                                   [v[i - held.start] for v in views], self.quant_sim)
+                for mine, step in zip(written, steps):
+                    mine.append(step)
+            if not self.last and begin < held.stop <= end:  # this rank's last layer is in this piece
+                self.group.send(streams, self.group.rank + 1, "passing on the streams of a forward")
+            if end < n:
+                mx.eval([] if streams is None else streams, written)
+                yield
+            begin = end
+        return self._logits(streams, B, 1 if last_only else T), written
 
-    def _streams_in(self, ids, what):
-        if self.first:
-            return self.model._streams(ids)
+    def _received_streams(self, ids):
         if not self.model.quant_sim and self.model.layers[0].attn_norm.weight.dtype == mx.float32:
             from ds4_mlx.precision import exact_float32
 
             exact_float32()
         shape = (ids.shape[0], self.args.hc_mult, self.args.hidden_size)
-        return self.group.recv(shape, mx.float32, self.group.rank - 1, f"receiving the streams of {what}")
+        return self.group.recv(shape, mx.float32, self.group.rank - 1, "receiving the streams of a forward")
 
-    def _logits_out(self, streams, B, rows, what):
-        """streams [B * T, hc, H] -> the last rank's logits of each of B sessions' last `rows` positions
-        [B, rows, vocab] on rank 0; a placeholder [B, rows, 1] elsewhere. The streams go on whole: the
-        next ranks' caches need every position."""
+    def _logits(self, streams, B, rows):
+        """The last rank's logits of each of B sessions' last `rows` positions [B, rows, vocab], on rank 0;
+        a placeholder [B, rows, 1] elsewhere (`streams` [B * T, hc, H]: the last rank's, whole, as the next
+        ranks' caches need every position)."""
         g = self.group
-        if not self.last:
-            g.send(streams, g.rank + 1, f"passing on the streams of {what}")
-            if not self.first:
-                return mx.zeros((B, rows, 1))
-            return g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1, f"receiving the logits of {what}")
-        tail = streams.reshape(B, -1, *streams.shape[1:])[:, -rows:]
-        logits = self.model._logits(tail.reshape(B * rows, *streams.shape[1:])).reshape(B, rows, -1)
-        if self.first:
-            return logits
-        g.send(logits, 0, f"passing on the logits of {what}")
+        if self.last:
+            tail = streams.reshape(B, -1, *streams.shape[1:])[:, -rows:]
+            logits = self.model._logits(tail.reshape(B * rows, *streams.shape[1:])).reshape(B, rows, -1)
+            if self.first:
+                return logits
+            g.send(logits, 0, "passing on the logits of a forward")
+        elif self.first:
+            return g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1, "receiving the logits of a forward")
         return mx.zeros((B, rows, 1))
 
 
@@ -311,14 +335,16 @@ class RankSession(Session):
         return super().save(part_path(path, self.model.group.rank), **options)
 
     def load(self, path):
-        """Every rank loads its part, or none does: a part that does not fit, or that holds other tokens than
-        rank 0's (a file from another save), is an error on every rank."""
-        from ds4_mlx.cache.state import StateFileError
+        self.load_part(part_path(path, self.model.group.rank))
 
+    def load_part(self, path):
+        """Hold the part of a saved session at `path` (this rank's file). Every rank loads its part, or none
+        does: a part that does not fit, or that holds other tokens than rank 0's (a file from another save),
+        is an error on every rank."""
         group = self.model.group
         before, error = self.snapshot(), None
         try:
-            super().load(part_path(path, group.rank))
+            super().load(path)
         except (StateFileError, OSError) as e:
             error = e
         tokens = hashlib.sha256(json.dumps(self.tokens).encode()).hexdigest() if error is None else None
@@ -346,6 +372,7 @@ class Leader:
 
     def __init__(self, group: Group, stage=None):
         self.group, self.stage = group, stage
+        self.store = None  # the disk store (`LockstepStore`), if the command made one
         self.ids = itertools.count()
         self.forgotten = []  # sessions and snapshots rank 0 dropped: the others drop theirs with the next order
 
@@ -365,9 +392,9 @@ class LockstepSession:
     """A `Session` on rank 0 whose operations every rank runs on its own layers (`follow`). Reads
     (tokens, logits, last_sync, nbytes of rank 0's part) are the local session's."""
 
-    # ordered on every rank when set; `layers_per_turn` is not: the pipeline runs a chunk whole (`Stage.forward_steps`)
+    # ordered on every rank when set to another value
     _SETTINGS = ("max_chunk", "rewind_slack", "checkpoint_every", "frontier_horizon", "recent_checkpoints",
-                 "exact_rewinds")
+                 "exact_rewinds", "layers_per_turn")
 
     def __init__(self, leader: Leader, **options):
         object.__setattr__(self, "_leader", leader)
@@ -380,7 +407,7 @@ class LockstepSession:
         return getattr(self._local, name)
 
     def __setattr__(self, name, value):
-        if name in self._SETTINGS:
+        if name in self._SETTINGS and getattr(self._local, name) != value:  # (a server sets some every turn)
             self._leader.order("set", self._id, name, value)
         setattr(self._local, name, value)
 
@@ -469,11 +496,176 @@ class _Snapshot:
         weakref.finalize(self, leader.forgotten.append, snap_id)
 
 
+# -------------------------------------------------------------------------------------------------------
+# The disk store in lockstep
+
+
+class LockstepStore(DiskStore):
+    """The disk store (`ds4_mlx.cache.store`) of sessions in lockstep, on rank 0. Rank 0 keeps the index and
+    decides every hit, miss and eviction; an entry is one file a rank under one name, each holding its own
+    layers' caches (and naming them in its header, so that a file of another split is refused): rank 0's in
+    the folder, rank r's in the folder's `rank{r}` subfolder on its own machine (`PartFolder`). An entry is
+    written, read and deleted on every rank or on none. Its size is its largest file's: the budget holds
+    for each rank's folder."""
+
+    def __init__(self, leader: Leader, directory, budget_mb, **options):
+        self.leader, self.joined = leader, False
+        super().__init__(directory, budget_mb, **options)
+        leader.store = self
+        if leader.stage is not None:  # else once the model is loaded: the other ranks wait for it until then
+            self.join()
+
+    def join(self):
+        """Bring in the other ranks' folders: each keeps its files of this index's entries (those that fit
+        its layers) and deletes the rest; an entry that some rank lacks is deleted. A rank that cannot use
+        its folder leaves the store unused for this run, as one process goes on without a folder it cannot
+        use."""
+        entries = list(self.entries.values())
+        self._order("join", str(self.dir), [e.name for e in entries])
+        rows = gathered(self.leader.group, [1] + [e.size for e in entries], "opening the disk store")
+        failed = [rank for rank, row in enumerate(rows) if not row[0]]
+        if failed:
+            log.warning(f"kv disk: rank {', '.join(map(str, failed))} cannot use its folder (its error is on its "
+                        "console); going on without the disk store: no session is saved or restored")
+            return
+        self.joined = True
+        for e, sizes in zip(entries, list(zip(*rows))[1:]):
+            if min(sizes):
+                e.size = max(sizes)
+            else:
+                self._delete(e, "missing-part")
+        self._write_index()
+
+    # unused until every rank has its folder
+    def save(self, session, reason, namespace: str = ""):
+        return super().save(session, reason, namespace) if self.joined else None
+
+    def find(self, model, prompt, namespace: str = ""):
+        return super().find(model, prompt, namespace) if self.joined else None
+
+    def latest(self, reason=None):
+        return super().latest(reason) if self.joined else None
+
+    def _order(self, what, *args):
+        self.leader.order("disk", what, *args)
+
+    def _export(self, session, namespace):
+        part, bound = super()._export(session, namespace)
+        self._order("bound", session._id, self.history, namespace)
+        return part, max(_everyones(self.leader.group, bound, "sizing a stored session", "export its part"))
+
+    def _write(self, session, name, part):
+        self._order("write", session._id, name, self.history, part[1]["namespace"])
+        return _written_everywhere(self.leader.group, self.dir / name,
+                                   lambda: super(LockstepStore, self)._write(session, name, part))
+
+    def _import(self, session, name):
+        self._order("load", session._id, name)
+        session._local.load_part(self.dir / name)
+
+    def _unlink(self, name):
+        super()._unlink(name)
+        if self.joined:
+            self._order("delete", name)
+
+    def _indexed(self, entry, path) -> bool:
+        return entry is not None and entry.size >= path.stat().st_size  # an entry's size is its largest file's
+
+
+class PartFolder:
+    """Rank r's side of the disk store (r > 0): its files of rank 0's entries, in the store folder's `rank{r}`
+    subfolder, written, read and deleted as rank 0 orders (`LockstepStore`)."""
+
+    def __init__(self, stage: Stage):
+        self.stage, self.dir = stage, None
+
+    def join(self, directory, names):
+        group, held = self.stage.group, set(names)
+        try:
+            self.dir = Path(directory) / f"rank{group.rank}"
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._lock_file = lock_folder(self.dir)
+            identity = model_identity(self.stage)
+            sizes = [self._size_if_fits(self.dir / name, identity) for name in names]
+            for path in self.dir.iterdir():
+                if path.is_file() and path.name != LOCK and path.name not in held:  # rank 0 knows no such entry
+                    path.unlink()  # (or its write was cut short)
+            usable = 1
+        except OSError as e:
+            print(f"ds4-mlx: rank {group.rank}: kv disk: cannot use {self.dir}: {e}", file=sys.stderr, flush=True)
+            usable, sizes = 0, [0] * len(names)
+        gathered(group, [usable] + sizes, "opening the disk store")
+
+    def bound(self, session, history, namespace):
+        error = None
+        try:
+            bound = file_size_bound(*self._export(session, history, namespace))
+        except Exception as e:  # noqa: BLE001 - told to every rank, then raised (`follow` prints it)
+            bound, error = -1, e
+        _everyones(self.stage.group, bound, "sizing a stored session", "export its part")
+        if error is not None:
+            raise error
+
+    def write(self, session, name, history, namespace):
+        _written_everywhere(self.stage.group, self.dir / name,
+                            lambda: write_state_file(self.dir / name, *self._export(session, history, namespace)))
+
+    def load(self, session, name):
+        session.load_part(self.dir / name)
+
+    def delete(self, name):
+        (self.dir / name).unlink(missing_ok=True)
+
+    @staticmethod
+    def _export(session, history, namespace):
+        arrays, header = export_session(session, history)
+        header["namespace"] = namespace
+        return arrays, header
+
+    @staticmethod
+    def _size_if_fits(path, identity):
+        """The size of the file at `path` if it holds this rank's layers of this model, else 0."""
+        try:
+            header = read_header(path)
+        except StateFileError:
+            return 0
+        return path.stat().st_size if header.get("model") == identity else 0  # (the identity names the layers)
+
+
+def gathered(group: Group, values, what):
+    """Every rank's `values` (integers) on every rank: one list a rank."""
+    every = mx.distributed.all_gather(mx.array(values, mx.int64), group=group.group)
+    return group.wait(every, what).reshape(group.size, -1).tolist()
+
+
+def _everyones(group: Group, value, what, failed):
+    """Every rank's `value`; OSError on every rank where one is negative (that rank could not `failed`)."""
+    values = [row[0] for row in gathered(group, [value], what)]
+    if min(values) < 0:
+        raise OSError(f"rank {values.index(min(values))} could not {failed} (its error is on its console)")
+    return values
+
+
+def _written_everywhere(group: Group, path, write):
+    """`write()` on every rank, each writing its own file at `path` -> the largest file's size. Where any rank
+    failed, every rank deletes its file and raises."""
+    error = None
+    try:
+        size = write()
+    except Exception as e:  # noqa: BLE001 - told to every rank first
+        size, error = -1, e
+    try:
+        return max(_everyones(group, size, "writing a stored session", "write its part"))
+    except OSError as elsewhere:
+        path.unlink(missing_ok=True)
+        raise error or elsewhere from None
+
+
 def follow(stage: Stage):
     """The other ranks' side: run rank 0's orders on this rank's sessions until it says exit. An error in
     an order is rank 0's too (the same code on the same arguments), which reports it; this rank goes on."""
     sessions, snapshots, steps = {}, {}, {}
-    group = stage.group
+    group, parts = stage.group, PartFolder(stage)
     while True:
         forgotten, kind, *rest = group.broadcast(forever=True)
         for dropped in forgotten:  # one numbering for both
@@ -512,6 +704,11 @@ def follow(stage: Stage):
                 step_together([sessions[s] for s in sids], mx.array(ids, mx.int32))
                 for s in sids:
                     sessions[s].settle()
+            elif kind == "disk":  # the disk store: join, bound, write, load or delete (`LockstepStore`)
+                what, *args = rest
+                if what in ("bound", "write", "load"):
+                    args[0] = sessions[args[0]]
+                getattr(parts, what)(*args)
             else:
                 raise ValueError(f"unknown order {kind!r}")
         except RankLost:
@@ -539,47 +736,62 @@ def new_session(model, **options):
 
 def run(args, command):
     """Run the parsed CLI command (`args.model`: the model, or the demo model) on the launched group: rank 0
-    runs `command(args)`, its model's load giving its `Stage` and its sessions in lockstep; the others load
-    their layers and follow rank 0 until it is done, printing nothing but errors."""
+    runs `command(args)`, its model's load giving its `Stage`, its sessions in lockstep and its disk store
+    a `LockstepStore`; the others load their layers and follow rank 0 until it is done, printing nothing
+    but errors."""
     global _leader
     group = Group() if launched() else None
     if group is None or group.size == 1:
         return command(args)
     if group.rank != 0:
         return _follow_command(args, group)
-    lost = False
     _leader = Leader(group)
     loader.stage_loader = _load_rank_0
+    cache.store_factory = lambda directory, budget_mb, **options: LockstepStore(_leader, directory, budget_mb,
+                                                                                **options)
+    lost = False
     try:
-        if getattr(args, "kv_disk_dir", None):  # the store writes and reads rank 0's caches alone
-            raise ValueError("--kv-disk-dir does not work across several ranks yet: leave it out (sessions stay in "
-                             "memory)")
         if getattr(args, "mtp", None):  # a drafter reads the streams of layers other ranks hold
             raise ValueError("--mtp (speculative decoding) does not work across several ranks yet: leave it out")
         return command(args)
-    except RankLost:
+    except RankLost as e:
         lost = True
-        raise
+        print(f"ds4-mlx: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
-        leader, _leader, loader.stage_loader = _leader, None, None
-        if not lost:
-            try:
-                if leader.stage is None:
-                    group.broadcast(None)  # the command ended before loading a model: the others wait for none
-                else:
-                    leader.finish()
-            except RankLost:
-                pass  # they are gone already
-        sys.stdout.flush()
-        sys.stderr.flush()
-        time.sleep(LINGER_S)
+        finish(others_there=not lost)
+
+
+def finish(*, others_there=True):
+    """Rank 0's command is done: tell the other ranks so (they stop), and wait a moment for mlx.launch to
+    read what this rank printed last. `run` does this as the command returns; a command that leaves with
+    `os._exit` (the server) calls it first. Does nothing on one machine, or a second time."""
+    global _leader
+    leader, _leader, loader.stage_loader, cache.store_factory = _leader, None, None, None
+    if leader is None:
+        return
+    try:
+        if others_there and leader.stage is None:
+            leader.group.broadcast(None)  # the command ended before loading a model: the others wait for none
+        elif others_there:
+            leader.finish()
+    except RankLost:
+        pass  # they are gone already
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(LINGER_S)
 
 
 def _load_rank_0(path):
     if _leader.stage is not None:
         raise ValueError("a command launched on several ranks loads one model")
-    stage, tokenizer = load_stage(path, _leader.group)
-    _leader.stage = stage
+    try:
+        stage, tokenizer = load_stage(path, _leader.group)
+        _leader.stage = stage
+        if _leader.store is not None:  # made before the model (the server's)
+            _leader.store.join()
+    except RankLost as e:  # a load that failed, reported as any other (the server loads on a thread of its own)
+        raise RuntimeError(str(e)) from None
     return stage, tokenizer
 
 
@@ -587,6 +799,10 @@ def _follow_command(args, group):
     from ds4_mlx.demo import demo_model_path
 
     sys.stdout = open(os.devnull, "w")  # rank 0 alone speaks
+    # rank 0 decides when the ranks stop: at Ctrl+C or SIGTERM a server saves its sessions on every rank
+    # before it says exit, so this rank follows until then (or until rank 0 is gone)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         loaded = load_stage(getattr(args, "model", None) or demo_model_path(), group, progress=False)
         if loaded is not None:

@@ -113,17 +113,23 @@ def assert_same(got, expected):
 @pytest.mark.parametrize("model,ranks,idle", [("tiny", 2, 0), ("pro", 3, 4)])  # the demo model: through generate
 def test_logits_equal_one_process(models, tmp_path, monkeypatch, model, ranks, idle):
     """`idle`: rank 0 waits longer than DS4_MLX_RANK_TIMEOUT before it starts: the others wait for its
-    orders with no time limit (an idle server keeps its ranks)."""
-    monkeypatch.setenv("DS4_MLX_RANK_TIMEOUT", "2" if idle else "600")
+    orders with no time limit (an idle server keeps its ranks). A prompt is also computed a few layers at a
+    time beside another session's tokens, in pieces that end inside one rank's layers and at a boundary."""
+    monkeypatch.setenv("DS4_MLX_RANK_TIMEOUT", "3" if idle else "600")
     expected = one_process(models[model])
     loaded, _ = load(models[model])
-    expected.update(check.batched(lambda: Session(loaded, **check.SESSION_OPTIONS),
-                                  check.prompt_ids(loaded.args.vocab_size)))
+    ids = check.prompt_ids(loaded.args.vocab_size)
+    expected.update(check.batched(lambda: Session(loaded, **check.SESSION_OPTIONS), ids))
+    pieces = (1, 2, 3)
+    for layers in pieces:
+        expected.update(check.in_pieces(lambda: Session(loaded, **check.SESSION_OPTIONS), ids, layers))
+    assert len([k for k in expected if k.startswith("beside1.")]) > loaded.args.num_hidden_layers
     # the script's rewinds take every path: in place, a lane, a checkpoint, from the start
     assert expected["rewind_in_place.replayed"] == 0
     assert 0 < expected["rewind_to_a_lane.replayed"] < 16 and 0 < expected["rewind_to_a_checkpoint.replayed"] < 16
     assert expected["rewind_to_the_start.replayed"] == 4 and expected["same_again.replayed"] == 0
-    assert_same(launched_script(ranks, models[model], tmp_path, "--idle", str(idle)), expected)
+    assert_same(launched_script(ranks, models[model], tmp_path, "--idle", str(idle), "--layers-per-turn",
+                                *map(str, pieces)), expected)
 
 
 def test_exact_rewinds_equal_one_process(models, tmp_path):
@@ -164,6 +170,33 @@ def test_a_part_that_does_not_fit_is_refused_on_every_rank(models, saved, tmp_pa
     # (mlx.launch exits 0 whatever its ranks do: what they say is the test)
     assert "another rank's part" in done.stderr and "exited with code 1" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_disk_store_on_two_ranks_restores_exactly_and_refuses_a_damaged_part(models, tmp_path):
+    """The disk store across 2 ranks (each rank's layers in its own file): a prompt stored by one run comes
+    back in the next (a restart) with one process's logits; a rank's damaged file makes every rank refuse
+    the entry, and the prompt is computed again, with the same logits."""
+    model, _ = load(models["tiny"])
+    ids = check.prompt_ids(model.args.vocab_size)
+    alone = tmp_path / "alone"
+    cold, warm = (check.through_the_disk(Session(model, **check.SESSION_OPTIONS), ids, alone) for _ in range(2))
+    assert cold["from_disk"] == 0 and warm["from_disk"] > 0
+    disk = tmp_path / "kv"
+
+    def run(name):
+        return launched_script(2, models["tiny"], tmp_path / name, "--disk", str(disk))
+
+    assert_same(run("cold"), cold)
+    (part,) = (disk / "rank1").glob("*.kv.safetensors")
+    assert [p.name for p in disk.glob("*.kv.safetensors")] == [part.name]
+    assert_same(run("warm"), warm)
+    damaged = bytearray(part.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    part.write_bytes(bytes(damaged))
+    done = launched(2, "-m", "ds4_mlx.tools.pipeline_check", str(models["tiny"]), str(tmp_path / "damaged"),
+                    "--disk", str(disk))
+    assert "unusable" in done.stderr and "checksum mismatch" in done.stderr and "Traceback" not in done.stderr
+    assert_same(dict(np.load(tmp_path / "damaged" / "logits.npz")), cold)
 
 
 def test_generate_prints_what_one_process_prints(demo, capsys):
@@ -274,6 +307,20 @@ def test_stages_in_one_process_chain_to_the_whole_model(models):
     assert mx.array_equal(second._logits(streams), whole(ids)[0]).item()
 
 
+def test_a_saved_part_of_another_split_is_refused(models, tmp_path):
+    """A rank's file names the layers it holds: a rank of another split (its layers as many and of the same
+    kinds, its model otherwise the same) refuses it instead of reading other layers' caches as its own."""
+    from ds4_mlx.cache.state import StateFileError
+
+    path = tmp_path / "part.safetensors"
+    Session(load(models["pro"], layers=range(3, 5))[0]).save(path)
+    other = load(models["pro"], layers=range(5, 7))[0]
+    assert other.args.compress_ratios[3:5] == other.args.compress_ratios[5:7]
+    with pytest.raises(StateFileError, match="holds the caches of layers 3 to 4, this process holds layers 5 to 6"):
+        Session(other).load(path)
+    Session(load(models["pro"], layers=range(3, 5))[0]).load(path)  # its own split's
+
+
 def test_a_rank_takes_the_whole_models_lanes(models):
     """A rank whose layers are window-only (no lanes of their own) takes its lanes where the whole model's
     session does, on the chunk grid: every rank agrees on the same checkpoints."""
@@ -308,32 +355,6 @@ def test_bench_distributed_compares_two_ranks_with_one(capsys, demo):
     assert rows["pro", 2]["decode_us_10gbe"] == pytest.approx(8 * rows["pro", 2]["decode_us_thunderbolt5"])
 
 
-def test_the_server_on_two_ranks_answers_as_one_process(demo):
-    pytest.importorskip("openai")
-    from openai import OpenAI
-
-    from ds4_mlx.tools.testing import DEMO_MODEL_ID, answer_text, served, wait_healthy
-
-    asks = [[{"role": "user", "content": "Hello there"}]] * 2 + [[{"role": "user", "content": "Tell me more"}]]
-
-    def answers(client):  # a prompt, its resend (an exact rewind), another conversation
-        return [answer_text(client.chat.completions.create(model=DEMO_MODEL_ID, messages=m, max_tokens=10,
-                                                           temperature=0)) for m in asks]
-
-    with served(ctx=8192, sessions=2) as (_, client):
-        expected = answers(client)
-    port = free_port(1)
-    process = subprocess.Popen(launch_command(2, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", "8192",
-                                              "--model-id", DEMO_MODEL_ID),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", process)
-        assert answers(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)) == expected
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)  # mlx.launch and the ranks it started (it does not pass it on)
-        process.communicate(timeout=30)
-
-
 def test_a_stage_reads_only_its_own_tensors(models, monkeypatch):
     from ds4_mlx.convert import gguf
 
@@ -345,13 +366,66 @@ def test_a_stage_reads_only_its_own_tensors(models, monkeypatch):
     assert len(model.layers) == 2 and not hasattr(model, "embed") and not hasattr(model, "lm_head")
 
 
-def test_the_disk_store_is_refused_across_ranks(tmp_path, demo):
-    done = launched(2, "-m", "ds4_mlx.cli", "chat", "--kv-disk-dir", str(tmp_path))
-    assert "--kv-disk-dir does not work across several ranks" in done.stderr and "Traceback" not in done.stderr
-    assert "exited with code 1" in done.stderr and not list(tmp_path.iterdir())
-
-
 def test_speculative_decoding_is_refused_across_ranks(tmp_path, demo):
     done = launched(2, "-m", "ds4_mlx.cli", "generate", "-p", "Hi", "-n", "2", "--mtp", str(tmp_path / "drafter.gguf"))
     assert "--mtp (speculative decoding) does not work across several ranks" in done.stderr
     assert "Traceback" not in done.stderr and "exited with code 1" in done.stderr
+
+
+def test_the_server_on_two_ranks_answers_as_one_process_restarts_from_disk_and_stops_when_a_rank_dies(demo, tmp_path):
+    """`serve` on 2 ranks answers as one process: a prompt, its resend (an exact rewind), another
+    conversation, a long one. With `--kv-disk-dir`, each rank saves its own layers' caches at shutdown
+    (rank 1 in its own subfolder); restarted, rank 0 finds the long conversation on disk, both ranks load
+    their part, and the answer is still one process's. Then rank 1 is killed in the middle of a request:
+    the request gets an error and rank 0 stops at once, saying why in one line."""
+    pytest.importorskip("openai")
+    from openai import OpenAI
+
+    from ds4_mlx.tools.testing import DEMO_MODEL_ID, answer_text, long_conversation, served, wait_healthy
+
+    asks = [[{"role": "user", "content": "Hello there"}]] * 2 + [[{"role": "user", "content": "Tell me more"}],
+                                                                 long_conversation(words=300)]
+
+    def answers(client, asks):
+        return [answer_text(client.chat.completions.create(model=DEMO_MODEL_ID, messages=m, max_tokens=10,
+                                                           temperature=0)) for m in asks]
+
+    def serving():
+        port = free_port(1)
+        ranks = start_ranks(2, tmp_path, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", "8192",
+                            "--sessions", "2", "--model-id", DEMO_MODEL_ID, "--kv-disk-dir", str(disk))
+        wait_healthy(f"http://127.0.0.1:{port}", ranks[0])
+        return ranks, OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+
+    with served(ctx=8192, sessions=2) as (_, client):
+        expected = answers(client, asks)
+    disk = tmp_path / "kv"
+    ranks = []
+    try:
+        ranks, client = serving()
+        assert answers(client, asks) == expected
+        for process in ranks:
+            process.send_signal(signal.SIGTERM)  # as Ctrl+C does: rank 1 follows until rank 0 has saved
+        outputs = [process.communicate(timeout=60) for process in ranks]
+        assert [process.returncode for process in ranks] == [0, 0], outputs
+        assert "reason=shutdown" in outputs[0][1]
+        stored = sorted(p.name for p in disk.glob("*.kv.safetensors"))
+        assert stored and stored == sorted(p.name for p in (disk / "rank1").glob("*.kv.safetensors"))
+
+        ranks, client = serving()
+        assert answers(client, asks[-1:]) == expected[-1:]
+        stream = client.chat.completions.create(model=DEMO_MODEL_ID, messages=asks[0], max_tokens=5000,
+                                                temperature=0, stream=True)
+        next(iter(stream))  # decoding
+        ranks[1].kill()
+        with pytest.raises(Exception, match="worker failed"):
+            list(stream)
+        _, log = ranks[0].communicate(timeout=30)  # no hang
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert "kv disk: hit" in log and "disk hit: slot 0 starts from a stored session" in log, log
+    assert ranks[0].returncode == 1 and "Traceback" not in log
+    assert re.search(r"the worker thread stopped: rank 0 lost another rank of the pipeline while .*\n.*exiting with "
+                     "status 1", log), log

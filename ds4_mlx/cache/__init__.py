@@ -9,6 +9,11 @@ def add_disk_arguments(parser):
                         help="most megabytes (MiB) the folder may hold (default %(default)g)")
 
 
+# while a command runs on several machines (`ds4_mlx.distributed.run`): makes the store of sessions in
+# lockstep instead of a `DiskStore`, (directory, budget_mb, **options) -> store
+store_factory = None
+
+
 def disk_store_from_args(args, **options):
     """A `DiskStore` for the parsed flags; None without --kv-disk-dir, or when the folder cannot be used
     (read-only, not a folder, not ours to write): then one warning says so and the caller goes on without
@@ -22,7 +27,7 @@ def disk_store_from_args(args, **options):
     from ds4_mlx.cache.store import DiskStore, FolderInUse
 
     try:
-        return DiskStore(args.kv_disk_dir, args.kv_disk_space_mb, **options)
+        return (store_factory or DiskStore)(args.kv_disk_dir, args.kv_disk_space_mb, **options)
     except FolderInUse:
         raise
     except OSError as e:

@@ -1,9 +1,10 @@
 """A Session saved to one safetensors file, and loaded back.
 
 The file's metadata holds a JSON header (`HEADER_KEY`): format version, model identity, `quant_sim`,
-row dtype, the token ids, each layer's `meta_state` and the lane positions; and a checksum over that
-header and every tensor. Tensors: `layers.{i}.{name}` (each layer's `state`, with the raw rows of the
-last `history` positions so that a rewind that deep after loading replays fewer than 128 tokens),
+row dtype, the token ids, the layers whose caches it holds (`layer_range`: all of them, or one rank's of a
+model split across machines), each layer's `meta_state` and the lane positions; and a checksum over that
+header and every tensor. Tensors: `layers.{i}.{name}` (each layer's `state`, with the raw rows of the last
+`history` positions so that a rewind that deep after loading replays fewer than 128 tokens),
 `lanes.{q}.{i}.{name}` (the compressor rows of the lanes in that range) and `logits`.
 
 Writes are atomic (a temporary file, fsync, rename). A file that is truncated, altered, or written for
@@ -36,6 +37,14 @@ def model_identity(model) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _layer_range(session):
+    """[first, stop) of the decoder layers whose caches the session holds: all of them on one machine, one
+    rank's range across several (`ds4_mlx.distributed`)."""
+    held = getattr(session.model, "layer_range", None)
+    held = range(session.model.args.num_hidden_layers) if held is None else held
+    return [held.start, held.stop]
+
+
 def _row_dtype(session):
     return str(session.cache[0].raw.dtype).split(".")[-1]
 
@@ -65,7 +74,7 @@ def export_session(session, history=256):
     header = {"format": FORMAT_VERSION, "model": model_identity(session.model),
               "quant_sim": bool(getattr(session.model, "quant_sim", False)), "row_dtype": _row_dtype(session),
               "tokens": list(session.tokens), "layers": [c.meta_state for c in session.cache], "lanes": lanes,
-              "clean": session.clean, "trim_from": trim_from}
+              "clean": session.clean, "trim_from": trim_from, "layer_range": _layer_range(session)}
     return {k: v for k, v in arrays.items() if v.size}, header  # empty arrays are implied by the header
 
 
@@ -137,6 +146,10 @@ def read_state_file(path):
 
 
 def check_compatible(session, header):
+    held, mine = header.get("layer_range"), _layer_range(session)
+    if held is not None and held != mine:  # (older files name no range: the model identity still tells)
+        raise StateFileError(f"holds the caches of layers {held[0]} to {held[1] - 1}, this process holds layers "
+                             f"{mine[0]} to {mine[1] - 1} (the model split across ranks another way)")
     expected = {"model": model_identity(session.model),
                 "quant_sim": bool(getattr(session.model, "quant_sim", False)), "row_dtype": _row_dtype(session)}
     for key, value in expected.items():

@@ -41,6 +41,27 @@ class FolderInUse(OSError):
     """Another process holds the folder."""
 
 
+def lock_folder(directory):
+    """Hold `directory`'s lock (its `.lock` file) until this process ends; FolderInUse if another process
+    holds it. A POSIX record lock (lockf) belongs to the process, so stores opened again in one process (a
+    restart in a test) share it."""
+    directory = Path(directory)
+    lock_file = open(directory / LOCK, "a+")
+    try:
+        fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip()
+        lock_file.close()
+        raise FolderInUse(f"{directory} is in use by another ds4-mlx process"
+                          + (f" (pid {holder})" if holder else "")
+                          + ": give each server its own --kv-disk-dir") from None
+    lock_file.truncate(0)
+    lock_file.write(str(os.getpid()))
+    lock_file.flush()
+    return lock_file
+
+
 @dataclass
 class Entry:
     name: str
@@ -88,7 +109,7 @@ class DiskStore:
         self.history, self.index_every, self.min_tokens = history, index_every, min_tokens
         self.prefill_every, self.half_life_s, self.clock = prefill_every, half_life_s, clock
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock_file = self._lock()
+        self._lock_file = lock_folder(self.dir)
         self.entries: dict[str, Entry] = {}
         self._identities = {}  # id(model) -> identity
         self._bound_to = None
@@ -110,9 +131,7 @@ class DiskStore:
                 self._write_index()
                 return e
         try:
-            arrays, header = export_session(session, self.history)
-            header["namespace"] = namespace  # so that an index rebuilt from the files keeps it
-            bound = file_size_bound(arrays, header)
+            part, bound = self._export(session, namespace)
             if bound + self._index_reserve > self.budget:
                 log.warning(f"kv disk: a {n}-token session ({bound / 2**20:.1f} MiB) exceeds the "
                             f"{self.budget / 2**20:.0f} MiB budget; not saved")
@@ -120,11 +139,11 @@ class DiskStore:
             self._make_room(bound)
             name = f"{full_key}{SUFFIX}"
             t = time.perf_counter()
-            size = write_state_file(self.dir / name, arrays, header)
+            size = self._write(session, name, part)
         except Exception as e:  # noqa: BLE001 - a failed save must not fail the request
             log.warning(f"kv disk: saving a {n}-token session failed: {type(e).__name__}: {e}")
             return None
-        entry = Entry(name, identity, n, self._keys(session.tokens, header, namespace), size, reason,
+        entry = Entry(name, identity, n, self._keys(session.tokens, part[1], namespace), size, reason,
                       last_used=self.clock(), namespace=namespace)
         for old in [e for e in self.entries.values() if e.model == identity and e.name != name
                     and e.namespace == namespace
@@ -161,8 +180,7 @@ class DiskStore:
         """Make `session` hold `entry`'s state; a bad file is logged, deleted, and False returned."""
         t = time.perf_counter()
         try:
-            arrays, header = read_state_file(self.dir / entry.name)
-            import_session(session, arrays, header)  # checks the header against the session first
+            self._import(session, entry.name)
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, foreign: the request goes on cold
             log.warning(f"kv disk: {entry.name} is unusable ({type(e).__name__}: {e}); deleted")
             self._delete(entry, "unusable")
@@ -203,6 +221,28 @@ class DiskStore:
     def used_bytes(self) -> int:
         return sum(e.size for e in self.entries.values())
 
+    # -- the files ----------------------------------------------------------------------------
+    def _export(self, session, namespace):
+        """((arrays, header) of `session`'s file, a bound of the file's size)."""
+        arrays, header = export_session(session, self.history)
+        header["namespace"] = namespace  # so that an index rebuilt from the files keeps it
+        return (arrays, header), file_size_bound(arrays, header)
+
+    def _write(self, session, name, part) -> int:
+        """Write `part` (from `_export`) as the file `name`; its size."""
+        return write_state_file(self.dir / name, *part)
+
+    def _import(self, session, name):
+        """Make `session` hold the file `name`; StateFileError (the session unchanged) if it cannot."""
+        import_session(session, *read_state_file(self.dir / name))  # checks the header against the session first
+
+    def _unlink(self, name):
+        (self.dir / name).unlink(missing_ok=True)
+
+    def _indexed(self, entry, path) -> bool:
+        """Whether the index's `entry` still describes the file at `path`."""
+        return entry is not None and entry.size == path.stat().st_size
+
     # -- internals ----------------------------------------------------------------------------
     def _bind(self, model) -> str:
         """The model's identity; the first time, files of any other model are deleted."""
@@ -231,7 +271,7 @@ class DiskStore:
 
     def _delete(self, entry, why):
         self.entries.pop(entry.name, None)
-        (self.dir / entry.name).unlink(missing_ok=True)
+        self._unlink(entry.name)
         log.info(f"kv disk: removed tokens={entry.tokens} hits={entry.hits} size={entry.size / 2**20:.2f} MiB "
                  f"reason={why} file={entry.name}")
 
@@ -248,24 +288,6 @@ class DiskStore:
         """Room for the index and its temporary copy, with margin for a few more entries."""
         return 2 * self._index_bytes + 16384
 
-    def _lock(self):
-        """The folder's lock, held until this process ends. A POSIX record lock (lockf) belongs to the
-        process, so stores opened again in one process (a restart in a test) share it."""
-        lock_file = open(self.dir / LOCK, "a+")
-        try:
-            fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock_file.seek(0)
-            holder = lock_file.read().strip()
-            lock_file.close()
-            raise FolderInUse(f"{self.dir} is in use by another ds4-mlx process"
-                              + (f" (pid {holder})" if holder else "")
-                              + ": give each server its own --kv-disk-dir") from None
-        lock_file.truncate(0)
-        lock_file.write(str(os.getpid()))
-        lock_file.flush()
-        return lock_file
-
     def _open(self):
         """Read the index, check it against the folder, index files it misses, drop leftovers."""
         try:
@@ -281,7 +303,7 @@ class DiskStore:
                 path.unlink(missing_ok=True)  # an interrupted write
             elif path.name.endswith(SUFFIX):
                 e = entries.get(path.name)
-                if e is None or e.size != path.stat().st_size:
+                if not self._indexed(e, path):
                     e = self._entry_from_file(path)
                 if e is not None:
                     self.entries[path.name] = e

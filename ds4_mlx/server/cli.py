@@ -78,6 +78,9 @@ def run_serve(args):
     # Everything is answered, saved and closed by now. Leave without the interpreter's teardown: it frees
     # MLX's compile cache after MLX's stream threads, which aborts the process ("terminate called without
     # an active exception", exit 134) instead of exiting 0.
+    from ds4_mlx import distributed
+
+    distributed.finish()  # across several ranks: the others stop too (`distributed.run` would after a return)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

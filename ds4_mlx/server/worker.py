@@ -244,7 +244,12 @@ class Worker:
         try:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: said loudly, never a silent hang
-            log.critical(f"the worker thread died:\n{traceback.format_exc()}")
+            from ds4_mlx.distributed import RankLost
+
+            if isinstance(e, RankLost):  # the machines holding the model's other layers are gone: no bug here
+                log.critical(f"the worker thread stopped: {e}")
+            else:
+                log.critical(f"the worker thread died:\n{traceback.format_exc()}")
             with self._cond:
                 self.died = e  # submit() refuses from now on
                 jobs = [*self._pending, *(run.job for run in self._running)]

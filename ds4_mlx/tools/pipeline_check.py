@@ -1,7 +1,7 @@
 """One session's script, run in one process or under `mlx.launch` on several (`ds4_mlx.distributed`): the
 logits at each point, to compare the two (tests/test_distributed.py).
 
-    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --slow | --idle S] [--exact-rewinds]
+    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --disk DIR | --slow | --idle S] [--exact-rewinds] [--layers-per-turn N ...]
 
 Rank 0 writes OUT/logits.npz; every rank writes OUT/rank{r}.pid first.
 """
@@ -78,6 +78,21 @@ def batched(new, ids) -> dict:
     return out
 
 
+def in_pieces(new, ids, layers_per_turn) -> dict:
+    """A prompt computed `layers_per_turn` layers at a time while another session decodes a token between
+    each two pieces (as a server runs other streams beside a prompt): the logits of both."""
+    import mlx.core as mx
+
+    prompt, other = new(), new()
+    other.sync(ids[:20])
+    prompt.layers_per_turn = layers_per_turn
+    out = {}
+    for i, _ in enumerate(prompt.sync_steps(ids[:60])):
+        out[f"beside{layers_per_turn}.{i}"] = other.step(ids[20 + i])
+    out[f"pieces{layers_per_turn}"] = prompt.step(ids[60])
+    return {k: np.array(v.astype(mx.float32)) for k, v in out.items()}
+
+
 def saved_then_stepped(session, ids, path) -> dict:
     """Save after the prompt; the logits of the next step."""
     import mlx.core as mx
@@ -92,6 +107,21 @@ def loaded_then_stepped(session, ids, path) -> dict:
 
     session.load(path)
     return {"after_load": np.array(session.step(ids[-1]).astype(mx.float32)), "tokens": np.array(session.tokens)}
+
+
+def through_the_disk(session, ids, directory) -> dict:
+    """The prompt from the disk store at `directory` (`--kv-disk-dir`) when it holds it, else computed and
+    stored: the logits of the step after, and the prompt tokens the store gave."""
+    import mlx.core as mx
+
+    from ds4_mlx.cache import disk_store_from_args
+
+    flags = argparse.Namespace(kv_disk_dir=str(directory), kv_disk_space_mb=64)
+    store = disk_store_from_args(flags, min_tokens=16, index_every=16)
+    restored = store.load_longer_prefix(session, ids[:-1], 0)
+    session.sync(ids[:-1])
+    store.save(session, "prefill")
+    return {"after_disk": np.array(session.step(ids[-1]).astype(mx.float32)), "from_disk": np.array(restored)}
 
 
 def slow(session, ids, out):
@@ -120,9 +150,13 @@ def command(a):
         logits = saved_then_stepped(session, ids, a.save)
     elif a.load:
         logits = loaded_then_stepped(session, ids, a.load)
+    elif a.disk:
+        logits = through_the_disk(session, ids, a.disk)
     else:
         time.sleep(a.idle)  # the other ranks wait for the next order meanwhile
         logits = {**script(session, ids), **batched(lambda: new_session(model, **options), ids)}
+        for layers in a.layers_per_turn:
+            logits.update(in_pieces(lambda: new_session(model, **options), ids, layers))
     np.savez(out / "logits.npz", **logits)
     return 0
 
@@ -138,9 +172,12 @@ def main(argv=None):
     p.add_argument("out")
     p.add_argument("--save")
     p.add_argument("--load")
+    p.add_argument("--disk", help="a folder for the disk store")
     p.add_argument("--slow", action="store_true")
     p.add_argument("--idle", type=float, default=0, help="seconds rank 0 waits before the script")
     p.add_argument("--exact-rewinds", action="store_true", help="sessions with Session.exact_rewinds")
+    p.add_argument("--layers-per-turn", type=int, nargs="*", default=[],
+                   help="also compute a prompt in pieces of each that many layers beside another session")
     a = p.parse_args(argv)
     try:
         return distributed.run(a, command)
