@@ -145,8 +145,7 @@ def _chi_square_p(observed, expected):
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("temperature,top_p,min_p", [(1.0, 1.0, 0.0), (0.7, 1.0, 0.05), (1.3, 0.8, 0.0),
-                                                     (0.5, 0.9, 0.05)])
+@pytest.mark.parametrize("temperature,top_p,min_p", [(1.0, 1.0, 0.0), (0.7, 1.0, 0.05), (0.5, 0.9, 0.05)])
 def test_sampled_tokens_have_the_plain_distribution(temperature, top_p, min_p):
     """A Markov target (logits by the previous token) and a drafter that disagrees with it: the first two
     tokens after the anchor, over 20,000 rounds, against the plain sampler's exact joint distribution."""

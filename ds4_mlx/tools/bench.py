@@ -307,7 +307,7 @@ BENCHES = [
     ("load", bench_load.bench_load, bench_load.bench_load_options),
     ("parity", bench_parity.bench_parity, bench_parity.parity_options),
     ("batch", bench_batch, _bench_batch_options),
-    ("kernels", bench_kernels.bench_kernels, bench_kernels.options),
+    ("kernels", bench_kernels.bench_kernels, lambda q: (_model_options(q), bench_kernels.options(q))),
     ("distributed", bench_distributed.bench_distributed, bench_distributed.options),
     ("speculative", bench_speculative.bench_speculative, lambda q: (_model_options(q), bench_speculative.options(q))),
 ]

@@ -14,6 +14,8 @@ from collections import defaultdict
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.tools.random_model import model_from_flags
+
 # kinds of kernels, first match wins; the names are MLX's CUDA kernels and ours (ds4_*)
 KINDS = [
     ("quantized product (experts)", r"gather_q"),
@@ -141,9 +143,7 @@ def bench_kernels(a):
         raise SystemExit("bench kernels needs MLX's CUDA build on an NVIDIA GPU (it reads CUPTI through PyTorch)")
     if importlib.util.find_spec("torch") is None:
         raise SystemExit("bench kernels needs PyTorch (its profiler reads the GPU's kernels)")
-    from ds4_mlx.tools.bench import _model_for
-
-    model = _model_for(a, prefill_tokens=a.context, decode_steps=0)
+    model = model_from_flags(a)
     results = []
     for label, step in _shapes(model, a):
         for _ in range(3):  # warm-up: graphs traced, kernels compiled
@@ -163,9 +163,6 @@ def bench_kernels(a):
 
 
 def options(q):
-    from ds4_mlx.tools.bench import _model_options
-
-    _model_options(q)
     q.add_argument("--context", type=int, default=8192, help="tokens the session holds")
     q.add_argument("--shapes", default="decode,verify:6,decode:8",
                    help="comma-separated: decode (one token), decode:B (B streams in one step), verify:K")
