@@ -71,7 +71,8 @@ class QuantizedLinear(nn.QuantizedLinear):
             y = kernels.few_rows(x.reshape(rows, 1, -1), self.weight[None], self.scales[None],
                                  _expanded(self.get("biases")), self.group_size, self.bits, self.mode)
             if y is not None:
-                return y.reshape(*x.shape[:-1], -1)
+                y = y.reshape(*x.shape[:-1], -1)
+                return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
 
 
