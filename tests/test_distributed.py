@@ -363,6 +363,9 @@ def test_bench_distributed_compares_two_ranks_with_one(capsys, demo):
     for name, args in (("flash", flash_args()), ("pro", pro_args())):
         assert rows[name, 2]["decode_kib"] * 1024 == 4 * args.hidden_size * 4 + args.vocab_size * 4
         assert rows[name, 4]["prefill_kib_per_token"] * 1024 == 3 * 4 * args.hidden_size * 4
+        # a drafter on rank 0 reads the streams of one layer (MTP) or three (DSpark) per verified row
+        assert rows[name, 2]["mtp_drafter_kib_per_row"] * 1024 == 4 * args.hidden_size * 4
+        assert rows[name, 4]["dspark_drafter_kib_per_row"] * 1024 == 3 * 4 * args.hidden_size * 4
     # Thunderbolt 5 moves them 8 times faster than 10 GbE
     assert rows["pro", 2]["decode_us_10gbe"] == pytest.approx(8 * rows["pro", 2]["decode_us_thunderbolt5"])
 
