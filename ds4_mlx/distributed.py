@@ -357,7 +357,8 @@ class Stage:
             g.send(logits, 0, "passing on the logits of a forward")
             self._send_taps(taps, 0)
         elif self.first:
-            logits = g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1, "receiving the logits of a forward")
+            logits = g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1,
+                            "receiving the logits of a forward")
             self._receive_taps(taps, g.size - 1, kept)
             return logits
         return mx.zeros((B, rows, 1))
