@@ -5,6 +5,11 @@ contiguous range of the decoder layers, balanced by their bytes in the model fil
 their caches; rank 0 also holds the embedding, the last rank the head. A forward passes the residual
 streams from rank to rank (`mx.distributed.send` / `recv`), and the last rank's logits go back to rank 0.
 
+Speculative decoding (`--mtp`): the drafter runs on rank 0, beside the sampler and the acceptance rule, with
+a copy of the LM head (rank 0 holds the embedding already). The streams it reads (`cache.taps.TapLog`) travel
+down the pipeline with the residual streams, from the ranks whose layers make them, and back to rank 0 with
+the logits: of each forward, only the last rows the log keeps.
+
 Sessions run in lockstep: rank 0 runs the command (generate, chat, serve) and decides; each session
 operation it makes (new, sync, step, trim, reset, snapshot, restore, save, load, ...) is first broadcast to
 the other ranks as its name and arguments (`Leader`), and every rank runs the same `Session` code on its own
@@ -147,9 +152,10 @@ def tensor_bytes(path) -> dict:
     return {t.path: t.nbytes for t in GGUFModel(path).tensors}
 
 
-def plan_layers(sizes: dict, n_layers: int, ranks: int) -> list:
+def plan_layers(sizes: dict, n_layers: int, ranks: int, rank_0_extra: int = 0) -> list:
     """Contiguous layer ranges, one a rank, with the largest rank's bytes as small as can be; rank 0 also
-    holds the embedding, the last rank the head (`sizes`: bytes by parameter name)."""
+    holds the embedding and `rank_0_extra` bytes (a drafter and a copy of the head), the last rank the head
+    (`sizes`: bytes by parameter name)."""
     if ranks > n_layers:
         raise ValueError(f"{ranks} ranks for {n_layers} layers: at most one rank a layer")
     layer = [0] * n_layers
@@ -165,7 +171,7 @@ def plan_layers(sizes: dict, n_layers: int, ranks: int) -> list:
     before = list(itertools.accumulate(layer, initial=0))
 
     def load(rank, a, b):
-        return before[b] - before[a] + (embed if rank == 0 else 0) + (head if rank == ranks - 1 else 0)
+        return before[b] - before[a] + (embed + rank_0_extra if rank == 0 else 0) + (head if rank == ranks - 1 else 0)
 
     # best[r][b]: the smallest largest load of ranks 0..r holding layers [0, b); cut[r][b]: where rank r starts
     inf = float("inf")
@@ -188,6 +194,20 @@ def plan_layers(sizes: dict, n_layers: int, ranks: int) -> list:
     return ranges[::-1]
 
 
+def plan_model(path, ranks, drafters=()) -> list:
+    """`plan_layers` for the model at `path`, rank 0 also holding the `drafters` files and then a copy of
+    the head (`Stage.hold_head`)."""
+    sizes = tensor_bytes(path)
+    layer = re.compile(r"layers\.(\d+)\.")
+    n_layers = 1 + max(int(m.group(1)) for m in map(layer.match, sizes) if m)
+    extra = 0
+    if drafters:
+        extra = sum(b for name, b in sizes.items() if not layer.match(name) and name.split(".")[0] != "embed")
+        for drafter in map(Path, drafters):
+            extra += sum(f.stat().st_size for f in ([drafter] if drafter.is_file() else drafter.glob("*.safetensors")))
+    return plan_layers(sizes, n_layers, ranks, extra)
+
+
 # -------------------------------------------------------------------------------------------------------
 # This rank's part of the model
 
@@ -206,14 +226,24 @@ class Stage:
         self.embed = getattr(model, "embed", None)
         self.first, self.last = group.rank == 0, group.rank == group.size - 1
 
+    def hold_head(self, path):
+        """Rank 0 also holds the LM head of the model at `path` (read from the file alone): a drafter on
+        rank 0 computes its logits with it (`ds4_mlx.speculative`)."""
+        from ds4_mlx.loader import load
+
+        n = self.args.num_hidden_layers
+        head, _ = load(path, quant_sim=self.quant_sim, progress=False, layers=range(n, n))
+        self.lm_head, self.norm = head.lm_head, head.norm
+
     def make_cache(self, **options):
         return self.model.make_cache(**options)
 
     def forward(self, ids, views, *, last_only=False, taps=None):
         """`Model.forward` over the pipeline: ids int32 [B, T]; `views` this rank's layers' views of each
         session. -> (logits [B, T or 1, vocab] on rank 0, each session's arrays written by this rank's
-        layers); one exchange a link for all B sessions. Changes no cache. No `taps` (speculative decoding
-        is refused across ranks: `run`)."""
+        layers); one exchange a link for all B sessions. Changes no cache. `taps`: as `Model.forward`'s, on
+        rank 0 (the streams of one session, B = 1: the last rows the drafter's log keeps; of B sessions, all).
+        The other ranks pass the same keys: each passes on the streams its layers make."""
         steps = self.forward_steps(ids, views, last_only=last_only, taps=taps)
         while True:
             try:
@@ -228,10 +258,8 @@ class Stage:
         The streams cross from rank to rank within the piece that holds the last layer before the
         boundary, and the logits within the last piece: no exchange is left open while other sessions' steps
         run between two pieces."""
-        if taps is not None:
-            raise ValueError("a pipeline stage hands no streams to a drafter")
         with self._in_step():
-            return (yield from self._pieces(ids, views, last_only, layers_per_step))
+            return (yield from self._pieces(ids, views, last_only, layers_per_step, taps))
 
     @contextlib.contextmanager
     def _in_step(self):
@@ -244,8 +272,9 @@ class Stage:
                   "longer keep step: stopping", file=sys.stderr, flush=True)
             os._exit(1)
 
-    def _pieces(self, ids, views, last_only, layers_per_step):
+    def _pieces(self, ids, views, last_only, layers_per_step, taps):
         B, T = ids.shape
+        kept = B * T if B > 1 or taps is None else min(T, self._tap_rows_kept())
         flat = ids.reshape(-1)
         positions = mx.concatenate([v[0][0].positions for v in views]) if B > 1 else views[0][0][0].positions
         n, held = self.args.num_hidden_layers, self.layer_range
@@ -256,18 +285,56 @@ class Stage:
         for end in ends:
             if not self.first and begin < held.start <= end:  # the previous rank's last layer is in this piece
                 streams = self._received_streams(flat)
+                self._receive_taps(taps, self.group.rank - 1, kept)
             for i in range(max(begin, held.start), min(end, held.stop)):
                 streams, steps = self.model.layers[i - held.start](streams, flat, positions,
                                                                    [v[i - held.start] for v in views], self.quant_sim)
                 for mine, step in zip(written, steps):
                     mine.append(step)
+                if taps is not None and i in taps:
+                    taps[i] = streams[-kept:]
             if not self.last and begin < held.stop <= end:  # this rank's last layer is in this piece
                 self.group.send(streams, self.group.rank + 1, "passing on the streams of a forward")
+                self._send_taps(taps, self.group.rank + 1)
             if end < n:
                 mx.eval([] if streams is None else streams, written)
                 yield
             begin = end
-        return self._logits(streams, B, 1 if last_only else T), written
+        if self.last and taps is not None and "final" in taps:
+            taps["final"] = streams[-kept:]
+        return self._logits(streams, B, 1 if last_only else T, taps, kept), written
+
+    def _tap_rows_kept(self):
+        """How many of a session's last rows a drafter's log keeps (`Speculation.attach`): no more need to
+        reach rank 0."""
+        from ds4_mlx.speculative import TAP_SLACK
+
+        return self.args.sliding_window + TAP_SLACK
+
+    def _passed_taps(self, taps, through):
+        """The keys of `taps` that ranks 1 to `through` make (rank 0 keeps its own), in the order of `taps`."""
+        if taps is None:
+            return []
+        last = self.group.size - 1
+        return [k for k in taps if 1 <= (last if k == "final" else self._holder(k)) <= through]
+
+    def _holder(self, layer):
+        return next(r for r, held in enumerate(self.ranges) if layer in held)
+
+    def _send_taps(self, taps, to):
+        """The tapped streams made from rank 1 up to this one, on to rank `to`, in one exchange."""
+        keys = self._passed_taps(taps, self.group.rank)
+        if keys:
+            self.group.send(mx.stack([taps[k] for k in keys]), to, "passing on the streams a drafter reads")
+
+    def _receive_taps(self, taps, source, rows):
+        """Into `taps`: the tapped streams made from rank 1 up to rank `source` (of `rows` rows), from it."""
+        keys = self._passed_taps(taps, source)
+        if keys:
+            shape = (len(keys), rows, self.args.hc_mult, self.args.hidden_size)
+            got = self.group.recv(shape, mx.float32, source, "receiving the streams a drafter reads")
+            for i, k in enumerate(keys):
+                taps[k] = got[i]
 
     def _received_streams(self, ids):
         if not self.model.quant_sim and self.model.layers[0].attn_norm.weight.dtype == mx.float32:
@@ -277,10 +344,10 @@ class Stage:
         shape = (ids.shape[0], self.args.hc_mult, self.args.hidden_size)
         return self.group.recv(shape, mx.float32, self.group.rank - 1, "receiving the streams of a forward")
 
-    def _logits(self, streams, B, rows):
+    def _logits(self, streams, B, rows, taps, kept):
         """The last rank's logits of each of B sessions' last `rows` positions [B, rows, vocab], on rank 0;
         a placeholder [B, rows, 1] elsewhere (`streams` [B * T, hc, H]: the last rank's, whole, as the next
-        ranks' caches need every position)."""
+        ranks' caches need every position). The tapped streams of the other ranks (`kept` rows) follow them."""
         g = self.group
         if self.last:
             tail = streams.reshape(B, -1, *streams.shape[1:])[:, -rows:]
@@ -288,22 +355,25 @@ class Stage:
             if self.first:
                 return logits
             g.send(logits, 0, "passing on the logits of a forward")
+            self._send_taps(taps, 0)
         elif self.first:
-            return g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1, "receiving the logits of a forward")
+            logits = g.recv((B, rows, self.args.vocab_size), mx.float32, g.size - 1,
+                            "receiving the logits of a forward")
+            self._receive_taps(taps, g.size - 1, kept)
+            return logits
         return mx.zeros((B, rows, 1))
 
 
-def load_stage(path, group: Group, *, quant_sim=None, progress=True):
+def load_stage(path, group: Group, *, quant_sim=None, progress=True, drafters=()):
     """(Stage, tokenizer): this rank's layers of the model at `path` (the same file, shards or folder on
-    every machine; each reads only its own tensors), the ranges planned on rank 0. None when rank 0 has
-    no model to load (its command ended before)."""
+    every machine; each reads only its own tensors), the ranges planned on rank 0 (which also holds the
+    `drafters` files, if any, and then a copy of the head). None when rank 0 has no model to load (its
+    command ended before)."""
     from ds4_mlx.loader import load
 
     ranges = None
     if group.rank == 0:
-        sizes = tensor_bytes(path)
-        n_layers = 1 + max(int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, sizes) if m)
-        ranges = [[r.start, r.stop] for r in plan_layers(sizes, n_layers, group.size)]
+        ranges = [[r.start, r.stop] for r in plan_model(path, group.size, drafters)]
     ranges = group.broadcast(ranges, forever=True)  # rank 0's command may take its time to load
     if ranges is None:  # rank 0's command ended before it loaded a model
         return None
@@ -362,6 +432,29 @@ class RankSession(Session):
         self.checkpoints = {q: self.checkpoints[q] for q, n in zip(first["lanes"], held) if n == group.size}
 
 
+class TapRelay:
+    """A session's stand-in for a drafter's `TapLog` on ranks other than 0: its forwards ask for the streams
+    rank 0's log records (this rank's pass on towards rank 0, `Stage`), and it keeps none."""
+
+    def __init__(self, keys):
+        self.keys = tuple(keys)
+
+    def request(self):
+        return {k: None for k in self.keys}
+
+    def record(self, start, taps, chunk=None):
+        pass
+
+    def trim(self, n):
+        pass
+
+    def restart(self, pos):
+        pass
+
+    def snapshot(self):
+        return None
+
+
 def part_path(path, rank):
     """Where rank `rank` keeps its part of a saved session: rank 0 at `path`, the others beside it."""
     return Path(path) if rank == 0 else Path(f"{path}.rank{rank}")
@@ -374,6 +467,7 @@ class Leader:
         self.group, self.stage = group, stage
         self.store = None  # the disk store (`LockstepStore`), if the command made one
         self.ids = itertools.count()
+        self.drafters = []  # the files of drafters that run on rank 0 (`Stage.hold_head`)
         self.forgotten = []  # sessions and snapshots rank 0 dropped: the others drop theirs with the next order
 
     def order(self, *message):
@@ -409,6 +503,8 @@ class LockstepSession:
     def __setattr__(self, name, value):
         if name in self._SETTINGS and getattr(self._local, name) != value:  # (a server sets some every turn)
             self._leader.order("set", self._id, name, value)
+        if name == "tap_log":  # a drafter's log: the other ranks' forwards pass on the streams it reads
+            self._leader.order("taps", self._id, None if value is None else list(value.keys))
         setattr(self._local, name, value)
 
     def _order(self, method, *args):
@@ -680,6 +776,9 @@ def follow(stage: Stage):
             elif kind == "set":
                 sid, name, value = rest
                 setattr(sessions[sid], name, value)
+            elif kind == "taps":
+                sid, keys = rest
+                sessions[sid].tap_log = None if keys is None else TapRelay(keys)
             elif kind == "call":
                 sid, method, *args = rest
                 if method == "save":
@@ -749,10 +848,10 @@ def run(args, command):
     loader.stage_loader = _load_rank_0
     cache.store_factory = lambda directory, budget_mb, **options: LockstepStore(_leader, directory, budget_mb,
                                                                                 **options)
+    mtp = getattr(args, "mtp", None)  # a drafter runs on rank 0, which then holds the head too
+    _leader.drafters = [mtp] if isinstance(mtp, str) else list(mtp or ())  # (a test's tool passes several)
     lost = False
     try:
-        if getattr(args, "mtp", None):  # a drafter reads the streams of layers other ranks hold
-            raise ValueError("--mtp (speculative decoding) does not work across several ranks yet: leave it out")
         return command(args)
     except RankLost as e:
         lost = True
@@ -786,7 +885,9 @@ def _load_rank_0(path):
     if _leader.stage is not None:
         raise ValueError("a command launched on several ranks loads one model")
     try:
-        stage, tokenizer = load_stage(path, _leader.group)
+        stage, tokenizer = load_stage(path, _leader.group, drafters=_leader.drafters)
+        if _leader.drafters:
+            stage.hold_head(path)
         _leader.stage = stage
         if _leader.store is not None:  # made before the model (the server's)
             _leader.store.join()

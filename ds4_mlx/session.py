@@ -278,7 +278,7 @@ class Session:
         if pos == self.clean and self._on_grid(pos + len(chunk)):
             self.clean = pos + len(chunk)
         if taps is not None:
-            self.tap_log.record(pos, taps)
+            self.tap_log.record(pos, taps, len(chunk))
         self.tokens.extend(chunk)
         self.logits = logits
         self._take_checkpoints(pos, len(self.tokens))

@@ -4,6 +4,7 @@ tokens, rewinds of every depth, resends, snapshots, sessions decoded together, a
 restart; `generate` and the server give the same text; a rank killed mid-request, or one that stops
 answering, stops rank 0 with a clear error."""
 
+import itertools
 import json
 import os
 import re
@@ -17,12 +18,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_drafter_gguf import dspark_metadata, dspark_tensors, mtp_tensors
 
-from ds4_mlx.distributed import plan_layers
+from ds4_mlx.distributed import plan_layers, plan_model
 from ds4_mlx.loader import load
 from ds4_mlx.models.gguf_names import held_name
 from ds4_mlx.session import Session
 from ds4_mlx.tools import pipeline_check as check
+from ds4_mlx.tools.drafters import random_dspark, random_mtp
 from ds4_mlx.tools.testing import gguf_metadata, tiny_args, tiny_pro_args, write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,14 +202,23 @@ def test_the_disk_store_on_two_ranks_restores_exactly_and_refuses_a_damaged_part
     assert_same(dict(np.load(tmp_path / "damaged" / "logits.npz")), cold)
 
 
-def test_generate_prints_what_one_process_prints(demo, capsys):
+@pytest.mark.parametrize("drafter", [None, "dspark"])
+def test_generate_prints_what_one_process_prints(demo, capsys, tmp_path, drafter):
+    """Also with a DSpark drafter (`--mtp FILE --dspark`), which drafts on rank 0."""
     from ds4_mlx import cli
 
     command = ["generate", "-p", "Hello there", "-n", "12", "--nothink", "--temp", "0"]
+    if drafter:
+        dspark = random_dspark(demo[0].args, seed=3)
+        path = write_gguf(tmp_path / "dspark.gguf", dspark_metadata(dspark.dspark), dspark_tensors(dspark),
+                          arch="deepseek4-dspark")
+        command += ["--mtp", str(path), "--dspark"]
     assert cli.main(command) == 0
     alone = capsys.readouterr().out
     assert alone.strip()
-    assert launch(2, "-m", "ds4_mlx.cli", *command).stdout == alone  # rank 0 prints; rank 1 says nothing
+    done = launch(2, "-m", "ds4_mlx.cli", *command)
+    assert done.stdout == alone  # rank 0 prints; rank 1 says nothing
+    assert not drafter or re.search(r"\[speculation: \d+ verifies, [1-9]\d* drafted", done.stderr), done.stderr
 
 
 def start_ranks(ranks, folder, *command):
@@ -265,19 +277,19 @@ def test_a_rank_that_stops_answering_is_given_up(models, tmp_path, monkeypatch):
 def test_layer_plan_is_contiguous_and_balanced_by_bytes():
     sizes = {f"layers.{i}.w": b for i, b in enumerate([5, 1, 1, 1, 9, 2, 2, 3])}
     sizes.update({"embed.weight": 4, "lm_head.weight": 6})
-    for ranks in (1, 2, 3, 4):
-        ranges = plan_layers(sizes, 8, ranks)
+    plans = {}
+    for ranks, extra in itertools.product((1, 2, 3, 4), (0, 7)):  # extra: rank 0's drafter and copy of the head
+        ranges = plans[ranks, extra] = plan_layers(sizes, 8, ranks, extra)
         assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]] and ranges[-1].stop == 8
         loads = [sum(sizes[f"layers.{i}.w"] for i in r) for r in ranges]
-        loads[0] += 4
+        loads[0] += 4 + extra
         loads[-1] += 6
         # no other contiguous split has a smaller largest load (all of them, enumerated)
-        from itertools import combinations
-
-        best = min(max(sum(sizes[f"layers.{i}.w"] for i in range(a, b)) + (4 if a == 0 else 0) + (6 if b == 8 else 0)
-                       for a, b in zip((0,) + cuts, cuts + (8,)))
-                   for cuts in combinations(range(1, 8), ranks - 1))
+        best = min(max(sum(sizes[f"layers.{i}.w"] for i in range(a, b)) + (4 + extra if a == 0 else 0)
+                       + (6 if b == 8 else 0) for a, b in zip((0,) + cuts, cuts + (8,)))
+                   for cuts in itertools.combinations(range(1, 8), ranks - 1))
         assert max(loads) == best
+    assert plans[2, 7] != plans[2, 0]
     with pytest.raises(ValueError, match="at most one rank a layer"):
         plan_layers(sizes, 8, 9)
 
@@ -351,6 +363,9 @@ def test_bench_distributed_compares_two_ranks_with_one(capsys, demo):
     for name, args in (("flash", flash_args()), ("pro", pro_args())):
         assert rows[name, 2]["decode_kib"] * 1024 == 4 * args.hidden_size * 4 + args.vocab_size * 4
         assert rows[name, 4]["prefill_kib_per_token"] * 1024 == 3 * 4 * args.hidden_size * 4
+        # a drafter on rank 0 reads the streams of one layer (MTP) or three (DSpark) per verified row
+        assert rows[name, 2]["mtp_drafter_kib_per_row"] * 1024 == 4 * args.hidden_size * 4
+        assert rows[name, 4]["dspark_drafter_kib_per_row"] * 1024 == 3 * 4 * args.hidden_size * 4
     # Thunderbolt 5 moves them 8 times faster than 10 GbE
     assert rows["pro", 2]["decode_us_10gbe"] == pytest.approx(8 * rows["pro", 2]["decode_us_thunderbolt5"])
 
@@ -366,10 +381,28 @@ def test_a_stage_reads_only_its_own_tensors(models, monkeypatch):
     assert len(model.layers) == 2 and not hasattr(model, "embed") and not hasattr(model, "lm_head")
 
 
-def test_speculative_decoding_is_refused_across_ranks(tmp_path, demo):
-    done = launched(2, "-m", "ds4_mlx.cli", "generate", "-p", "Hi", "-n", "2", "--mtp", str(tmp_path / "drafter.gguf"))
-    assert "--mtp (speculative decoding) does not work across several ranks" in done.stderr
-    assert "Traceback" not in done.stderr and "exited with code 1" in done.stderr
+def test_speculative_decoding_drafts_as_one_process(models, tmp_path):
+    """The drafter runs on rank 0 (with a copy of the LM head) and reads streams that the other ranks make:
+    here DSpark's taps of a layer on each of 3 ranks, MTP's of the last layer. Greedy decoding with each
+    gives one process's tokens, drafts, the logits each draft was chosen from and the tokens each verify
+    committed: through a first chunk longer than the drafter's log keeps, rounds, and a rewind."""
+    model, _ = load(models["tiny"])
+
+    def dspark_file(taps):
+        dspark = random_dspark(model.args, seed=3, target_layer_ids=taps)
+        return write_gguf(tmp_path / "dspark.gguf", dspark_metadata(dspark.dspark), dspark_tensors(dspark),
+                          arch="deepseek4-dspark")
+
+    mtp = write_gguf(tmp_path / "mtp.gguf", {}, mtp_tensors(random_mtp(model.args, seed=4)))
+    plan = plan_model(models["tiny"], 3, [dspark_file([0, 1, 2]), mtp])  # (rank 0 holds the drafters: their sizes)
+    drafters = [dspark_file([r.stop - 1 for r in plan]), mtp]  # DSpark reads the last layer of each rank
+    assert plan_model(models["tiny"], 3, drafters) == plan
+    ids = check.prompt_ids(model.args.vocab_size)
+    expected = {}
+    for drafter in drafters:
+        expected.update(check.speculated(Session(model, **check.SPECULATION_OPTIONS), ids, drafter))
+    assert len(expected["dspark.drafts"]) == len(expected["mtp.drafts"]) == 20 * check.DRAFTS  # a round a token
+    assert_same(launched_script(3, models["tiny"], tmp_path / "out", "--mtp", *map(str, drafters)), expected)
 
 
 def test_the_server_on_two_ranks_answers_as_one_process_restarts_from_disk_and_stops_when_a_rank_dies(demo, tmp_path):

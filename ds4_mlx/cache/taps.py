@@ -24,10 +24,13 @@ class TapLog:
         """The `taps` dict to pass to the model."""
         return {k: None for k in self.keys}
 
-    def record(self, start, taps):
+    def record(self, start, taps, chunk=None):
         """A chunk's streams, for positions start, start + 1, ... (a chunk not following the held rows
-        starts the log again there)."""
+        starts the log again there). `chunk`: the chunk's length, when `taps` hold its last rows only (a
+        pipeline over several machines brings no more than the log keeps: `ds4_mlx.distributed`)."""
         T = next(iter(taps.values())).shape[0]
+        if chunk is not None:
+            start += chunk - T
         if T > self.capacity:  # a long prefill chunk: only its last rows stay
             taps = {k: v[T - self.capacity :] for k, v in taps.items()}
             start, T = start + T - self.capacity, self.capacity

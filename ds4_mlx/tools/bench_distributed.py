@@ -33,6 +33,17 @@ def bytes_per_token(args, ranks) -> dict:
             "decode_bytes": boundaries * streams + logits, "prefill_bytes": boundaries * streams}
 
 
+def drafter_bytes_per_row(args) -> dict:
+    """What speculative decoding (`--mtp`) adds per verified row, a decoded token included: the streams the
+    drafter reads, from the last rank (whose layers make them, at real widths) to rank 0, where it runs.
+    MTP reads the last layer's streams, DSpark those of its target layers ([hc_mult, hidden] float32 each).
+    A prefill chunk sends those of its last `sliding_window + TAP_SLACK` rows only."""
+    from ds4_mlx.models.dspark import DSparkArgs
+
+    streams = args.hc_mult * args.hidden_size * FLOAT32
+    return {"mtp": streams, "dspark": len(DSparkArgs().target_layer_ids) * streams}
+
+
 def link_times(nbytes) -> dict:
     """Microseconds `nbytes` take on each link at its line rate (latency aside)."""
     return {name: nbytes * 8 / rate * 1e6 for name, rate in LINKS.items()}
@@ -44,10 +55,11 @@ def real_width_traffic(ranks_list=(2, 4)) -> list:
     rows = []
     for name, args in (("flash", flash_args()), ("pro", pro_args())):
         for ranks in ranks_list:
-            t = bytes_per_token(args, ranks)
+            t, drafter = bytes_per_token(args, ranks), drafter_bytes_per_row(args)
             decode, prefill = link_times(t["decode_bytes"]), link_times(t["prefill_bytes"])
             rows.append({"model": name, "ranks": ranks, "decode_kib": t["decode_bytes"] / 1024,
                          "prefill_kib_per_token": t["prefill_bytes"] / 1024,
+                         **{f"{kind}_drafter_kib_per_row": n / 1024 for kind, n in drafter.items()},
                          **{f"decode_us_{k}": v for k, v in decode.items()},
                          **{f"prefill_2048_ms_{k}": v * 2048 / 1000 for k, v in prefill.items()}})
     return rows

@@ -1,7 +1,7 @@
 """One session's script, run in one process or under `mlx.launch` on several (`ds4_mlx.distributed`): the
 logits at each point, to compare the two (tests/test_distributed.py).
 
-    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --disk DIR | --slow | --idle S] [--exact-rewinds] [--layers-per-turn N ...]
+    mlx.launch -n 2 --hosts 127.0.0.1 --backend ring -- python -m ds4_mlx.tools.pipeline_check MODEL OUT [--save F | --load F | --disk DIR | --mtp DRAFTER ... | --slow | --idle S] [--exact-rewinds] [--layers-per-turn N ...]
 
 Rank 0 writes OUT/logits.npz; every rank writes OUT/rank{r}.pid first.
 """
@@ -17,6 +17,9 @@ import numpy as np
 # small rings and close checkpoints: the script's rewinds take every path (trim in place, a lane, a
 # checkpoint, from empty) on a tiny model
 SESSION_OPTIONS = dict(rewind_slack=12, checkpoint_every=32, max_chunk=24, frontier_horizon=4, recent_checkpoints=2)
+# speculative decoding: a first chunk longer than a drafter's log keeps (the tiny model's window and the slack)
+SPECULATION_OPTIONS = dict(SESSION_OPTIONS, max_chunk=96, checkpoint_every=96)
+DRAFTS = 3
 
 
 def prompt_ids(vocab, n=120, seed=3):
@@ -124,6 +127,51 @@ def through_the_disk(session, ids, directory) -> dict:
     return {"after_disk": np.array(session.step(ids[-1]).astype(mx.float32)), "from_disk": np.array(restored)}
 
 
+class Recorded:
+    """A drafter whose every round's drafts, and the logits each was chosen from, are kept."""
+
+    def __init__(self, drafter):
+        self.drafter, self.drafts, self.logits = drafter, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def draft(self, *args, **kwargs):
+        tokens, logits, confidence = self.drafter.draft(*args, **kwargs)
+        self.drafts += tokens
+        if tokens:
+            self.logits.append(logits)
+        return tokens, logits, confidence
+
+
+def speculated(session, ids, drafter_path) -> dict:
+    """Greedy decoding with the drafter at `drafter_path` (`--mtp`), `DRAFTS` drafts every round: after a
+    prompt, then again after a rewind into it. -> the tokens, every round's drafts and the logits they were
+    chosen from, the tokens each verify committed; named after the drafter's file."""
+    import mlx.core as mx
+
+    from ds4_mlx.generate import Sampler, SamplingParams
+    from ds4_mlx.loader import load_drafter
+    from ds4_mlx.speculative import Speculation
+
+    drafter = Recorded(load_drafter(drafter_path, session.model))
+    speculation = Speculation(drafter, draft_tokens=DRAFTS, schedule=False)
+    sampler = Sampler(SamplingParams(temperature=0))
+    out = []
+    for prompt, n in ((ids[:100], 12), (ids[:90], 8)):
+        speculation.attach(session)
+        logits = session.sync(prompt)
+        for _ in range(n):
+            forced = speculation.next_draw()
+            token = int((forced if forced is not None else mx.argmax(logits)).item())
+            out.append(token)
+            logits = speculation.step(session, sampler, token)
+    name = Path(drafter_path).stem
+    return {f"{name}.tokens": np.array(out), f"{name}.drafts": np.array(drafter.drafts),
+            f"{name}.draft_logits": np.array(mx.concatenate(drafter.logits).astype(mx.float32)),
+            f"{name}.accepted_lengths": np.array(speculation.stats.accepted_lengths)}
+
+
 def slow(session, ids, out):
     """Decode for a long while (a rank killed meanwhile must stop rank 0 with an error)."""
     session.sync(ids[:10])
@@ -141,7 +189,7 @@ def command(a):
     rank = int(os.environ.get("MLX_RANK", 0))
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     model, _ = load(a.model)  # this rank's layers when launched on several
-    options = dict(SESSION_OPTIONS, exact_rewinds=a.exact_rewinds)
+    options = dict(SPECULATION_OPTIONS if a.mtp else SESSION_OPTIONS, exact_rewinds=a.exact_rewinds)
     session = new_session(model, **options)
     ids = prompt_ids(model.args.vocab_size)
     if a.slow:
@@ -152,6 +200,10 @@ def command(a):
         logits = loaded_then_stepped(session, ids, a.load)
     elif a.disk:
         logits = through_the_disk(session, ids, a.disk)
+    elif a.mtp:
+        logits = {}
+        for drafter in a.mtp:
+            logits.update(speculated(new_session(model, **options), ids, drafter))
     else:
         time.sleep(a.idle)  # the other ranks wait for the next order meanwhile
         logits = {**script(session, ids), **batched(lambda: new_session(model, **options), ids)}
@@ -173,6 +225,8 @@ def main(argv=None):
     p.add_argument("--save")
     p.add_argument("--load")
     p.add_argument("--disk", help="a folder for the disk store")
+    p.add_argument("--mtp", nargs="+", metavar="DRAFTER",
+                   help="drafters: decode speculatively with each (`distributed.run` reads args.mtp)")
     p.add_argument("--slow", action="store_true")
     p.add_argument("--idle", type=float, default=0, help="seconds rank 0 waits before the script")
     p.add_argument("--exact-rewinds", action="store_true", help="sessions with Session.exact_rewinds")
