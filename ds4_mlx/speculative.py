@@ -400,9 +400,11 @@ def server_generate(make, log=None):
         if not speculation.fits(session):  # --rewind-slack below a round: plain decoding
             yield from stream_generate(session, *args, yield_prefill=True, together=True, **kwargs)
             return
-        yield from stream_generate(session, *args, yield_prefill=True, together=True, speculation=speculation,
-                                   **kwargs)
-        if log is not None:
-            log(summary(speculation.stats))
+        try:
+            yield from stream_generate(session, *args, yield_prefill=True, together=True, speculation=speculation,
+                                       **kwargs)
+        finally:  # the server closes a stream's generator once it has what it needs: log it then too
+            if log is not None:
+                log(summary(speculation.stats))
 
     return generate

@@ -299,3 +299,19 @@ def test_dspark_confidence_cuts_the_drafts(target):
         assert generate(target, prompt, 12, spec)[0] == plain
         counts[threshold] = spec.stats.drafted
     assert counts[0.0] > 0 and counts[1.0] == 0  # a sigmoid is below 1: every draft is cut
+
+
+def test_the_server_logs_a_stream_it_closes_early(target, monkeypatch):
+    """The server closes a stream's generator once it has its tokens: the stream's figures are logged then,
+    as when it runs to its end."""
+    import ds4_mlx.generate
+    from ds4_mlx.speculative import server_generate
+
+    monkeypatch.setattr(ds4_mlx.generate, "stream_generate", lambda *args, **kwargs: iter(range(3)))
+    lines = []
+    generate_ = server_generate(lambda model: Speculation(RandomDrafter(3, seed=1), draft_tokens=3), lines.append)
+    assert list(generate_(Session(target))) == [0, 1, 2] and len(lines) == 1
+    stream = generate_(Session(target))
+    assert next(stream) == 0
+    stream.close()
+    assert len(lines) == 2
