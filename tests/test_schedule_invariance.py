@@ -106,8 +106,7 @@ def logprobs_of(client, prompt, salt):
     return done.choices[0].logprobs.token_logprobs, done.choices[0].text
 
 
-@pytest.mark.parametrize("quant_sim", [True, False])
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("quant_sim,batch", [(True, 1), (False, 4)])  # each setting once: suite time
 def test_a_requests_logprobs_are_the_same_beside_other_streams(quant_sim, batch):
     """Through the server: the same greedy request alone, then beside 1 to 3 other streams (prefilling
     and decoding while it prefills and decodes): its logprobs bit for bit."""
