@@ -149,3 +149,21 @@ def test_the_server_answers_500_in_the_api_shape_and_the_next_request_is_exact()
         done = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)
         assert done.usage.prompt_tokens_details.cached_tokens > 0  # the computed prefix was kept
     assert answer_text(done) == cold_answer(model=MODEL, messages=messages, temperature=0, max_tokens=12)
+
+
+def test_a_worker_that_dies_while_starting_a_request_answers_it_with_an_error():
+    """A failure that stops the worker (another rank lost, a bug in the loop) while it starts an admitted
+    request: that request gets the error too, not a dropped connection."""
+    from ds4_mlx.tools.testing import served
+
+    class Lost(BaseException):
+        pass
+
+    def start(job, placement):
+        raise Lost("the other ranks are gone")
+
+    with served() as (bg, _):
+        bg.server.worker._start = start
+        r = requests.post(bg.url + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+        assert r.status_code == 500 and "worker failed" in r.json()["error"]["message"]

@@ -171,6 +171,7 @@ class Worker:
         self._pending: deque[Job] = deque()
         self.recent: deque[tuple[float, Outcome]] = deque(maxlen=RECENT_REQUESTS)  # (unix time, outcome)
         self._running: list[_Running] = []
+        self._starting: list[Job] = []  # a turn's admitted jobs until each starts: a death fails them too
         self._cond = threading.Condition()
         self._stopping = False
         self.shutting_down = False
@@ -252,7 +253,7 @@ class Worker:
                 log.critical(f"the worker thread died:\n{traceback.format_exc()}")
             with self._cond:
                 self.died = e  # submit() refuses from now on
-                jobs = [*self._pending, *(run.job for run in self._running)]
+                jobs = [*self._pending, *self._starting, *(run.job for run in self._running)]
                 self._pending.clear()
             for job in jobs:
                 job.emit("error", "the server's worker failed; see the server's log")
@@ -276,8 +277,10 @@ class Worker:
                 self._release()
                 return
             self.turn_started = time.monotonic()
+            self._starting = [job for job, _ in admitted]  # out of the queue, not running yet
             for job, placement in admitted:
                 self._start_guarded(job, placement)
+                self._starting.remove(job)
             for run in list(self._running):
                 self._guarded(run, self._advance, run)
             self._decode_together()
