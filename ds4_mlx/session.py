@@ -246,10 +246,13 @@ class Session:
             n = min(len(ids) - done, self._room())
             chunk = ids[done : done + n]
             taps = self.tap_log.request() if self.tap_log is not None else None
+            # a prompt's chunk beside other streams runs in pieces of layers; a verify or a token runs whole
+            # (each piece waits for the device: the host could no longer build ahead of it)
+            pieces = self.layers_per_turn if rows is None and n > 1 else None
             try:
                 views = [[c.view(n) for c in self.cache]]
                 run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32), views, last_only=rows is None,
-                                               layers_per_step=self.layers_per_turn, taps=taps)
+                                               layers_per_step=pieces, taps=taps)
                 while True:
                     try:
                         next(run)

@@ -315,3 +315,23 @@ def test_the_server_logs_a_stream_it_closes_early(target, monkeypatch):
     assert next(stream) == 0
     stream.close()
     assert len(lines) == 2
+
+
+def test_a_verify_runs_whole_beside_other_streams(target, monkeypatch):
+    """A server sets `layers_per_turn` on its sessions while several streams run: a prompt's chunk then
+    runs in pieces of layers, each waiting for the device; a verify's few rows (and a token) run whole."""
+    session = Session(target)
+    session.sync([5, 9, 33, 100])
+    session.layers_per_turn = 1
+    asked = []
+    forward_steps = target.forward_steps
+
+    def recorded(ids, views, **kwargs):
+        asked.append((ids.shape[1], kwargs["layers_per_step"]))
+        return forward_steps(ids, views, **kwargs)
+
+    monkeypatch.setattr(target, "forward_steps", recorded)
+    session.verify([7, 8, 9])
+    session.step(4)
+    session.sync(session.tokens + [10, 11, 12])
+    assert asked == [(3, None), (1, None), (3, 1)]
