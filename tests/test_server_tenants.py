@@ -88,8 +88,9 @@ def test_sessions_show_nothing_of_the_slot_s_previous_tenant():
     victim, prober = Tenant("key-A"), Tenant("key-B")
     with BackgroundServer(demo_server(ctx=CTX, sessions=1, access=Access(api_keys=("key-A", "key-B")))) as bg:
         victim.chat(bg, conversation(SECRET))
+        # one ordinary token pushed far above the rest: the answer runs its max_tokens, never stopping early
         body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1000,
-                "temperature": 0, "stream": True}
+                "temperature": 0, "stream": True, "logit_bias": {"1000": 100}}
         with requests.post(bg.url + "/v1/chat/completions", json=body, headers=prober.headers, stream=True,
                            timeout=120) as stream:
             assert stream.status_code == 200, stream.text
