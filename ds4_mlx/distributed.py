@@ -44,6 +44,7 @@ from ds4_mlx.cache.geometry import lane_every
 from ds4_mlx.cache.state import (StateFileError, export_session, file_size_bound, model_identity, read_header,
                                  write_state_file)
 from ds4_mlx.cache.store import LOCK, DiskStore, lock_folder, log
+from ds4_mlx.models.deepseek_v4 import run_to_end
 from ds4_mlx.session import Session, step_together
 
 BROADCAST_BYTES = 512  # an order up to this long goes to the other ranks in one exchange
@@ -244,12 +245,7 @@ class Stage:
         layers); one exchange a link for all B sessions. Changes no cache. `taps`: as `Model.forward`'s, on
         rank 0 (the streams of one session, B = 1: the last rows the drafter's log keeps; of B sessions, all).
         The other ranks pass the same keys: each passes on the streams its layers make."""
-        steps = self.forward_steps(ids, views, last_only=last_only, taps=taps)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.forward_steps(ids, views, last_only=last_only, taps=taps))
 
     def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
         """`Model.forward_steps` over the pipeline. With `layers_per_step`, the pieces are the whole model's:

@@ -118,12 +118,7 @@ class Model(nn.Module):
         `taps`: None, or a dict whose keys name residual streams a drafter reads (speculative decoding):
         a layer index i (the streams leaving layer i) or "final" (leaving the last layer, before the HC
         head); the forward sets each key to those streams, [B * T, hc, H] float32, for every row."""
-        run = self.forward_steps(ids, views, last_only=last_only, taps=taps)
-        while True:
-            try:
-                next(run)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.forward_steps(ids, views, last_only=last_only, taps=taps))
 
     def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
         """`forward` as a generator: with `layers_per_step`, it evaluates the layers so far and yields after
@@ -208,3 +203,12 @@ class Model(nn.Module):
             if name.endswith("tid2eid"):
                 out[name] = out[name].astype(mx.int32)
         return out
+
+
+def run_to_end(steps):
+    """Run a `forward_steps` generator through all its pieces; -> its return value (`forward`'s)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
