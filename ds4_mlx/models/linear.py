@@ -67,17 +67,14 @@ class QuantizedLinear(nn.QuantizedLinear):
         rows = x.size // x.shape[-1]
         if dequantizes(rows):
             return x @ dequantized(self, x.dtype).T
-        if rows <= kernels.FEW_ROWS_MAX:
+        if rows <= kernels.FEW_ROWS_MAX:  # else no views are made only for the kernel to refuse them
+            biases = self.get("biases")
             y = kernels.few_rows(x.reshape(rows, 1, -1), self.weight[None], self.scales[None],
-                                 _expanded(self.get("biases")), self.group_size, self.bits, self.mode)
+                                 None if biases is None else biases[None], self.group_size, self.bits, self.mode)
             if y is not None:
                 y = y.reshape(*x.shape[:-1], -1)
                 return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
-
-
-def _expanded(a):
-    return None if a is None else a[None]
 
 
 def grouped_product(x, w):
