@@ -236,12 +236,7 @@ def bench_batch(a):
     mx.clear_cache()  # decode from an empty buffer cache, as stream_generate does after a prefill
     rows = []
     for n in counts:
-        sessions = []
-        for b in range(n):  # forks of one prefill, each a few tokens shorter: their blocks close at other steps
-            s = Session(model)
-            s.restore(first.snapshot())
-            s.trim(context - 1 - b % 4)
-            sessions.append(s)
+        sessions = bench_kernels.forks(first, n)
         tokens = mx.array([s.tokens[-1] for s in sessions], dtype=mx.int32)
         steps = []
         for i in range(a.decode + 2):  # two warm-up steps build the graphs

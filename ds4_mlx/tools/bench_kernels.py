@@ -47,6 +47,20 @@ def _short(name, width=70):
     return name if len(name) <= width else name[: width - 1] + "~"
 
 
+def forks(first, n):
+    """n sessions forked from `first`'s prefill, each a few tokens shorter than it: their compressed blocks
+    close at different steps, as a server's streams' do."""
+    from ds4_mlx.session import Session
+
+    sessions = []
+    for b in range(n):
+        s = Session(first.model)
+        s.restore(first.snapshot())
+        s.trim(len(first.tokens) - 1 - b % 4)
+        sessions.append(s)
+    return sessions
+
+
 def _shapes(model, a):
     """(label, step) pairs: each step builds one lazy forward and returns (output, settle)."""
     from ds4_mlx.session import Session, step_together
@@ -59,12 +73,7 @@ def _shapes(model, a):
     mx.clear_cache()
 
     def batch(n):
-        sessions = []
-        for b in range(n):
-            s = Session(model)
-            s.restore(first.snapshot())
-            s.trim(context - 1 - b % 4)
-            sessions.append(s)
+        sessions = forks(first, n)
         tokens = [mx.array([s.tokens[-1] for s in sessions], dtype=mx.int32)]
 
         def step():
