@@ -322,9 +322,11 @@ def test_no_kernels_flag(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
-@pytest.mark.parametrize("pairs,out,inp", [(6, 2048, 4096), (12, 4096, 2048), (3, 8, 256)])
-def test_gguf_rows_kernel_matches_gguf(codec, pairs, out, inp):
-    """The kernel for routed experts kept in GGUF blocks against the `gguf` package's dequantization."""
+@pytest.mark.parametrize("pairs,rows,out,inp", [(6, 1, 2048, 4096), (12, 12, 4096, 2048), (3, 3, 8, 256)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, dtype):
+    """The kernel for routed experts kept in GGUF blocks against the `gguf` package's dequantization: each
+    pair's row of x (consecutive pairs share one: a token's experts), x and the result in x's dtype."""
     import numpy as np
     import gguf.quants
     from gguf import GGMLQuantizationType as T
@@ -332,13 +334,15 @@ def test_gguf_rows_kernel_matches_gguf(codec, pairs, out, inp):
     from ds4_mlx.models import gguf_blocks
 
     w = gguf_blocks.random_blocks(codec, (16, out, gguf_blocks.row_bytes(codec, inp)), seed=pairs)
-    x = mx.random.normal((pairs, inp), key=mx.random.key(out))
+    x = mx.random.normal((rows, inp), key=mx.random.key(out)).astype(dtype)
     indices = mx.random.randint(0, 16, (pairs,), key=mx.random.key(inp)).astype(mx.uint32)
     got = on_cuda(kernels.gguf_rows, x, w, indices, codec)
     values = gguf.quants.dequantize(np.array(w), T[codec.upper()])  # [16, out, inp]
-    want = np.einsum("pi,poi->po", np.array(x, np.float64), values[np.array(indices)].astype(np.float64))
-    assert got.shape == (pairs, out) and got.dtype == mx.float32
-    assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
+    xs = np.repeat(np.array(x.astype(mx.float32), np.float64), pairs // rows, axis=0)
+    want = np.einsum("pi,poi->po", xs, values[np.array(indices)].astype(np.float64))
+    assert got.shape == (pairs, out) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == mx.float32 else 1e-2  # the result rounded to bfloat16
+    assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tolerance * np.abs(want).max()
 
 
 def test_gguf_rows_definition_matches_gguf():
@@ -350,7 +354,8 @@ def test_gguf_rows_definition_matches_gguf():
     for codec in ("iq2_xxs", "q2_k"):
         x, w, indices, _ = kernels._gguf_rows_sample(codec)
         values = gguf.quants.dequantize(np.array(w), T[codec.upper()])
-        want = np.einsum("pi,poi->po", np.array(x, np.float64), values[np.array(indices)].astype(np.float64))
+        xs = np.repeat(np.array(x, np.float64), indices.size // x.shape[0], axis=0)  # pairs sharing rows of x
+        want = np.einsum("pi,poi->po", xs, values[np.array(indices)].astype(np.float64))
         got = np.array(kernels.gguf_rows_reference(x, w, indices, codec))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
         assert kernels.gguf_rows(x, w, indices, codec) is None  # no kernel on the CPU: the caller's own path

@@ -602,6 +602,29 @@ ROUTED_EXPERTS = Kernel("routed_experts", routed_experts_reference, _routed_expe
 ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
 
 
+# Reads of x in any float dtype as 8- or 16-byte words, and stores in the output's dtype (an input's or
+# output's pointer type follows its array's dtype): a kernel takes the compute dtype's rows as they are,
+# where a cast to float32 before it and back after would each be a kernel.
+_LOADS = """
+template <int BYTES> struct Word;
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<16> { using type = uint4; };
+
+template <int COUNT, typename T>
+__device__ inline void load_floats(const T* p, float* v) {
+    constexpr int BYTES = COUNT * sizeof(T) < 16 ? COUNT * sizeof(T) : 16, PER = BYTES / sizeof(T);
+    for (int i = 0; i < COUNT / PER; ++i) {
+        const typename Word<BYTES>::type raw = reinterpret_cast<const typename Word<BYTES>::type*>(p)[i];
+        const T* e = reinterpret_cast<const T*>(&raw);
+        for (int j = 0; j < PER; ++j) v[i * PER + j] = static_cast<float>(e[j]);
+    }
+}
+
+template <typename T>
+__device__ inline void store(T* p, float v) { *p = static_cast<T>(v); }
+"""
+
+
 # ---------------------------------------------------------------------------------------------
 # Routed experts kept in GGUF blocks (IQ2_XXS, Q2_K), for a few tokens: one warp an output row of one
 # (token, expert) pair, its lanes over the row's blocks, dequantizing as they read (the IQ2_XXS lattice
@@ -652,7 +675,7 @@ _GGUF_ROWS_CUDA = """
     if (job >= PAIRS * OUT) return;
     const int pair = job / OUT, row = job % OUT;
     const uint8_t* r = w + ((size_t)indices[pair] * OUT + row) * (IN / 256 * BLOCK);
-    const float* xv = x + (size_t)pair * IN;
+    const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
     float acc = 0.0f;
     if (CODEC == 0) {
         for (int u = lane; u < IN / 256 * 16; u += 32) {
@@ -664,10 +687,11 @@ _GGUF_ROWS_CUDA = """
             for (int i = 0; i < 4; ++i) {
                 const int at = half * 128 + i * 32 + l;
                 const uint8_t sc = blk[at / 16];
-                const float4 xs = *reinterpret_cast<const float4*>(xv + (u / 16) * 256 + at);
-                const float codes = (float)((q >> (2 * i)) & 3) * xs.x + (float)((q >> (8 + 2 * i)) & 3) * xs.y
-                                  + (float)((q >> (16 + 2 * i)) & 3) * xs.z + (float)((q >> (24 + 2 * i)) & 3) * xs.w;
-                acc += d * (float)(sc & 0xF) * codes - dmin * (float)(sc >> 4) * (xs.x + xs.y + xs.z + xs.w);
+                float xs[4];
+                load_floats<4>(xv + (u / 16) * 256 + at, xs);
+                const float codes = (float)((q >> (2 * i)) & 3) * xs[0] + (float)((q >> (8 + 2 * i)) & 3) * xs[1]
+                                  + (float)((q >> (16 + 2 * i)) & 3) * xs[2] + (float)((q >> (24 + 2 * i)) & 3) * xs[3];
+                acc += d * (float)(sc & 0xF) * codes - dmin * (float)(sc >> 4) * (xs[0] + xs[1] + xs[2] + xs[3]);
             }
         }
     } else {
@@ -679,9 +703,8 @@ _GGUF_ROWS_CUDA = """
             const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
             const uint2 point = grid_bytes[blk[2 + sub * 8 + g]];
             const int signs = sign_bytes[(aux >> (7 * g)) & 127];
-            const float4* xs = reinterpret_cast<const float4*>(xv + (u / 32) * 256 + (u % 32) * 8);
-            const float4 a = xs[0], b = xs[1];
-            const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float e[8];
+            load_floats<8>(xv + (u / 32) * 256 + (u % 32) * 8, e);
             float sum = 0.0f;
             for (int k = 0; k < 8; ++k) {
                 const float value = (float)(((k < 4 ? point.x : point.y) >> (8 * (k % 4))) & 0xFF);
@@ -691,7 +714,7 @@ _GGUF_ROWS_CUDA = """
         }
     }
     for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
-    if (lane == 0) y[job] = acc;
+    if (lane == 0) store(y + job, acc);
 """
 _GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
 
@@ -699,38 +722,39 @@ _GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
 @lru_cache(maxsize=None)
 def _gguf_rows_kernel():
     return mx.fast.cuda_kernel(name="ds4_gguf_expert_rows", input_names=["x", "w", "indices", "lattice", "ksigns"],
-                               output_names=["y"], source=_GGUF_ROWS_CUDA, header=_GGUF_UNITS)
+                               output_names=["y"], source=_GGUF_ROWS_CUDA, header=_LOADS)
 
 
 def _gguf_rows_cuda(x, w, indices, codec):
-    """x [P, in] float32, w uint8 [E, out, row bytes], indices [P] -> [P, out] float32: row p through expert
-    indices[p]."""
+    """x [X, in] (X divides P), w uint8 [E, out, row bytes], indices [P] -> [P, out] in x's dtype: pair p's
+    row of x (row p // (P / X)) through expert indices[p]."""
     from ds4_mlx.models import gguf_blocks
 
-    (pairs, inp), out = x.shape, w.shape[1]
+    (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
     return _gguf_rows_kernel()(
-        inputs=[x.astype(mx.float32), w, indices.astype(mx.uint32), lattice, ksigns],
-        template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs),
+        inputs=[x, w, indices.astype(mx.uint32), lattice, ksigns],
+        template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("GROUP", _EXPERT_GROUP)],
         grid=(-(-pairs * out * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
-        output_shapes=[(pairs, out)], output_dtypes=[mx.float32])[0]
+        output_shapes=[(pairs, out)], output_dtypes=[x.dtype])[0]
 
 
 def gguf_rows_reference(x, w, indices, codec):
     """`_gguf_rows_cuda`'s definition: each pair's expert dequantized (`gguf_blocks.dequantize`), then its
-    product, in float32."""
+    product with its row of x, in float32, rounded to x's dtype."""
     from ds4_mlx.models import gguf_blocks
 
     weights = gguf_blocks.dequantize(w[indices], codec)  # [P, out, in]
-    return (x.astype(mx.float32)[:, None, :] @ weights.swapaxes(-1, -2))[:, 0, :]
+    rows = mx.repeat(x.astype(mx.float32), indices.size // x.shape[0], axis=0)
+    return (rows[:, None, :] @ weights.swapaxes(-1, -2))[:, 0, :].astype(x.dtype)
 
 
 def _gguf_rows_sample(codec):
     from ds4_mlx.models import gguf_blocks
 
     w = gguf_blocks.random_blocks(codec, (3, 8, gguf_blocks.row_bytes(codec, 512)), seed=5)
-    return _random(4, 512), w, mx.array([2, 0, 1, 2], mx.uint32), codec
+    return _random(2, 512), w, mx.array([2, 0, 1, 2], mx.uint32), codec  # two pairs a row of x
 
 
 GGUF_ROWS = {codec: Kernel(f"gguf_rows_{codec}", gguf_rows_reference, partial(_gguf_rows_sample, codec), 1e-4)
@@ -744,7 +768,8 @@ def gguf_rows(x, w, indices, codec):
     """`gguf_rows_reference`, one kernel on CUDA for up to GGUF_ROWS_MAX_PAIRS pairs; None where the kernel
     does not apply (the caller then runs its own path)."""
     kernel = GGUF_ROWS.get(codec)
-    if kernel is None or x.shape[0] > GGUF_ROWS_MAX_PAIRS or x.shape[1] % 256 or kernel.backend() is None:
+    if (kernel is None or indices.size > GGUF_ROWS_MAX_PAIRS or indices.size % x.shape[0] or x.shape[1] % 256
+            or kernel.backend() is None):
         return None
     return kernel.launches[kernel.backend()](x, w, indices, codec)
 
@@ -820,15 +845,19 @@ def gguf_dequantize(w, codec):
 # 8-bit affine products of a few rows (a decoded token, a verify, a batched step): the attention
 # projections, the grouped output projection, the shared expert and the head of the published files (Q8_0).
 # MLX's quantized product re-reads the weight for each row past the first and takes a tensor-core kernel
-# from a few rows on; here a warp reads R output rows' codes once, 16 at a time as one 16-byte word, and
-# applies them to every row of x. `G` groups: output row n reads x's group n / (N / G) (the grouped map).
+# from a few rows on. Here a block takes R output rows; its threads split the input in 16-wide chunks,
+# read each row's 16 codes as one word and x as 16-byte words, and apply the codes to every row of x. A
+# row's sums follow the chunks a thread takes (a function of K alone), then a fixed warp and block
+# reduction: its bits do not depend on the rows beside it. `G` groups: output row n reads x's group
+# n / (N / G) (the grouped map). The result is stored in x's dtype.
 _FEW_ROWS_CUDA = """
-    constexpr int R = 2, NG = N / G;
-    const int lane = threadIdx.x % 32, row0 = (blockIdx.x * (GROUP / 32) + threadIdx.x / 32) * R;
-    if (row0 >= N) return;
+    constexpr int NG = N / G, CHUNKS = K / 16;
+    __shared__ float partial[WARPS][R * M];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, row0 = blockIdx.x * R;
+    const int g = row0 / NG;  // R divides NG: the block's rows share a group
     float acc[R][M];
     for (int r = 0; r < R; ++r) for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-    for (int c = lane; c < K / 16; c += 32) {
+    for (int c = threadIdx.x; c < CHUNKS; c += 32 * WARPS) {
         const int k0 = c * 16;
         float wf[R][16], scale[R], bias[R];
         for (int r = 0; r < R; ++r) {
@@ -838,13 +867,10 @@ _FEW_ROWS_CUDA = """
             scale[r] = static_cast<float>(scales[(size_t)(row0 + r) * (K / GS) + k0 / GS]);
             bias[r] = static_cast<float>(biases[(size_t)(row0 + r) * (K / GS) + k0 / GS]);
         }
-        const int g = row0 / NG;  // R divides NG: the warp's rows share a group
         for (int m = 0; m < M; ++m) {
             float xv[16], total = 0.0f;
-            for (int j = 0; j < 16; ++j) {
-                xv[j] = static_cast<float>(x[((size_t)m * G + g) * K + k0 + j]);
-                total += xv[j];
-            }
+            load_floats<16>(x + ((size_t)m * G + g) * K + k0, xv);
+            for (int j = 0; j < 16; ++j) total += xv[j];
             for (int r = 0; r < R; ++r) {
                 float dot = 0.0f;
                 for (int j = 0; j < 16; ++j) dot += wf[r][j] * xv[j];
@@ -856,8 +882,14 @@ _FEW_ROWS_CUDA = """
         for (int m = 0; m < M; ++m) {
             float v = acc[r][m];
             for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
-            if (lane == 0) y[(size_t)m * N + row0 + r] = v;
+            if (lane == 0) partial[warp][r * M + m] = v;
         }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * M; i += 32 * WARPS) {
+        float v = 0.0f;
+        for (int k = 0; k < WARPS; ++k) v += partial[k][i];
+        store(y + (size_t)(i % M) * N + row0 + i / M, v);
+    }
 """
 FEW_ROWS_MAX = 16
 
@@ -865,7 +897,7 @@ FEW_ROWS_MAX = 16
 @lru_cache(maxsize=None)
 def _few_rows_kernel():
     return mx.fast.cuda_kernel(name="ds4_few_rows_q8", input_names=["x", "w", "scales", "biases"],
-                               output_names=["y"], source=_FEW_ROWS_CUDA)
+                               output_names=["y"], source=_FEW_ROWS_CUDA, header=_LOADS)
 
 
 def few_rows_reference(x, w, scales, biases, group_size):
@@ -876,11 +908,14 @@ def few_rows_reference(x, w, scales, biases, group_size):
 
 def _few_rows_cuda(x, w, scales, biases, group_size):
     (M, G, K), N = x.shape, w.shape[0] * w.shape[1]
+    rows = 2 if M > 8 or w.shape[1] % 4 else 4  # output rows a block takes: more share x's loads, until
+    # the registers of M rows run out
+    warps = min(8, max(1, K // 16 // 64))  # a thread takes a few chunks: a function of K alone (see above)
     return _few_rows_kernel()(
         inputs=[x, w, scales, biases],
-        template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("GROUP", _EXPERT_GROUP)],
-        grid=(-(-(N // 2) * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
-        output_shapes=[(M, G, N // G)], output_dtypes=[mx.float32])[0]
+        template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps)],
+        grid=(N // rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(M, G, N // G)], output_dtypes=[x.dtype])[0]
 
 
 def _few_rows_sample():
@@ -899,4 +934,4 @@ def few_rows(x, w, scales, biases, group_size, bits, mode):
     if (bits != 8 or mode != "affine" or biases is None or M > FEW_ROWS_MAX or K % 16 or group_size % 16
             or w.shape[1] % 2 or FEW_ROWS.backend() is None):
         return None
-    return FEW_ROWS.launches["cuda"](x, w, scales, biases, group_size).astype(x.dtype)
+    return FEW_ROWS.launches["cuda"](x, w, scales, biases, group_size)

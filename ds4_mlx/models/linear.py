@@ -212,6 +212,18 @@ def gguf_dequantized(w, codec, dtype):
     return (gguf_blocks.dequantize(w, codec) if values is None else values).astype(dtype)
 
 
+def _pair_rows(x, lead):
+    """x [..., 1, in] as the rows [X, in] that the pairs of `lead` (indices' shape) read in order, X dividing
+    their count: x itself where its batch axes are lead's first ones (the rest broadcast), else broadcast."""
+    batch = (1,) * (len(lead) - x.ndim + 2) + x.shape[:-2]
+    kept = len(batch)
+    while kept and batch[kept - 1] == 1:
+        kept -= 1
+    if len(batch) != len(lead) or batch[:kept] != lead[:kept]:
+        x = mx.broadcast_to(x, lead + x.shape[-2:])
+    return x.reshape(-1, x.shape[-1])
+
+
 def gguf_gather_product(x, w, indices, codec, sorted_indices):
     """`mx.gather_qmm`'s contract (transposed) on GGUF blocks w [n, out, row bytes]: x [..., M, in] times
     map indices[...] -> [..., M, out]. On CUDA, a kernel for one row a pair (`kernels.gguf_rows`); the
@@ -222,10 +234,9 @@ def gguf_gather_product(x, w, indices, codec, sorted_indices):
                                                sorted_indices=sorted_indices)
     if x.shape[-2] == 1:
         lead = tuple(indices.shape)
-        rows = mx.broadcast_to(x, lead + x.shape[-2:]).reshape(-1, x.shape[-1])
-        y = kernels.gguf_rows(rows, w, indices.reshape(-1), codec)
+        y = kernels.gguf_rows(_pair_rows(x, lead), w, indices.reshape(-1), codec)
         if y is not None:
-            return y.astype(x.dtype).reshape(*lead, 1, -1)
+            return y.reshape(*lead, 1, -1)
     return x @ gguf_dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
 
 
