@@ -13,7 +13,7 @@ from ds4_mlx.models import kernels
 HAS_GPU = mx.metal.is_available() or mx.cuda.is_available()
 
 
-def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0):
+def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0, dtype=mx.float32):
     key = mx.random.key(seed)
     k1, k2, k3, k4 = mx.random.split(key, 4)
     mix = 3 * mx.random.normal((T, (2 + hc) * hc), key=k1)
@@ -25,23 +25,27 @@ def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0):
         mx.set_default_device(mx.gpu)
         try:
             assert kernels.backend() in ("metal", "cuda")
-            got = kernels.hc_mix(mix, scale, base, streams, iters, eps)
-            want = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+            got = kernels.hc_mix(mix, scale, base, streams, iters, eps, dtype)
+            want = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)  # x in float32
             mx.eval(got, want)
         finally:
             mx.set_default_device(previous)
-    for name, g, w in zip(("x", "post", "comb"), got, want):
-        assert g.shape == w.shape and g.dtype == mx.float32, name
-        err = float(mx.abs(g - w).max())
-        assert err <= 1e-5 * max(1.0, float(mx.abs(w).max())), f"{name}: max |diff| {err:.2e} (T={T}, H={H})"
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == mx.float32
+    # x is the float32 mix rounded once to `dtype`: within its rounding of the float32 definition's
+    x_tolerance = 1e-5 if dtype == mx.float32 else mx.finfo(dtype).eps
+    for name, g, w, tolerance in zip(("x", "post", "comb"), got, want, (x_tolerance, 1e-5, 1e-5)):
+        assert g.shape == w.shape, name
+        err = float(mx.abs(g.astype(mx.float32) - w).max())
+        assert err <= tolerance * max(1.0, float(mx.abs(w).max())), f"{name}: max |diff| {err:.2e} (T={T}, H={H})"
     # the comb matrix is doubly stochastic after Sinkhorn: columns sum to 1 (to within eps)
     assert float(mx.abs(got[2].sum(axis=-2) - 1).max()) < 1e-4
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("T,H", [(1, 4096), (3, 64), (517, 4096)])
-def test_hc_mix_kernel_matches_reference(T, H):
-    check_hc_mix(T, H)
+@pytest.mark.parametrize("T,H,dtype", [(1, 4096, mx.float32), (3, 64, mx.float32), (517, 4096, mx.float32),
+                                       (1, 4096, mx.bfloat16), (3, 64, mx.float16)])
+def test_hc_mix_kernel_matches_reference(T, H, dtype):
+    check_hc_mix(T, H, dtype=dtype)
 
 
 def on_cuda(kernel, *args):
@@ -259,8 +263,8 @@ def test_a_wrong_kernel_turns_itself_off(fake_backend, capsys):
     from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.tools.testing import tiny_args
 
-    def wrong(mix, scale, base, streams, iters, eps):
-        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+    def wrong(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
         return x + 1.0, post, comb
 
     fake_backend(wrong)
@@ -280,8 +284,8 @@ def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):
     from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.tools.testing import tiny_args
 
-    def wrong_when_wide(mix, scale, base, streams, iters, eps):
-        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+    def wrong_when_wide(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
         return (x + 1.0 if streams.shape[-1] > 64 else x), post, comb
 
     fake_backend(wrong_when_wide)

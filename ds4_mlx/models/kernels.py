@@ -94,8 +94,9 @@ def _random(*shape, seed=0):
 # of the streams into one sub-layer input. As plain MLX this is ~230 tiny ops a call; fused, one launch.
 
 
-def hc_mix_reference(mix, scale, base, streams, iters, eps):
-    """mix [T, (2+hc)*hc] float32, streams [T, hc, H] -> (x [T, H], post [T, hc], comb [T, hc, hc])."""
+def hc_mix_reference(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+    """mix [T, (2+hc)*hc] float32, streams [T, hc, H] -> (x [T, H] rounded once to `dtype`, post [T, hc],
+    comb [T, hc, hc])."""
     T, hc, H = streams.shape
     pre = mx.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * mx.sigmoid(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
@@ -105,7 +106,7 @@ def hc_mix_reference(mix, scale, base, streams, iters, eps):
     for _ in range(iters - 1):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
         comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    x = (pre[:, :, None] * streams).sum(axis=1)
+    x = (pre[:, :, None] * streams).sum(axis=1).astype(dtype)
     return x, post, comb
 
 
@@ -176,22 +177,23 @@ def _hc_kernel(kind, eps):
                 output_names=["x", "post", "comb"], source=source)
 
 
-def hc_mix(mix, scale, base, streams, iters, eps):
-    """`hc_mix_reference`, fused into one kernel on Metal and CUDA (float32 throughout)."""
+def hc_mix(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+    """`hc_mix_reference`, fused into one kernel on Metal and CUDA (float32 throughout; x is written in
+    `dtype`, the sub-layer's compute dtype, so no cast of its own runs before the norm that reads it)."""
     kind = HC_MIX.backend()
     if kind is None:
-        return hc_mix_reference(mix, scale, base, streams, iters, eps)
-    return HC_MIX.launches[kind](mix, scale, base, streams, iters, eps)
+        return hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
+    return HC_MIX.launches[kind](mix, scale, base, streams, iters, eps, dtype)
 
 
-def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps):
+def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps, dtype=mx.float32):
     T, hc, H = streams.shape
     f32 = mx.float32
     return _hc_kernel(kind, eps)(
         inputs=[mix.astype(f32), scale.astype(f32), base.astype(f32), streams.astype(f32)],
         template=[("HC", hc), ("ITERS", iters), ("H", H)],
         grid=(T * _GROUP, 1, 1), threadgroup=(_GROUP, 1, 1),
-        output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[f32, f32, f32])
+        output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[dtype, f32, f32])
 
 
 HC_MIX.launches.update({kind: partial(_hc_mix_kernel, kind) for kind in ("metal", "cuda")})
