@@ -63,16 +63,17 @@ def on_cuda(kernel, *args):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("hd,capacity,pos,ratio,n_rows,top_k,dtype", [
-    (512, 127, 8191, 4, 2100, 512, mx.float16),    # CSA: the indexer's choice, a ring of just the window
-    (512, 127, 8191, 4, 2100, 0, mx.float16),      # CSA before the indexer selects: the valid rows
-    (512, 170, 9000, 128, 80, 0, mx.float16),      # HCA, a ring with rewind history
-    (64, 135, 300, 0, 0, 0, mx.float32),           # sliding window only, float32 rows
+@pytest.mark.parametrize("hd,capacity,pos,ratio,n_rows,top_k,dtype,q_dtype", [
+    (512, 127, 8191, 4, 2100, 512, mx.float16, mx.float32),   # CSA: the indexer's choice, a ring of just the window
+    (512, 127, 8191, 4, 2100, 0, mx.float16, mx.float32),     # CSA before the indexer selects: the valid rows
+    (512, 170, 9000, 128, 80, 0, mx.float16, mx.float32),     # HCA, a ring with rewind history
+    (64, 135, 300, 0, 0, 0, mx.float32, mx.float32),          # sliding window only, float32 rows
+    (512, 127, 8191, 4, 2100, 512, mx.float16, mx.bfloat16),  # queries in the bfloat16 compute dtype
 ])
-def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_rows, top_k, dtype):
+def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_rows, top_k, dtype, q_dtype):
     nh, window = 8, 128
     k = mx.random.split(mx.random.key(hd + pos), 6)
-    q = mx.random.normal((nh, hd), key=k[0])
+    q = mx.random.normal((nh, hd), key=k[0]).astype(q_dtype)
     ring = mx.random.normal((capacity, hd), key=k[1]).astype(dtype)
     fresh = mx.random.normal((1, hd), key=k[2]).astype(dtype)
     rows = mx.random.normal((n_rows, hd), key=k[3]).astype(dtype) if ratio else None

@@ -275,7 +275,7 @@ _ATTEND_CUDA = """
     const int n_rows = SELECT ? K : visible[0];
     const float scale = rsqrtf((float)HD);
     float qv[E], acc[E];
-    for (int e = 0; e < E; ++e) { qv[e] = q[h * HD + e * 32 + lane] * scale; acc[e] = 0.0f; }
+    for (int e = 0; e < E; ++e) { qv[e] = static_cast<float>(q[h * HD + e * 32 + lane]) * scale; acc[e] = 0.0f; }
     float m = -__int_as_float(0x7f800000), l = 0.0f;  // -infinity
     for (int j = warp; j < W + n_rows; j += NW) {
         decltype(ring) key;
@@ -346,7 +346,7 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
     return _attend_kernel()(
-        inputs=[q.astype(f32), ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),
+        inputs=[q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
                 first[None] if selected is None else selected, first, visible, sinks.astype(f32)],
         template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[0]),
