@@ -130,8 +130,7 @@ class Attention(nn.Module):
     def _store_kv(self, kv, quant_sim):
         if not quant_sim:
             return kv
-        nope = self.head_dim - self.args.qk_rope_head_dim
-        return f16_round(mx.concatenate([fp8_e4m3_sim(kv[:, :nope]), kv[:, nope:]], axis=-1))
+        return f16_round(fp8_e4m3_sim(kv, width=self.head_dim - self.args.qk_rope_head_dim))
 
     @compiled
     def _project(self, x, positions):

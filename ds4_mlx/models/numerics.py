@@ -4,6 +4,7 @@ formats ds4 stores them in (FP8, FP4, float16), and writing rows into a cache ar
 import math
 
 import mlx.core as mx
+import numpy as np
 
 
 def rms_norm(x, weight, eps):
@@ -63,16 +64,22 @@ class Rope:
         return t.swapaxes(0, 1).reshape(x.shape)
 
 
-def fp8_e4m3_sim(x, block=64):
-    """Round trip through FP8 E4M3 with a power-of-two scale per `block` values (ds4's KV rows)."""
+def fp8_e4m3_sim(x, block=64, width=None):
+    """Round trip through FP8 E4M3 with a power-of-two scale per `block` values (ds4's KV rows) of the
+    first `width` features (all by default); the others come back unchanged. -> float32"""
     shape = x.shape
-    block = min(block, shape[-1])  # tiny test models have narrower heads
+    width = shape[-1] if width is None else width
+    block = min(block, width)  # tiny test models have narrower heads
+    if shape[-1] % block:  # blocks that do not tile the whole row (tiny test models)
+        return mx.concatenate([fp8_e4m3_sim(x[..., :width], block), x[..., width:].astype(mx.float32)], axis=-1)
     x = x.reshape(shape[:-1] + (shape[-1] // block, block)).astype(mx.float32)
     amax = mx.maximum(mx.max(mx.abs(x), axis=-1, keepdims=True), 1e-4)
     scale = mx.power(2.0, mx.ceil(mx.log2(amax / 448.0)))
     v = mx.clip(x / scale, -448.0, 448.0)
-    v = mx.from_fp8(mx.to_fp8(v), dtype=mx.float32)
-    return (v * scale).reshape(shape)
+    v = mx.from_fp8(mx.to_fp8(v), dtype=mx.float32) * scale
+    if width < shape[-1]:  # the blocks past `width` kept by a select (a slice and a concatenation are copies)
+        v = mx.where(mx.array(np.arange(shape[-1] // block) < width // block)[:, None], v, x)
+    return v.reshape(shape)
 
 
 _FP4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
