@@ -82,15 +82,19 @@ def fp8_e4m3_sim(x, block=64, width=None):
     return v.reshape(shape)
 
 
-_FP4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-_FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# the E2M1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 as steps: (threshold, whether a tie steps up, the step); a
+# tie steps up where the value above has the even grid index
+_FP4_STEPS = ((0.25, False, 0.5), (0.75, True, 0.5), (1.25, False, 0.5), (1.75, True, 0.5), (2.5, False, 1.0),
+              (3.5, True, 1.0), (5.0, False, 2.0))
 
 
 def fp4_e2m1_round(v):
-    """Nearest E2M1 value to v (|v| <= 6), ties to the even grid index."""
+    """Nearest E2M1 value to v (|v| <= 6), ties to the even grid index. The grid value is the sum of the
+    steps passed (exact: halves up to 6), element-wise ops only, which fuse into one kernel (a lookup in
+    a table of the grid would be a gather kernel of its own)."""
     a = mx.abs(v)
-    index = sum(((a >= t) if inclusive else (a > t)).astype(mx.int32) for t, inclusive in _FP4_STEPS)
-    return mx.sign(v) * mx.array(_FP4_GRID)[index]
+    steps = sum(mx.where((a >= t) if tie_up else (a > t), step, 0.0) for t, tie_up, step in _FP4_STEPS)
+    return mx.sign(v) * steps
 
 
 def fp4_e2m1_sim(x, block=32):
