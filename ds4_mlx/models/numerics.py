@@ -2,6 +2,7 @@
 formats ds4 stores them in (FP8, FP4, float16), and writing rows into a cache array."""
 
 import math
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -62,6 +63,13 @@ class Rope:
         t = mx.fast.rope(t, D, traditional=True, base=None, scale=-step if inverse else step,
                          offset=start if step == 1 else start // step, freqs=self.full_periods(D))
         return t.swapaxes(0, 1).reshape(x.shape)
+
+
+@lru_cache(maxsize=64)
+def counting(n):
+    """0, 1, ..., n - 1 (int32, as `mx.arange(n)`) as data: a constant of a compiled graph. An `mx.arange`
+    in one is a kernel on every call (compiling folds no constants)."""
+    return mx.array(np.arange(n, dtype=np.int32))
 
 
 def fp8_e4m3_sim(x, block=64, width=None):
