@@ -418,3 +418,33 @@ def test_few_rows_definition_matches_quantized_matmul():
                                    transpose=True, group_size=32, bits=8)
         assert np.abs(got[:, g] - np.array(want)).max() <= 1e-5 * np.abs(np.array(want)).max()
     assert kernels.few_rows(x, w, scales, biases, 32, 8, "affine") is None
+
+
+def _recorded_launches(monkeypatch, *factories):
+    """Replace the named kernel factories with one whose launches record their template arguments (and
+    return zeros): what MLX's CUDA backend keys a compiled custom kernel by, with its name."""
+    seen = []
+
+    def factory(*_, **__):
+        def launch(inputs, template, output_shapes, output_dtypes, **_):
+            seen.append(tuple(template))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return launch
+
+    for name in factories:
+        monkeypatch.setattr(kernels, name, factory)
+    return seen
+
+
+def test_kernels_name_the_dtypes_they_are_launched_at(monkeypatch):
+    """A kernel launched at other dtypes differs in its template arguments: MLX's CUDA backend would
+    otherwise run the code it compiled for the first dtypes (reading bfloat16 values as float32)."""
+    seen = _recorded_launches(monkeypatch, "_hc_kernel", "_attend_kernel")
+    mix, scale, base, streams, iters, eps = kernels._hc_mix_sample()
+    for dtype in (mx.float32, mx.bfloat16):
+        kernels._hc_mix_kernel("cuda", mix, scale, base, streams, iters, eps, dtype)
+    q, ring, fresh, rows, selected, pos, sinks, window, ratio = kernels._decode_attention_sample()
+    for q_dtype, row_dtype in ((mx.float32, mx.float32), (mx.bfloat16, mx.float32), (mx.float32, mx.float16)):
+        kernels._decode_attention_cuda(q.astype(q_dtype), ring.astype(row_dtype), fresh, rows, selected, pos, sinks,
+                                       window, ratio)
+    assert seen[0] != seen[1] and len(set(seen[2:])) == 3

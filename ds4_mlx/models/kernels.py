@@ -43,6 +43,11 @@ def backend():
     return None
 
 
+# MLX's CUDA backend keys a compiled custom kernel by its name and template arguments alone, not by the
+# dtypes of its inputs and outputs: a kernel whose dtypes vary from call to call names them in its
+# template arguments too (X_TYPE, ...), else a call at new dtypes would run the code compiled for the first.
+
+
 class Kernel:
     """A custom kernel beside its plain definition. `launches`: backend -> a function with the
     definition's signature; `sample()`: small random inputs for the self-check; `tolerance`: the largest
@@ -191,7 +196,7 @@ def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps, dtype=mx.float32
     f32 = mx.float32
     return _hc_kernel(kind, eps)(
         inputs=[mix.astype(f32), scale.astype(f32), base.astype(f32), streams.astype(f32)],
-        template=[("HC", hc), ("ITERS", iters), ("H", H)],
+        template=[("HC", hc), ("ITERS", iters), ("H", H), ("X_TYPE", dtype)],
         grid=(T * _GROUP, 1, 1), threadgroup=(_GROUP, 1, 1),
         output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[dtype, f32, f32])
 
@@ -348,7 +353,7 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
     return _attend_kernel()(
         inputs=[q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
                 first[None] if selected is None else selected, first, visible, sinks.astype(f32)],
-        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]),
+        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("Q_TYPE", q.dtype), ("ROW_TYPE", ring.dtype),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[0]),
                   ("GROUP", _ATTEND_GROUP)],
         grid=(nh * _ATTEND_GROUP, 1, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
