@@ -327,8 +327,9 @@ def test_no_kernels_flag(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
-@pytest.mark.parametrize("pairs,out,inp", [(6, 2048, 4096), (12, 4096, 2048), (3, 8, 256)])
-def test_gguf_rows_kernel_matches_gguf(codec, pairs, out, inp):
+@pytest.mark.parametrize("pairs,out,inp,dtype", [(6, 2048, 4096, mx.float32), (12, 4096, 2048, mx.float32),
+                                                (3, 8, 256, mx.float32), (6, 2048, 4096, mx.bfloat16)])
+def test_gguf_rows_kernel_matches_gguf(codec, pairs, out, inp, dtype):
     """The kernel for routed experts kept in GGUF blocks against the `gguf` package's dequantization."""
     import numpy as np
     import gguf.quants
@@ -337,11 +338,12 @@ def test_gguf_rows_kernel_matches_gguf(codec, pairs, out, inp):
     from ds4_mlx.models import gguf_blocks
 
     w = gguf_blocks.random_blocks(codec, (16, out, gguf_blocks.row_bytes(codec, inp)), seed=pairs)
-    x = mx.random.normal((pairs, inp), key=mx.random.key(out))
+    x = mx.random.normal((pairs, inp), key=mx.random.key(out)).astype(dtype)  # bfloat16: read as it is
     indices = mx.random.randint(0, 16, (pairs,), key=mx.random.key(inp)).astype(mx.uint32)
     got = on_cuda(kernels.gguf_rows, x, w, indices, codec)
     values = gguf.quants.dequantize(np.array(w), T[codec.upper()])  # [16, out, inp]
-    want = np.einsum("pi,poi->po", np.array(x, np.float64), values[np.array(indices)].astype(np.float64))
+    want = np.einsum("pi,poi->po", np.array(x.astype(mx.float32), np.float64),
+                     values[np.array(indices)].astype(np.float64))
     assert got.shape == (pairs, out) and got.dtype == mx.float32
     assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
 
@@ -355,7 +357,8 @@ def test_gguf_rows_definition_matches_gguf():
     for codec in ("iq2_xxs", "q2_k"):
         x, w, indices, _ = kernels._gguf_rows_sample(codec)
         values = gguf.quants.dequantize(np.array(w), T[codec.upper()])
-        want = np.einsum("pi,poi->po", np.array(x, np.float64), values[np.array(indices)].astype(np.float64))
+        want = np.einsum("pi,poi->po", np.array(x.astype(mx.float32), np.float64),
+                     values[np.array(indices)].astype(np.float64))
         got = np.array(kernels.gguf_rows_reference(x, w, indices, codec))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
         assert kernels.gguf_rows(x, w, indices, codec) is None  # no kernel on the CPU: the caller's own path
@@ -448,3 +451,11 @@ def test_kernels_name_the_dtypes_they_are_launched_at(monkeypatch):
         kernels._decode_attention_cuda(q.astype(q_dtype), ring.astype(row_dtype), fresh, rows, selected, pos, sinks,
                                        window, ratio)
     assert seen[0] != seen[1] and len(set(seen[2:])) == 3
+
+
+def test_gguf_rows_are_named_by_their_input_dtype(monkeypatch):
+    seen = _recorded_launches(monkeypatch, "_gguf_rows_kernel")
+    x, w, indices, codec = kernels._gguf_rows_sample("q2_k")
+    for dtype in (mx.float32, mx.bfloat16):
+        kernels._gguf_rows_cuda(x.astype(dtype), w, indices, codec)
+    assert seen[0] != seen[1]

@@ -619,6 +619,16 @@ ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
 # IQ2_XXS (d, then 8 sub-blocks of 4 lattice indices and a word of 4 x 7 sign bits and a scale): unit
 # `unit` of 32 is the 8 values from unit * 8 on.
 _GGUF_UNITS = """
+// four consecutive values of x as floats: one 16-byte load from float32, widened from half precision
+template <typename T>
+__device__ inline float4 load4(const T* p) {
+    float4 v;
+    v.x = static_cast<float>(p[0]); v.y = static_cast<float>(p[1]);
+    v.z = static_cast<float>(p[2]); v.w = static_cast<float>(p[3]);
+    return v;
+}
+__device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
 __device__ inline void q2k_unit(const uint8_t* blk, int byte, float v[4], int at[4]) {
     const int half = byte / 32, l = byte % 32;
     const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
@@ -643,7 +653,8 @@ __device__ inline void iq2xxs_unit(const uint8_t* blk, int unit, const float* la
 }
 """
 
-# The product of a few rows reads the codes in wide words and x in float4s, and looks the IQ2_XXS lattice
+# The product of a few rows reads the codes in wide words and x in float4s (x in the compute dtype: a
+# half-precision x is widened as it is read, not cast by a copy kernel first), and looks the IQ2_XXS lattice
 # up in shared memory as 8 bytes an entry: a lattice entry read from global memory as floats, per lane,
 # touched a separate cache line for nearly every lane of a warp. A Q2_K lane takes 4 code bytes (16
 # values, each group of 4 contiguous in x); an IQ2_XXS lane takes 8 values of one sub-block.
@@ -659,7 +670,7 @@ _GGUF_ROWS_CUDA = """
     if (job >= PAIRS * OUT) return;
     const int pair = job / OUT, row = job % OUT;
     const uint8_t* r = w + ((size_t)indices[pair] * OUT + row) * (IN / 256 * BLOCK);
-    const float* xv = x + (size_t)pair * IN;
+    const auto* xv = x + (size_t)pair * IN;
     float acc = 0.0f;
     if (CODEC == 0) {
         for (int u = lane; u < IN / 256 * 16; u += 32) {
@@ -671,7 +682,7 @@ _GGUF_ROWS_CUDA = """
             for (int i = 0; i < 4; ++i) {
                 const int at = half * 128 + i * 32 + l;
                 const uint8_t sc = blk[at / 16];
-                const float4 xs = *reinterpret_cast<const float4*>(xv + (u / 16) * 256 + at);
+                const float4 xs = load4(xv + (u / 16) * 256 + at);
                 const float codes = (float)((q >> (2 * i)) & 3) * xs.x + (float)((q >> (8 + 2 * i)) & 3) * xs.y
                                   + (float)((q >> (16 + 2 * i)) & 3) * xs.z + (float)((q >> (24 + 2 * i)) & 3) * xs.w;
                 acc += d * (float)(sc & 0xF) * codes - dmin * (float)(sc >> 4) * (xs.x + xs.y + xs.z + xs.w);
@@ -686,8 +697,8 @@ _GGUF_ROWS_CUDA = """
             const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
             const uint2 point = grid_bytes[blk[2 + sub * 8 + g]];
             const int signs = sign_bytes[(aux >> (7 * g)) & 127];
-            const float4* xs = reinterpret_cast<const float4*>(xv + (u / 32) * 256 + (u % 32) * 8);
-            const float4 a = xs[0], b = xs[1];
+            const auto* xs = xv + (u / 32) * 256 + (u % 32) * 8;
+            const float4 a = load4(xs), b = load4(xs + 4);
             const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
             float sum = 0.0f;
             for (int k = 0; k < 8; ++k) {
@@ -710,16 +721,16 @@ def _gguf_rows_kernel():
 
 
 def _gguf_rows_cuda(x, w, indices, codec):
-    """x [P, in] float32, w uint8 [E, out, row bytes], indices [P] -> [P, out] float32: row p through expert
-    indices[p]."""
+    """x [P, in] (float32, bfloat16 or float16), w uint8 [E, out, row bytes], indices [P] -> [P, out]
+    float32: row p through expert indices[p]."""
     from ds4_mlx.models import gguf_blocks
 
     (pairs, inp), out = x.shape, w.shape[1]
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
     return _gguf_rows_kernel()(
-        inputs=[x.astype(mx.float32), w, indices.astype(mx.uint32), lattice, ksigns],
+        inputs=[x, w, indices.astype(mx.uint32), lattice, ksigns],
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs),
-                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("GROUP", _EXPERT_GROUP)],
+                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("GROUP", _EXPERT_GROUP), ("X_TYPE", x.dtype)],
         grid=(-(-pairs * out * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
         output_shapes=[(pairs, out)], output_dtypes=[mx.float32])[0]
 
@@ -737,7 +748,8 @@ def _gguf_rows_sample(codec):
     from ds4_mlx.models import gguf_blocks
 
     w = gguf_blocks.random_blocks(codec, (3, 8, gguf_blocks.row_bytes(codec, 512)), seed=5)
-    return _random(4, 512), w, mx.array([2, 0, 1, 2], mx.uint32), codec
+    # x in bfloat16, as the model's half-precision compute gives it (the self-check compiles that variant)
+    return _random(4, 512).astype(mx.bfloat16), w, mx.array([2, 0, 1, 2], mx.uint32), codec
 
 
 GGUF_ROWS = {codec: Kernel(f"gguf_rows_{codec}", gguf_rows_reference, partial(_gguf_rows_sample, codec), 1e-4)
