@@ -250,9 +250,10 @@ class Session:
             # (each piece waits for the device: the host could no longer build ahead of it)
             pieces = self.layers_per_turn if rows is None and n > 1 else None
             try:
-                views = [[c.view(n) for c in self.cache]]
-                run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32), views, last_only=rows is None,
-                                               layers_per_step=pieces, taps=taps)
+                # the views go with the forward, no name here holds them: a ring only the graph holds is
+                # written in place (MLX copies an array something else holds, every ring every token)
+                run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32), [[c.view(n) for c in self.cache]],
+                                               last_only=rows is None, layers_per_step=pieces, taps=taps)
                 while True:
                     try:
                         next(run)
@@ -263,7 +264,7 @@ class Session:
                 for c, arrays in zip(self.cache, written[0]):  # every layer or none
                     c.commit(arrays, n)
                 logits = logits[0]
-                mx.eval(logits, [c.arrays() for c in self.cache])
+                evaluate_step(logits, [c.arrays() for c in self.cache])
                 if rows is not None:
                     rows.append(logits)
                 logits = logits[-1]
@@ -329,6 +330,15 @@ class Session:
                 del self.checkpoints[q]
 
 
+def evaluate_step(logits, arrays, wait=True):
+    """Evaluate a forward's logits and the cache arrays it wrote (`wait=False`: start it), the logits
+    first. Every read of an array from before the step lies on the logits' path, and MLX writes an array
+    in place only where nothing else still needs it: in one call, its order may write a ring before the
+    ring's last read, which then costs a copy of the whole ring."""
+    mx.async_eval(logits)
+    (mx.eval if wait else mx.async_eval)(logits, arrays)
+
+
 def step_together(sessions, tokens):
     """`Session.step_async` for several sessions of one model in one forward (`Model.forward` over B
     sessions): `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their
@@ -339,8 +349,9 @@ def step_together(sessions, tokens):
     if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
         raise ValueError("step_together takes distinct sessions of one model")
     try:
-        views = [[c.view(1) for c in s.cache] for s in sessions]
+        views = [[c.view(1) for c in s.cache] for s in sessions]  # let go before the evaluation (`_feed_steps`)
         logits, written = sessions[0].model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
+        del views
         for s, steps in zip(sessions, written):
             for c, arrays in zip(s.cache, steps):
                 c.commit(arrays, 1)
@@ -351,7 +362,7 @@ def step_together(sessions, tokens):
     logits = logits[:, 0]
     for b, s in enumerate(sessions):
         s._stepped(tokens[b], logits[b])
-    mx.async_eval(logits, [c.arrays() for s in sessions for c in s.cache])
+    evaluate_step(logits, [c.arrays() for s in sessions for c in s.cache], wait=False)
     return logits
 
 
@@ -380,12 +391,13 @@ def verify_together(sessions, id_lists):
     keys = {k: None for s in group if s.tap_log is not None for k in s.tap_log.keys}
     taps = dict(keys) if keys else None
     try:
-        views = [[c.view(T) for c in s.cache] for s in group]
+        views = [[c.view(T) for c in s.cache] for s in group]  # let go before the evaluation (`_feed_steps`)
         logits, written = group[0].model.forward(mx.array(padded, dtype=mx.int32), views, taps=taps)
+        del views
         for s, steps in zip(group, written):
             for c, arrays in zip(s.cache, steps):  # every layer of every session or none
                 c.commit(arrays, T)
-        mx.eval(logits, [c.arrays() for s in group for c in s.cache])
+        evaluate_step(logits, [c.arrays() for s in group for c in s.cache])
     except BaseException:
         for s in group:
             s._undo_chunk(T)

@@ -13,7 +13,7 @@ from ds4_mlx.models import kernels
 HAS_GPU = mx.metal.is_available() or mx.cuda.is_available()
 
 
-def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0):
+def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0, dtype=mx.float32):
     key = mx.random.key(seed)
     k1, k2, k3, k4 = mx.random.split(key, 4)
     mix = 3 * mx.random.normal((T, (2 + hc) * hc), key=k1)
@@ -25,23 +25,27 @@ def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0):
         mx.set_default_device(mx.gpu)
         try:
             assert kernels.backend() in ("metal", "cuda")
-            got = kernels.hc_mix(mix, scale, base, streams, iters, eps)
-            want = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+            got = kernels.hc_mix(mix, scale, base, streams, iters, eps, dtype)
+            want = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)  # x in float32
             mx.eval(got, want)
         finally:
             mx.set_default_device(previous)
-    for name, g, w in zip(("x", "post", "comb"), got, want):
-        assert g.shape == w.shape and g.dtype == mx.float32, name
-        err = float(mx.abs(g - w).max())
-        assert err <= 1e-5 * max(1.0, float(mx.abs(w).max())), f"{name}: max |diff| {err:.2e} (T={T}, H={H})"
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == mx.float32
+    # x is the float32 mix rounded once to `dtype`: within its rounding of the float32 definition's
+    x_tolerance = 1e-5 if dtype == mx.float32 else mx.finfo(dtype).eps
+    for name, g, w, tolerance in zip(("x", "post", "comb"), got, want, (x_tolerance, 1e-5, 1e-5)):
+        assert g.shape == w.shape, name
+        err = float(mx.abs(g.astype(mx.float32) - w).max())
+        assert err <= tolerance * max(1.0, float(mx.abs(w).max())), f"{name}: max |diff| {err:.2e} (T={T}, H={H})"
     # the comb matrix is doubly stochastic after Sinkhorn: columns sum to 1 (to within eps)
     assert float(mx.abs(got[2].sum(axis=-2) - 1).max()) < 1e-4
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("T,H", [(1, 4096), (3, 64), (517, 4096)])
-def test_hc_mix_kernel_matches_reference(T, H):
-    check_hc_mix(T, H)
+@pytest.mark.parametrize("T,H,dtype", [(1, 4096, mx.float32), (3, 64, mx.float32), (517, 4096, mx.float32),
+                                       (1, 4096, mx.bfloat16), (3, 64, mx.float16)])
+def test_hc_mix_kernel_matches_reference(T, H, dtype):
+    check_hc_mix(T, H, dtype=dtype)
 
 
 def on_cuda(kernel, *args):
@@ -59,16 +63,17 @@ def on_cuda(kernel, *args):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("hd,capacity,pos,ratio,n_rows,top_k,dtype", [
-    (512, 127, 8191, 4, 2100, 512, mx.float16),    # CSA: the indexer's choice, a ring of just the window
-    (512, 127, 8191, 4, 2100, 0, mx.float16),      # CSA before the indexer selects: the valid rows
-    (512, 170, 9000, 128, 80, 0, mx.float16),      # HCA, a ring with rewind history
-    (64, 135, 300, 0, 0, 0, mx.float32),           # sliding window only, float32 rows
+@pytest.mark.parametrize("hd,capacity,pos,ratio,n_rows,top_k,dtype,q_dtype", [
+    (512, 127, 8191, 4, 2100, 512, mx.float16, mx.float32),   # CSA: the indexer's choice, a ring of just the window
+    (512, 127, 8191, 4, 2100, 0, mx.float16, mx.float32),     # CSA before the indexer selects: the valid rows
+    (512, 170, 9000, 128, 80, 0, mx.float16, mx.float32),     # HCA, a ring with rewind history
+    (64, 135, 300, 0, 0, 0, mx.float32, mx.float32),          # sliding window only, float32 rows
+    (512, 127, 8191, 4, 2100, 512, mx.float16, mx.bfloat16),  # queries in the bfloat16 compute dtype
 ])
-def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_rows, top_k, dtype):
+def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_rows, top_k, dtype, q_dtype):
     nh, window = 8, 128
     k = mx.random.split(mx.random.key(hd + pos), 6)
-    q = mx.random.normal((nh, hd), key=k[0])
+    q = mx.random.normal((nh, hd), key=k[0]).astype(q_dtype)
     ring = mx.random.normal((capacity, hd), key=k[1]).astype(dtype)
     fresh = mx.random.normal((1, hd), key=k[2]).astype(dtype)
     rows = mx.random.normal((n_rows, hd), key=k[3]).astype(dtype) if ratio else None
@@ -259,8 +264,8 @@ def test_a_wrong_kernel_turns_itself_off(fake_backend, capsys):
     from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.tools.testing import tiny_args
 
-    def wrong(mix, scale, base, streams, iters, eps):
-        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+    def wrong(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
         return x + 1.0, post, comb
 
     fake_backend(wrong)
@@ -280,8 +285,8 @@ def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):
     from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.tools.testing import tiny_args
 
-    def wrong_when_wide(mix, scale, base, streams, iters, eps):
-        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)
+    def wrong_when_wide(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
         return (x + 1.0 if streams.shape[-1] > 64 else x), post, comb
 
     fake_backend(wrong_when_wide)
@@ -418,3 +423,41 @@ def test_few_rows_definition_matches_quantized_matmul():
                                    transpose=True, group_size=32, bits=8)
         assert np.abs(got[:, g] - np.array(want)).max() <= 1e-5 * np.abs(np.array(want)).max()
     assert kernels.few_rows(x, w, scales, biases, 32, 8, "affine") is None
+
+
+def _recorded_launches(monkeypatch, *factories):
+    """Replace the named kernel factories with one whose launches record their template arguments (and
+    return zeros): what MLX's CUDA backend keys a compiled custom kernel by, with its name."""
+    seen = []
+
+    def factory(*_, **__):
+        def launch(inputs, template, output_shapes, output_dtypes, **_):
+            seen.append(tuple(template))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return launch
+
+    for name in factories:
+        monkeypatch.setattr(kernels, name, factory)
+    return seen
+
+
+def test_kernels_name_the_dtypes_they_are_launched_at(monkeypatch):
+    """A kernel launched at other dtypes differs in its template arguments: MLX's CUDA backend would
+    otherwise run the code it compiled for the first dtypes (reading bfloat16 values as float32)."""
+    seen = _recorded_launches(monkeypatch, "_hc_kernel", "_attend_kernel")
+    mix, scale, base, streams, iters, eps = kernels._hc_mix_sample()
+    for dtype in (mx.float32, mx.bfloat16):
+        kernels._hc_mix_kernel("cuda", mix, scale, base, streams, iters, eps, dtype)
+    q, ring, fresh, rows, selected, pos, sinks, window, ratio = kernels._decode_attention_sample()
+    for q_dtype, row_dtype in ((mx.float32, mx.float32), (mx.bfloat16, mx.float32), (mx.float32, mx.float16)):
+        kernels._decode_attention_cuda(q.astype(q_dtype), ring.astype(row_dtype), fresh, rows, selected, pos, sinks,
+                                       window, ratio)
+    assert seen[0] != seen[1] and len(set(seen[2:])) == 3
+
+
+def test_gguf_rows_are_named_by_their_input_dtype(monkeypatch):
+    seen = _recorded_launches(monkeypatch, "_gguf_rows_kernel")
+    x, w, indices, codec = kernels._gguf_rows_sample("q2_k")
+    for dtype in (mx.float32, mx.bfloat16):
+        kernels._gguf_rows_cuda(x.astype(dtype), w, indices, codec)
+    assert seen[0] != seen[1]

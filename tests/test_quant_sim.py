@@ -31,6 +31,17 @@ def test_fp8_scale_is_a_power_of_two_from_the_block_max():
     assert out[64] == 4.0 * scale  # 1e-6 / 2^-22 = 4.19 -> E4M3 4.0 (step 0.5 in [4, 8))
 
 
+def test_fp8_rounds_only_the_first_width_features():
+    # a KV row: the first `width` features rounded in their own blocks, the rest (RoPE's) kept exactly;
+    # widths whose blocks tile the row (a select) and whose blocks do not (slices): the same rule
+    for width, row in ((128, 192), (24, 32)):
+        x = np.full((2, row), 1.0625, np.float32)  # ties to 1.0 on the E4M3 grid (amax 1.0625: scale 1)
+        x[:, width:] = 1.0 + 2.0**-20  # kept: not representable in E4M3, nor on float16's grid
+        out = np.array(fp8_e4m3_sim(mx.array(x), width=width))
+        assert out.dtype == np.float32
+        assert (out[:, :width] == 1.0).all() and (out[:, width:] == x[:, width:]).all()
+
+
 def test_fp4_grid_and_ties():
     v = mx.array([0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, -0.75, -6.0])
     assert np.array(fp4_e2m1_round(v)).tolist() == [0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, -6.0]

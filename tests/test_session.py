@@ -338,3 +338,32 @@ def test_a_deep_rewind_replays_in_chunks_between_yields():
     for done, total in session.sync_steps(second):
         assert sum(model.calls) == done
     assert session.last_sync == {"reused": 0, "replayed": 279, "computed": 2}
+
+
+def test_decoded_tokens_write_the_rings_in_place():
+    """A decoded token, alone or beside another session, writes one row into each ring: no copy of the
+    rings (with a long rewind history, hundreds of MB a layer at real widths on every token)."""
+    from ds4_mlx.session import step_together
+
+    model = model_for(0)
+    sessions = [Session(model, rewind_slack=100_000) for _ in range(2)]
+    sessions[0].sync(list(range(1, 30)))
+    sessions[1].sync(list(range(2, 35)))
+    ring = sessions[0].cache[0].raw.rows.nbytes
+
+    def peak_of(step):
+        mx.eval([s.logits for s in sessions])
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        step()
+        mx.eval([s.logits for s in sessions])
+        return mx.get_peak_memory() - base
+
+    def together():
+        step_together(sessions, mx.array([3, 4], mx.int32))
+        for s in sessions:
+            s.settle()
+
+    for _ in range(2):
+        assert peak_of(lambda: sessions[0].step(5)) < ring / 4
+        assert peak_of(together) < ring / 4

@@ -11,8 +11,8 @@ from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
 from ds4_mlx.models.kernels import attend, decode_attention
 from ds4_mlx.models.linear import GroupedLinear, Linear
-from ds4_mlx.models.numerics import (Rope, f16_round, fp8_e4m3_sim, hadamard_fp4_sim, index_rounding, rms_norm,
-                                     write_rows)
+from ds4_mlx.models.numerics import (Rope, counting, f16_round, fp8_e4m3_sim, hadamard_fp4_sim, index_rounding,
+                                     rms_norm, write_rows)
 
 
 INDEXER_TILE_BYTES = 1 << 28
@@ -130,8 +130,7 @@ class Attention(nn.Module):
     def _store_kv(self, kv, quant_sim):
         if not quant_sim:
             return kv
-        nope = self.head_dim - self.args.qk_rope_head_dim
-        return f16_round(mx.concatenate([fp8_e4m3_sim(kv[:, :nope]), kv[:, nope:]], axis=-1))
+        return f16_round(fp8_e4m3_sim(kv, width=self.head_dim - self.args.qk_rope_head_dim))
 
     @compiled
     def _project(self, x, positions):
@@ -168,6 +167,6 @@ class Attention(nn.Module):
         tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
         scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[i : i + tile].T, 0))[:, 0]
                                  for i in range(0, C, tile)], axis=1)  # [T, C]
-        scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
+        scores = mx.where(counting(C)[None, :] < visible, scores, -mx.inf)
         k = args.index_topk
         return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]

@@ -59,15 +59,15 @@ class DecoderLayer(nn.Module):
 
     def _enter(self, streams, positions, in_blocks, selecting, quant_sim):
         """Up to the cache: HC pre, the norm, `Attention.project`."""
-        x, post, comb = self.hc_attn.pre(streams)
-        x = self.attn_norm(x.astype(self.attn_norm.weight.dtype))
+        x, post, comb = self.hc_attn.pre(streams, self.attn_norm.weight.dtype)
+        x = self.attn_norm(x)
         return post, comb, self.attn.project(x, positions, in_blocks, selecting, quant_sim)
 
     def _leave(self, out, positions, streams, post, comb, ids):
         """From the attention outputs on: the output projection, HC post, the MoE, HC post."""
         streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams)
-        out = self.ffn(self.ffn_norm(x.astype(self.ffn_norm.weight.dtype)), ids)
+        x, post, comb = self.hc_ffn.pre(streams, self.ffn_norm.weight.dtype)
+        out = self.ffn(self.ffn_norm(x), ids)
         return HyperConnection.post(out, streams, post, comb)
 
     _compiled_step = compiled(_step)

@@ -43,6 +43,11 @@ def backend():
     return None
 
 
+# MLX's CUDA backend keys a compiled custom kernel by its name and template arguments alone, not by the
+# dtypes of its inputs and outputs: a kernel whose dtypes vary from call to call names them in its
+# template arguments too (X_TYPE, ...), else a call at new dtypes would run the code compiled for the first.
+
+
 class Kernel:
     """A custom kernel beside its plain definition. `launches`: backend -> a function with the
     definition's signature; `sample()`: small random inputs for the self-check; `tolerance`: the largest
@@ -94,8 +99,9 @@ def _random(*shape, seed=0):
 # of the streams into one sub-layer input. As plain MLX this is ~230 tiny ops a call; fused, one launch.
 
 
-def hc_mix_reference(mix, scale, base, streams, iters, eps):
-    """mix [T, (2+hc)*hc] float32, streams [T, hc, H] -> (x [T, H], post [T, hc], comb [T, hc, hc])."""
+def hc_mix_reference(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+    """mix [T, (2+hc)*hc] float32, streams [T, hc, H] -> (x [T, H] rounded once to `dtype`, post [T, hc],
+    comb [T, hc, hc])."""
     T, hc, H = streams.shape
     pre = mx.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * mx.sigmoid(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
@@ -105,7 +111,7 @@ def hc_mix_reference(mix, scale, base, streams, iters, eps):
     for _ in range(iters - 1):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
         comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    x = (pre[:, :, None] * streams).sum(axis=1)
+    x = (pre[:, :, None] * streams).sum(axis=1).astype(dtype)
     return x, post, comb
 
 
@@ -176,22 +182,23 @@ def _hc_kernel(kind, eps):
                 output_names=["x", "post", "comb"], source=source)
 
 
-def hc_mix(mix, scale, base, streams, iters, eps):
-    """`hc_mix_reference`, fused into one kernel on Metal and CUDA (float32 throughout)."""
+def hc_mix(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+    """`hc_mix_reference`, fused into one kernel on Metal and CUDA (float32 throughout; x is written in
+    `dtype`, the sub-layer's compute dtype, so no cast of its own runs before the norm that reads it)."""
     kind = HC_MIX.backend()
     if kind is None:
-        return hc_mix_reference(mix, scale, base, streams, iters, eps)
-    return HC_MIX.launches[kind](mix, scale, base, streams, iters, eps)
+        return hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
+    return HC_MIX.launches[kind](mix, scale, base, streams, iters, eps, dtype)
 
 
-def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps):
+def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps, dtype=mx.float32):
     T, hc, H = streams.shape
     f32 = mx.float32
     return _hc_kernel(kind, eps)(
         inputs=[mix.astype(f32), scale.astype(f32), base.astype(f32), streams.astype(f32)],
-        template=[("HC", hc), ("ITERS", iters), ("H", H)],
+        template=[("HC", hc), ("ITERS", iters), ("H", H), ("X_TYPE", dtype)],
         grid=(T * _GROUP, 1, 1), threadgroup=(_GROUP, 1, 1),
-        output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[f32, f32, f32])
+        output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[dtype, f32, f32])
 
 
 HC_MIX.launches.update({kind: partial(_hc_mix_kernel, kind) for kind in ("metal", "cuda")})
@@ -273,7 +280,7 @@ _ATTEND_CUDA = """
     const int n_rows = SELECT ? K : visible[0];
     const float scale = rsqrtf((float)HD);
     float qv[E], acc[E];
-    for (int e = 0; e < E; ++e) { qv[e] = q[h * HD + e * 32 + lane] * scale; acc[e] = 0.0f; }
+    for (int e = 0; e < E; ++e) { qv[e] = static_cast<float>(q[h * HD + e * 32 + lane]) * scale; acc[e] = 0.0f; }
     float m = -__int_as_float(0x7f800000), l = 0.0f;  // -infinity
     for (int j = warp; j < W + n_rows; j += NW) {
         decltype(ring) key;
@@ -344,9 +351,9 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
     return _attend_kernel()(
-        inputs=[q.astype(f32), ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),
+        inputs=[q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
                 first[None] if selected is None else selected, first, visible, sinks.astype(f32)],
-        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]),
+        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("Q_TYPE", q.dtype), ("ROW_TYPE", ring.dtype),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[0]),
                   ("GROUP", _ATTEND_GROUP)],
         grid=(nh * _ATTEND_GROUP, 1, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
@@ -751,7 +758,7 @@ def _gguf_rows_cuda(x, w, indices, codec):
         inputs=[x, w, indices.astype(mx.uint32), lattice, ksigns],
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])),
-                  ("GROUP", _EXPERT_GROUP)],
+                  ("GROUP", _EXPERT_GROUP), ("X_TYPE", x.dtype)],
         grid=(-(-pairs * out * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
         output_shapes=[(pairs, out)], output_dtypes=[x.dtype])[0]
 
@@ -929,7 +936,8 @@ def _few_rows_cuda(x, w, scales, biases, group_size):
     warps = min(8, max(1, K // 16 // 64))  # a thread takes a few chunks: a function of K alone (see above)
     return _few_rows_kernel()(
         inputs=[x, w, scales, biases],
-        template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps)],
+        template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps),
+                  ("X_TYPE", x.dtype), ("SCALE_TYPE", scales.dtype)],
         grid=(N // rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(M, G, N // G)], output_dtypes=[x.dtype])[0]
 

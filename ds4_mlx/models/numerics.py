@@ -2,8 +2,10 @@
 formats ds4 stores them in (FP8, FP4, float16), and writing rows into a cache array."""
 
 import math
+from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 
 def rms_norm(x, weight, eps):
@@ -63,27 +65,44 @@ class Rope:
         return t.swapaxes(0, 1).reshape(x.shape)
 
 
-def fp8_e4m3_sim(x, block=64):
-    """Round trip through FP8 E4M3 with a power-of-two scale per `block` values (ds4's KV rows)."""
+@lru_cache(maxsize=64)
+def counting(n):
+    """0, 1, ..., n - 1 (int32, as `mx.arange(n)`) as data: a constant of a compiled graph. An `mx.arange`
+    in one is a kernel on every call (compiling folds no constants)."""
+    return mx.array(np.arange(n, dtype=np.int32))
+
+
+def fp8_e4m3_sim(x, block=64, width=None):
+    """Round trip through FP8 E4M3 with a power-of-two scale per `block` values (ds4's KV rows) of the
+    first `width` features (all by default); the others come back unchanged. -> float32"""
     shape = x.shape
-    block = min(block, shape[-1])  # tiny test models have narrower heads
+    width = shape[-1] if width is None else width
+    block = min(block, width)  # tiny test models have narrower heads
+    if shape[-1] % block:  # blocks that do not tile the whole row (tiny test models)
+        return mx.concatenate([fp8_e4m3_sim(x[..., :width], block), x[..., width:].astype(mx.float32)], axis=-1)
     x = x.reshape(shape[:-1] + (shape[-1] // block, block)).astype(mx.float32)
     amax = mx.maximum(mx.max(mx.abs(x), axis=-1, keepdims=True), 1e-4)
     scale = mx.power(2.0, mx.ceil(mx.log2(amax / 448.0)))
     v = mx.clip(x / scale, -448.0, 448.0)
-    v = mx.from_fp8(mx.to_fp8(v), dtype=mx.float32)
-    return (v * scale).reshape(shape)
+    v = mx.from_fp8(mx.to_fp8(v), dtype=mx.float32) * scale
+    if width < shape[-1]:  # the blocks past `width` kept by a select (a slice and a concatenation are copies)
+        v = mx.where(mx.array(np.arange(shape[-1] // block) < width // block)[:, None], v, x)
+    return v.reshape(shape)
 
 
-_FP4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-_FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# the E2M1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 as steps: (threshold, whether a tie steps up, the step); a
+# tie steps up where the value above has the even grid index
+_FP4_STEPS = ((0.25, False, 0.5), (0.75, True, 0.5), (1.25, False, 0.5), (1.75, True, 0.5), (2.5, False, 1.0),
+              (3.5, True, 1.0), (5.0, False, 2.0))
 
 
 def fp4_e2m1_round(v):
-    """Nearest E2M1 value to v (|v| <= 6), ties to the even grid index."""
+    """Nearest E2M1 value to v (|v| <= 6), ties to the even grid index. The grid value is the sum of the
+    steps passed (exact: halves up to 6), element-wise ops only, which fuse into one kernel (a lookup in
+    a table of the grid would be a gather kernel of its own)."""
     a = mx.abs(v)
-    index = sum(((a >= t) if inclusive else (a > t)).astype(mx.int32) for t, inclusive in _FP4_STEPS)
-    return mx.sign(v) * mx.array(_FP4_GRID)[index]
+    steps = sum(mx.where((a >= t) if tie_up else (a > t), step, 0.0) for t, tie_up, step in _FP4_STEPS)
+    return mx.sign(v) * steps
 
 
 def fp4_e2m1_sim(x, block=32):
