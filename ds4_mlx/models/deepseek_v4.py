@@ -162,7 +162,10 @@ class Model(nn.Module):
         if not self.quant_sim and self.layers[0].attn_norm.weight.dtype == mx.float32:
             exact_float32()
         embedded = self.embed(ids).astype(mx.float32)
-        return mx.broadcast_to(embedded[:, None, :], (ids.shape[0], self.args.hc_mult, self.args.hidden_size))
+        # laid out once: the first HC pre flattens the streams and its kernel reads them row-contiguous, and a
+        # broadcast would be copied for each
+        return mx.contiguous(mx.broadcast_to(embedded[:, None, :], (ids.shape[0], self.args.hc_mult,
+                                                                    self.args.hidden_size)))
 
     def _logits(self, streams):
         """Residual streams [T, hc, H] -> logits [T, vocab], float32."""
