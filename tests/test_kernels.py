@@ -461,3 +461,28 @@ def test_gguf_rows_are_named_by_their_input_dtype(monkeypatch):
     for dtype in (mx.float32, mx.bfloat16):
         kernels._gguf_rows_cuda(x.astype(dtype), w, indices, codec)
     assert seen[0] != seen[1]
+
+
+def test_few_rows_and_routed_experts_are_named_by_their_dtypes(monkeypatch):
+    """The few-row product at another x or scales dtype, and the fused routed experts at another scales
+    dtype (the converter widens a tensor's scales to float32 where float16 cannot hold them), differ in
+    their template arguments."""
+    seen = _recorded_launches(monkeypatch, "_few_rows_kernel")
+    x, w, scales, biases, group_size = kernels._few_rows_sample()
+    for x_dtype, scale_dtype in ((mx.float32, mx.float16), (mx.bfloat16, mx.float16), (mx.float32, mx.float32)):
+        kernels._few_rows_cuda(x.astype(x_dtype), w, scales.astype(scale_dtype), biases.astype(scale_dtype),
+                               group_size)
+    assert len(set(seen)) == 3
+
+    experts = []
+
+    def launch(inputs, template, output_shapes, output_dtypes, **_):
+        experts.append(tuple(template))
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(kernels, "_expert_kernels", lambda limit: (launch, launch))
+    x, chosen, weights, gate, up, down, limit = kernels._routed_experts_sample()
+    for scale_dtype in (mx.float16, mx.float32):
+        wide = [(m[0], m[1].astype(scale_dtype), m[2].astype(scale_dtype), *m[3:]) for m in (gate, up, down)]
+        kernels._routed_experts_cuda(x, chosen, weights, *wide, limit)
+    assert experts[0] != experts[2] and experts[1] != experts[3]  # gate/up, then down, at each dtype

@@ -4,6 +4,7 @@ import math
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from ds4_mlx.models.numerics import fp4_e2m1_round, fp4_e2m1_sim, fp8_e4m3_sim, hadamard_fp4_sim
 
@@ -40,6 +41,9 @@ def test_fp8_rounds_only_the_first_width_features():
         out = np.array(fp8_e4m3_sim(mx.array(x), width=width))
         assert out.dtype == np.float32
         assert (out[:, :width] == 1.0).all() and (out[:, width:] == x[:, width:]).all()
+    for width, row in ((96, 128), (None, 96)):  # features to round that whole blocks do not tile: an error
+        with pytest.raises(ValueError, match="do not tile"):
+            fp8_e4m3_sim(mx.zeros((2, row)), width=width)
 
 
 def test_fp4_grid_and_ties():

@@ -595,7 +595,7 @@ def _routed_experts_cuda(x, chosen, weights, gate, up, down, limit):
         return kernel(inputs=inputs, output_shapes=[out], output_dtypes=[f32],
                       template=[("BITS", bits), ("GS", group_size), ("IN", matrix[1].shape[2] * group_size),
                                 ("OUT", matrix[1].shape[1]), ("K", k), ("TOKENS", T), ("ROWS", rows),
-                                ("GROUP", _EXPERT_GROUP)],
+                                ("GROUP", _EXPERT_GROUP), *((f"TYPE_{i}", a.dtype) for i, a in enumerate(inputs))],
                       grid=(-(-jobs * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1),
                       threadgroup=(_EXPERT_GROUP, 1, 1))[0]
 
@@ -622,6 +622,10 @@ template <> struct Word<16> { using type = uint4; };
 template <int COUNT, typename T>
 __device__ inline void load_floats(const T* p, float* v) {
     constexpr int BYTES = COUNT * sizeof(T) < 16 ? COUNT * sizeof(T) : 16, PER = BYTES / sizeof(T);
+    if (reinterpret_cast<unsigned long long>(p) % BYTES) {  // a row-contiguous view may start off a word
+        for (int j = 0; j < COUNT; ++j) v[j] = static_cast<float>(p[j]);
+        return;
+    }
     for (int i = 0; i < COUNT / PER; ++i) {
         const typename Word<BYTES>::type raw = reinterpret_cast<const typename Word<BYTES>::type*>(p)[i];
         const T* e = reinterpret_cast<const T*>(&raw);

@@ -78,6 +78,8 @@ def fp8_e4m3_sim(x, block=64, width=None):
     shape = x.shape
     width = shape[-1] if width is None else width
     block = min(block, width)  # tiny test models have narrower heads
+    if width % block:
+        raise ValueError(f"FP8 blocks of {block} values do not tile the {width} features to round")
     if shape[-1] % block:  # blocks that do not tile the whole row (tiny test models)
         return mx.concatenate([fp8_e4m3_sim(x[..., :width], block), x[..., width:].astype(mx.float32)], axis=-1)
     x = x.reshape(shape[:-1] + (shape[-1] // block, block)).astype(mx.float32)
