@@ -100,16 +100,16 @@ class Attention(nn.Module):
         """Each token's heads q [T, nh, hd] over its window (from `window`: the raw rows of positions
         start - (W - 1) on) and its compressed rows (`selected` ones, else all visible). -> [T, nh, hd]"""
         T, W = slots.tokens, slots.window
-        reach = mx.arange(T)[:, None] + mx.arange(W)[None, :]  # [T, W] into `window`
+        reach = counting(T)[:, None] + counting(W)[None, :]  # [T, W] into `window`
         keys = [window[reach] if T > 1 else window[None]]
-        masks = [(slots.positions[:, None] - window_reach(W) + mx.arange(W)[None, :]) >= 0]
+        masks = [(slots.positions[:, None] - window_reach(W) + counting(W)[None, :]) >= 0]
         visible = None if compressed is None else slots.visible[:, None]
         if selected is not None:
             keys.append(compressed[selected])
             masks.append(selected < visible)
         elif compressed is not None:
             keys.append(mx.broadcast_to(compressed[None], (T,) + compressed.shape))
-            masks.append(mx.arange(compressed.shape[0])[None, :] < visible)
+            masks.append(counting(compressed.shape[0])[None, :] < visible)
         f32 = mx.float32  # scores and softmax in float32 (head_dim 512 loses too much in half precision)
         keys = mx.concatenate(keys, axis=1) if len(keys) > 1 else keys[0]
         return attend(q.astype(f32), keys.astype(f32), mx.concatenate(masks, axis=1) if len(masks) > 1 else masks[0],
@@ -124,7 +124,7 @@ class Attention(nn.Module):
             m = compressor.ratio
             finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
             finished = rounding(self.rope(finished, slots.first_row * m, m))
-            arrays[buffer] = write_rows(arrays[buffer], slots.first_row + mx.arange(slots.pooled), finished)
+            arrays[buffer] = write_rows(arrays[buffer], slots.first_row + counting(slots.pooled), finished)
         return arrays[buffer][: slots.rows]
 
     def _store_kv(self, kv, quant_sim):

@@ -8,7 +8,7 @@ from ds4_mlx.cache.geometry import overlaps
 from ds4_mlx.cache.slots import RingSlots, Slots
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.linear import Linear
-from ds4_mlx.models.numerics import write_rows
+from ds4_mlx.models.numerics import counting, write_rows
 
 
 class Compressor(nn.Module):
@@ -42,8 +42,8 @@ class Compressor(nn.Module):
         ring = write_rows(ring, at.write, fresh[fresh.shape[0] - at.write.shape[0] :])
         if not slots.pooled:
             return ring, None
-        blocks = mx.arange(slots.pooled)
-        tokens = slots.pool_offset + blocks[:, None] * m + mx.arange(m)[None, :]  # [rows, m] in `source`
+        blocks = counting(slots.pooled)
+        tokens = slots.pool_offset + blocks[:, None] * m + counting(m)[None, :]  # [rows, m] in `source`
         if not self.overlap:
             return ring, self.pool(source[tokens])
         prev_valid = (slots.first_row + blocks >= 1)[:, None, None]  # the very first block has none before it

@@ -16,6 +16,7 @@ from functools import lru_cache, partial
 import mlx.core as mx
 
 from ds4_mlx.cache.geometry import ring_slot, rows_visible, window_reach
+from ds4_mlx.models.numerics import counting
 
 _enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
 _generation = 0
@@ -251,7 +252,7 @@ def _softmax_with_sinks(scores, sinks):
 
 def ring_rows(rows, pos, n):
     """From a ring's rows array, the rows of the `n` positions before `pos` (an int array)."""
-    return rows[ring_slot(pos - n + mx.arange(n), rows.shape[0])]
+    return rows[ring_slot(pos - n + counting(n), rows.shape[0])]
 
 
 def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
@@ -266,7 +267,7 @@ def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, windo
         keys.append(rows[selected])
     elif ratio:
         keys.append(rows)
-        mask = mx.concatenate([mx.ones((window,), mx.bool_), mx.arange(rows.shape[0]) < rows_visible(pos, ratio)])
+        mask = mx.concatenate([mx.ones((window,), mx.bool_), counting(rows.shape[0]) < rows_visible(pos, ratio)])
     keys = mx.concatenate(keys).astype(f32)
     return attend(q.astype(f32)[None], keys[None], None if mask is None else mask[None], sinks.astype(f32),
                   q.shape[-1] ** -0.5)[0]
