@@ -46,7 +46,13 @@ def backend():
 
 # MLX's CUDA backend keys a compiled custom kernel by its name and template arguments alone, not by the
 # dtypes of its inputs and outputs: a kernel whose dtypes vary from call to call names them in its
-# template arguments too (X_TYPE, ...), else a call at new dtypes would run the code compiled for the first.
+# template arguments too (its inputs' by `_dtype_keys`), else a call at new dtypes would run the code compiled
+# for the first.
+
+
+def _dtype_keys(inputs):
+    """Template arguments naming each input's dtype (see above)."""
+    return [(f"TYPE_{i}", a.dtype) for i, a in enumerate(inputs)]
 
 
 class Kernel:
@@ -351,12 +357,12 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
     first, visible = first.astype(mx.int32).reshape(()), visible.astype(mx.int32).reshape(())
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
+    inputs = [q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
+              first[None] if selected is None else selected, first, visible, sinks.astype(f32)]
     return _attend_kernel()(
-        inputs=[q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
-                first[None] if selected is None else selected, first, visible, sinks.astype(f32)],
-        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("Q_TYPE", q.dtype), ("ROW_TYPE", ring.dtype),
-                  ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[0]),
-                  ("GROUP", _ATTEND_GROUP)],
+        inputs=inputs,
+        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("SELECT", selected is not None),
+                  ("K", 0 if selected is None else selected.shape[0]), ("GROUP", _ATTEND_GROUP), *_dtype_keys(inputs)],
         grid=(nh * _ATTEND_GROUP, 1, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
         output_shapes=[(nh, hd)], output_dtypes=[f32])[0]
 
@@ -596,7 +602,7 @@ def _routed_experts_cuda(x, chosen, weights, gate, up, down, limit):
         return kernel(inputs=inputs, output_shapes=[out], output_dtypes=[f32],
                       template=[("BITS", bits), ("GS", group_size), ("IN", matrix[1].shape[2] * group_size),
                                 ("OUT", matrix[1].shape[1]), ("K", k), ("TOKENS", T), ("ROWS", rows),
-                                ("GROUP", _EXPERT_GROUP), *((f"TYPE_{i}", a.dtype) for i, a in enumerate(inputs))],
+                                ("GROUP", _EXPERT_GROUP), *_dtype_keys(inputs)],
                       grid=(-(-jobs * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1),
                       threadgroup=(_EXPERT_GROUP, 1, 1))[0]
 
@@ -644,7 +650,8 @@ __device__ inline void store(T* p, float v) { *p = static_cast<T>(v); }
 # (token, expert) pair, its lanes over the row's blocks, dequantizing as they read (the IQ2_XXS lattice
 # and sign tables come from the `gguf` package, as inputs). The product of `linear.gguf_gather_product`.
 
-# One unit of a block decoded, shared by both kernels below. Q2_K (scales[16] as sc | m << 4, qs[64] of 4
+# One unit of a block decoded, for the dequantizing kernel below (the rows kernel decodes its units inline,
+# from a row staged in shared memory and a packed lattice there). Q2_K (scales[16] as sc | m << 4, qs[64] of 4
 # values a byte, then d and dmin): code byte `byte` holds the values at[0..3] of its 256-value block.
 # IQ2_XXS (d, then 8 sub-blocks of 4 lattice indices and a word of 4 x 7 sign bits and a scale): unit
 # `unit` of 32 is the 8 values from unit * 8 on.
@@ -759,11 +766,12 @@ def _gguf_rows_cuda(x, w, indices, codec):
 
     (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
+    inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns]
     return _gguf_rows_kernel()(
-        inputs=[x, w, indices.astype(mx.uint32), lattice, ksigns],
+        inputs=inputs,
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])),
-                  ("GROUP", _EXPERT_GROUP), ("X_TYPE", x.dtype)],
+                  ("GROUP", _EXPERT_GROUP), *_dtype_keys(inputs)],
         grid=(-(-pairs * out * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
         output_shapes=[(pairs, out)], output_dtypes=[x.dtype])[0]
 
@@ -939,10 +947,11 @@ def _few_rows_cuda(x, w, scales, biases, group_size):
     rows = 2 if M > 8 or w.shape[1] % 4 else 4  # output rows a block takes: more share x's loads, until
     # the registers of M rows run out
     warps = min(8, max(1, K // 16 // 64))  # a thread takes a few chunks: a function of K alone (see above)
+    inputs = [x, w, scales, biases]
     return _few_rows_kernel()(
-        inputs=[x, w, scales, biases],
+        inputs=inputs,
         template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps),
-                  ("X_TYPE", x.dtype), ("SCALE_TYPE", scales.dtype)],
+                  *_dtype_keys(inputs)],
         grid=(N // rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(M, G, N // G)], output_dtypes=[x.dtype])[0]
 
