@@ -339,6 +339,27 @@ def evaluate_step(logits, arrays, wait=True):
     (mx.eval if wait else mx.async_eval)(logits, arrays)
 
 
+def _forward_together(sessions, ids, wait=False, **forward_args):
+    """`Model.forward` of ids int32 [B, T], T tokens for each of B sessions of one model, and the commit of
+    every layer of every session, or of none: on an error (mid-graph, or in the evaluation `wait` runs), as
+    in `_feed_steps`, every session goes back to its tokens. -> logits"""
+    T = ids.shape[1]
+    try:
+        views = [[c.view(T) for c in s.cache] for s in sessions]  # let go before the evaluation (`_feed_steps`)
+        logits, written = sessions[0].model.forward(ids, views, **forward_args)
+        del views
+        for s, steps in zip(sessions, written):
+            for c, arrays in zip(s.cache, steps):
+                c.commit(arrays, T)
+        if wait:
+            evaluate_step(logits, [c.arrays() for s in sessions for c in s.cache])
+    except BaseException:
+        for s in sessions:
+            s._undo_chunk(T)
+        raise
+    return logits
+
+
 def step_together(sessions, tokens):
     """`Session.step_async` for several sessions of one model in one forward (`Model.forward` over B
     sessions): `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their
@@ -348,18 +369,7 @@ def step_together(sessions, tokens):
         return own(sessions, tokens)
     if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
         raise ValueError("step_together takes distinct sessions of one model")
-    try:
-        views = [[c.view(1) for c in s.cache] for s in sessions]  # let go before the evaluation (`_feed_steps`)
-        logits, written = sessions[0].model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
-        del views
-        for s, steps in zip(sessions, written):
-            for c, arrays in zip(s.cache, steps):
-                c.commit(arrays, 1)
-    except BaseException:  # as in `_feed`: every layer of every session back at its last token
-        for s in sessions:
-            s._undo_chunk(1)
-        raise
-    logits = logits[:, 0]
+    logits = _forward_together(sessions, tokens.astype(mx.int32).reshape(-1, 1), last_only=True)[:, 0]
     for b, s in enumerate(sessions):
         s._stepped(tokens[b], logits[b])
     evaluate_step(logits, [c.arrays() for s in sessions for c in s.cache], wait=False)
@@ -390,18 +400,7 @@ def verify_together(sessions, id_lists):
     padded = [[int(t) for t in id_lists[i]] + [int(id_lists[i][-1])] * (T - len(id_lists[i])) for i in together]
     keys = {k: None for s in group if s.tap_log is not None for k in s.tap_log.keys}
     taps = dict(keys) if keys else None
-    try:
-        views = [[c.view(T) for c in s.cache] for s in group]  # let go before the evaluation (`_feed_steps`)
-        logits, written = group[0].model.forward(mx.array(padded, dtype=mx.int32), views, taps=taps)
-        del views
-        for s, steps in zip(group, written):
-            for c, arrays in zip(s.cache, steps):  # every layer of every session or none
-                c.commit(arrays, T)
-        evaluate_step(logits, [c.arrays() for s in group for c in s.cache])
-    except BaseException:
-        for s in group:
-            s._undo_chunk(T)
-        raise
+    logits = _forward_together(group, mx.array(padded, dtype=mx.int32), wait=True, taps=taps)
     for b, (i, s) in enumerate(zip(together, group)):
         mine = None if s.tap_log is None else {k: taps[k][b * T : (b + 1) * T] for k in s.tap_log.keys}
         pos, n = len(s.tokens), len(id_lists[i])
