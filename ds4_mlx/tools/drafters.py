@@ -10,6 +10,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ds4_mlx.models.dspark import DSpark, DSparkArgs
 from ds4_mlx.models.mtp import MTP
 
+GOLDEN_STEP = (5 ** 0.5 - 1) / 2  # the oracle's points in [0, 1): the most even spread of a sequence
+
 
 def randomize(module, seed=0, dtype=mx.float32):
     """Random weights of the scale `tools.random_model` gives a target."""
@@ -40,8 +42,10 @@ def random_mtp(target_args, seed=0):
 
 class OracleDrafter:
     """Drafts the target's own greedy continuation (`continuation`, computed ahead, indexed by position)
-    but makes each draft wrong with a chance chosen so that a round of `k` drafts commits `accepted_length`
-    tokens on average (the target's own included): a first-rejection point drawn per round."""
+    but makes a draft of each round wrong, at a first-rejection point chosen so that a round of `k` drafts
+    commits `accepted_length` tokens on average (the target's own included). The points follow the
+    distribution of independent drafts each right with one chance, drawn at golden-ratio steps rather than
+    at random: the few rounds of a short run already average the chosen length."""
 
     tap_keys = ()
     tap_width = 1
@@ -50,7 +54,7 @@ class OracleDrafter:
         if not 1 <= accepted_length <= k + 1:
             raise ValueError(f"accepted length {accepted_length} is outside 1 .. {k + 1}")
         self.continuation, self.k = continuation, k
-        self.rng = random.Random(seed)
+        self.point = random.Random(seed).random()
         self.per_draft = _per_draft_acceptance(accepted_length, k)
 
     @staticmethod
@@ -59,15 +63,23 @@ class OracleDrafter:
 
     def draft(self, target, anchor, context, context_start, choose, k, committed_tokens=()):
         pos = len(committed_tokens) + 1  # the first draft's position
+        right_ones = self._right_ones()
         tokens = []
         for i in range(min(k, self.k)):
             right = self.continuation[pos + i] if pos + i < len(self.continuation) else 0
-            if self.rng.random() < self.per_draft:
-                tokens.append(right)
-            else:
-                tokens.append((right + 1) % target.args.vocab_size)
+            tokens.append(right if i < right_ones else (right + 1) % target.args.vocab_size)
         vocab = target.args.vocab_size
         return tokens, mx.zeros((len(tokens), vocab)), None
+
+    def _right_ones(self):
+        """The drafts of this round before its first wrong one: i with chance a^i (1 - a), k with a^k."""
+        self.point = (self.point + GOLDEN_STEP) % 1.0
+        below, a = 0.0, self.per_draft
+        for i in range(self.k):
+            below += a ** i * (1 - a)
+            if self.point < below:
+                return i
+        return self.k
 
 
 def _per_draft_acceptance(accepted_length, k):
