@@ -26,7 +26,6 @@ class RingSlots(NamedTuple):
 class Slots(NamedTuple):
     tokens: int  # T, the step's tokens, at positions start .. start + T - 1
     window: int  # the sliding window
-    steady: bool  # one token whose window lies whole in the raw ring (a decoded token past the first window)
     pooled: int  # compressed rows the step completes (0: it only logs compressor rows)
     pool_offset: int  # where the first completed block starts in the compressor's read rows
     selecting: bool  # the indexer picks the compressed rows (more are visible than index_topk)
@@ -61,9 +60,8 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     # the whole window's rows are read even where it starts before position 0 (the attention masks those):
     # one shape for every step of T tokens
     raw = ring_slots(start, tokens, window_reach(window), raw_capacity)
-    steady = tokens == 1 and start >= window_reach(window)
     if not ratio:
-        return Slots(tokens, window, steady, 0, 0, False, 0, positions, None, None, None, raw, None, None)
+        return Slots(tokens, window, 0, 0, False, 0, positions, None, None, None, raw, None, None)
     first, last = rows_done(start, ratio), rows_done(end, ratio)
     lo = frontier_start(start, ratio)
     pool_back = start - lo if last > first else 0  # nothing to pool: only log
@@ -72,6 +70,6 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     visible = [rows_visible(p, ratio) for p in range(start, end)]
     selecting = bool(index_capacity) and visible[-1] > index_topk
     rows = -(-last // row_bucket) * row_bucket
-    return Slots(tokens, window, steady, last - first, first * ratio - lo, selecting, rows, positions,
+    return Slots(tokens, window, last - first, first * ratio - lo, selecting, rows, positions,
                  _ints([in_block(p, ratio) for p in range(start, end)]), _ints(visible), mx.array(first, mx.int32),
                  raw, frontier, index)

@@ -86,11 +86,10 @@ class Attention(nn.Module):
                                             index_rounding(quant_sim))
                 if slots.selecting:
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
-        if slots.steady:  # one decoded token: the fused kernel reads its window from the ring in place
-            out = decode_attention(rows["q"][0], ring, kv, compressed, None if selected is None else selected[0],
-                                   slots.positions[0], self.sinks, slots.window, self.ratio, slots.raw.read[0],
-                                   slots.visible)
-            return out[None], arrays
+        if slots.tokens == 1:  # a decoded token: the fused kernel reads its window from the ring in place
+            return decode_attention(rows["q"], ring[None], kv, None if compressed is None else compressed[None],
+                                    selected, slots.positions, self.sinks, slots.window, self.ratio,
+                                    slots.raw.read[:1], slots.visible), arrays
         window = mx.concatenate([ring[slots.raw.read], kv])  # the raw rows from start - (W - 1) on
         return self._attend_rows(rows["q"], window, compressed, selected, slots), arrays
 
@@ -123,7 +122,7 @@ class Attention(nn.Module):
         if pooled is not None:
             m = compressor.ratio
             finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
-            finished = rounding(self.rope(finished, slots.first_row * m, m))
+            finished = rounding(self.rope(finished, (slots.first_row + mx.arange(slots.pooled)) * m))
             arrays[buffer] = write_rows(arrays[buffer], slots.first_row + mx.arange(slots.pooled), finished)
         return arrays[buffer][: slots.rows]
 
@@ -159,15 +158,17 @@ class Attention(nn.Module):
         return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
 
     def _top_rows(self, qi, w, index_rows, visible):
-        """The index_topk rows of `index_rows` with the highest scores for each query (`_index_query`),
-        rows at or past `visible` [T, 1] excluded."""
+        """The index_topk rows of `index_rows` [C, dim] (or each query's own, [T, C, dim]) with the highest
+        scores for each query (`_index_query`), rows at or past `visible` [T, 1] excluded."""
         idx, args = self.indexer, self.args
         T = qi.shape[0]
-        C = index_rows.shape[0]
+        C = index_rows.shape[-2]
         # ReLU per head, weighted over heads; in tiles of rows so [T, heads, rows] stays ~256 MB
         tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
-        scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[i : i + tile].T, 0))[:, 0]
+        scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[..., i : i + tile, :].swapaxes(-1, -2),
+                                                             0))[:, 0]
                                  for i in range(0, C, tile)], axis=1)  # [T, C]
         scores = mx.where(mx.arange(C)[None, :] < visible, scores, -mx.inf)
-        k = args.index_topk
-        return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]
+        # a stable sort, not a partition: the choice and its order (ties to the lower row) are the same
+        # whatever rows past the visible ones there are, so a session's rows in a pool choose as it does alone
+        return mx.argsort(-scores, axis=-1)[:, : args.index_topk]
