@@ -28,6 +28,7 @@ import math
 import mlx.core as mx
 
 from ds4_mlx.cache.layers import LayerCache, lane_every
+from ds4_mlx.cache.pool import Pool
 
 
 class SyncInterrupted(Exception):
@@ -338,12 +339,16 @@ def step_together(sessions, tokens):
         return own(sessions, tokens)
     if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
         raise ValueError("step_together takes distinct sessions of one model")
+    pool = Pool.of([s.cache for s in sessions])  # one session, or caches that cannot be stacked: None
     try:
-        views = [[c.view(1) for c in s.cache] for s in sessions]
+        views = [[c.view(1) for c in s.cache] for s in sessions] if pool is None else pool.views()
         logits, written = sessions[0].model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
-        for s, steps in zip(sessions, written):
+        if pool is not None:
+            pool.commit(written)
+        for s, steps in zip(sessions, written if pool is None else []):
             for c, arrays in zip(s.cache, steps):
                 c.commit(arrays, 1)
+        del views, written  # the arrays before the step: the step alone holds them, each freed once written
     except BaseException:  # as in `_feed`: every layer of every session back at its last token
         for s in sessions:
             s._undo_chunk(1)
@@ -351,7 +356,7 @@ def step_together(sessions, tokens):
     logits = logits[:, 0]
     for b, s in enumerate(sessions):
         s._stepped(tokens[b], logits[b])
-    mx.async_eval(logits, [c.arrays() for s in sessions for c in s.cache])
+    mx.async_eval(logits, pool.arrays if pool is not None else [c.arrays() for s in sessions for c in s.cache])
     return logits
 
 

@@ -13,7 +13,8 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from ds4_mlx.cache.geometry import frontier_start, in_block, ring_slot, rows_done, rows_visible, window_reach
+from ds4_mlx.cache.geometry import (frontier_start, in_block, overlaps, ring_slot, rows_done, rows_visible,
+                                    window_reach)
 
 
 class RingSlots(NamedTuple):
@@ -73,3 +74,51 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     return Slots(tokens, window, last - first, first * ratio - lo, selecting, rows, positions,
                  _ints([in_block(p, ratio) for p in range(start, end)]), _ints(visible), mx.array(first, mx.int32),
                  raw, frontier, index)
+
+
+class BatchSlots(NamedTuple):
+    """B sessions' decoded tokens (one each, any positions) against a layer's pooled arrays ([B, ...]: row b
+    is session b's rings and compressed rows, `cache/pool.py`). Every field but `selecting` is an array, so
+    one graph per B serves every mix of positions: each step pools every session's open block and writes
+    the row where it belongs (a block's own row, read only once the block is complete)."""
+    selecting: bool  # some session's indexer picks its rows
+    positions: mx.array  # [B] int32
+    raw_write: mx.array  # [B] the raw ring's slot each token's row goes to
+    window_first: mx.array  # [B] the raw ring's slot of the first of the W - 1 positions before each token
+    in_blocks: Optional[mx.array]  # [B] offsets in their compressed blocks (None without compression)
+    visible: Optional[mx.array]  # [B] compressed rows visible to each token
+    open_row: Optional[mx.array]  # [B] the compressed row each token's block becomes
+    frontier_write: Optional[mx.array]  # [B] the compressor ring's slot each token's row goes to
+    frontier_block: Optional[mx.array]  # [B, m] the compressor ring's slots of each token's block, with
+    # overlap [B, 2m] (the block before it first; positions before 0 read position 0, which weighs nothing)
+    index_write: Optional[mx.array]  # [B] the same for the indexer compressor's ring
+    index_block: Optional[mx.array]  # [B, 2m]
+    picks: Optional[mx.array]  # [B] bool: whose indexer picks its rows (None unless `selecting`)
+
+
+def _block_slots(positions, ratio, capacity):
+    """The ring slots of each position's block, with overlap the block before it first (clamped at 0)."""
+    first = [p - in_block(p, ratio) for p in positions]
+    back = ratio if overlaps(ratio) else 0
+    return _ints([[ring_slot(max(f + i, 0), capacity) for i in range(-back, ratio)] for f in first])
+
+
+@lru_cache(maxsize=16)
+def make_batch_slots(positions, *, window, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
+                     index_topk=0):
+    """The `BatchSlots` of a layer of compression `ratio` for one token of each session at `positions` (a
+    tuple)."""
+    raw_write = _ints([ring_slot(p, raw_capacity) for p in positions])
+    window_first = _ints([ring_slot(p - window_reach(window), raw_capacity) for p in positions])
+    if not ratio:
+        return BatchSlots(False, _ints(positions), raw_write, window_first, *([None] * 8))
+    visible = [rows_visible(p, ratio) for p in positions]
+    picks = [bool(index_capacity) and v > index_topk for v in visible]
+    index = ((_ints([ring_slot(p, index_capacity) for p in positions]),
+              _block_slots(positions, ratio, index_capacity)) if index_capacity else (None, None))
+    return BatchSlots(any(picks), _ints(positions), raw_write, window_first,
+                      _ints([in_block(p, ratio) for p in positions]), _ints(visible),
+                      _ints([rows_done(p, ratio) for p in positions]),
+                      _ints([ring_slot(p, frontier_capacity) for p in positions]),
+                      _block_slots(positions, ratio, frontier_capacity), *index,
+                      mx.array(picks) if any(picks) else None)

@@ -49,6 +49,22 @@ class Compressor(nn.Module):
         prev_valid = (slots.first_row + blocks >= 1)[:, None, None]  # the very first block has none before it
         return ring, self.pool(source[tokens], source[mx.maximum(tokens - m, 0)], prev_valid)
 
+    def step_each(self, fresh, ring, write, block, in_blocks, open_row):
+        """`step` for one token of each of B sessions: log row b of `fresh` [B, 2 * width] at slot `write`[b]
+        of session b's ring (`ring` [B, capacity, 2 * width]), and pool each token's block, whose positions'
+        slots are `block` [B, m] (with overlap [B, 2m], the block before first). -> (the rings written, pooled
+        rows [B, head_dim] before norm and RoPE: junk where a block is not complete yet)."""
+        m, n = self.ratio, block.shape[1]
+        fresh = fresh.astype(ring.dtype)
+        logged = ring[mx.arange(ring.shape[0])[:, None], block]  # read before the write
+        own = (mx.arange(n)[None, :] == (n - m + in_blocks)[:, None])[..., None]  # each token's own row
+        logged = mx.where(own, fresh[:, None, :], logged)
+        ring = mx.put_along_axis(ring, mx.broadcast_to(write[:, None, None], (ring.shape[0], 1, ring.shape[2])),
+                                 fresh[:, None, :], axis=1)
+        if not self.overlap:
+            return ring, self.pool(logged)
+        return ring, self.pool(logged[:, m:], logged[:, :m], (open_row >= 1)[:, None, None])
+
     def pool(self, logged, prev=None, prev_valid=None):
         """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap,
         `prev` holds the blocks before them (their scores count only where `prev_valid`)."""

@@ -1,0 +1,149 @@
+"""The caches of sessions decoded together, stacked: for each layer, every ring's and buffer's rows as one
+array [B, ...] (row b: session b's), so that one decoded token of each session writes its rows and
+attends in launches that do not grow with B (`Attention.attend_batch`).
+
+A `Pool` lasts while the same sessions are decoded together: a step hands the model each layer's
+`BatchSlots` and arrays and commits the arrays written, with no copy. The sessions' `LayerCache`s keep
+working on their slices (`Stored.home`): prefill chunks, trims, checkpoints and snapshots read and write
+the session's rows of the pool. Rows that no longer fit it (a buffer that grew past the pool's, a state
+loaded from a file) move back into the session, and the pool is built again on the next step. Another
+set of sessions gets a new pool; the sessions of the old one take copies of their rows first.
+"""
+
+import mlx.core as mx
+
+from ds4_mlx.cache.geometry import rows_done
+from ds4_mlx.cache.layers import RowBuffer
+from ds4_mlx.cache.slots import make_batch_slots
+
+
+class Home:
+    """Where a session's rows of one array live: row `b` of the pool's array `name` of layer `layer`. A
+    ring's rows must keep their shape; a buffer's may be fewer than the pool's (rows past a buffer's count
+    are never read)."""
+
+    def __init__(self, pool, layer, name, b, ring):
+        self.pool, self.layer, self.name, self.b, self.ring = pool, layer, name, b, ring
+
+    def read(self):
+        return self.pool.arrays[self.layer][self.name][self.b]
+
+    def copy(self):
+        rows = self.read()
+        return mx.take(rows, mx.arange(rows.shape[0]), axis=0)  # a gather: its own buffer, not a view
+
+    def write(self, rows):
+        """Write `rows` into the pool, True; or False when they do not fit it (the pool is then broken: a
+        session's rows live outside it)."""
+        arrays = self.pool.arrays[self.layer]
+        pooled = arrays[self.name]
+        fits = (rows is not None and rows.ndim == 2 and rows.dtype == pooled.dtype and rows.shape[1] == pooled.shape[2]
+                and (rows.shape[0] == pooled.shape[1] if self.ring else rows.shape[0] <= pooled.shape[1]))
+        if not fits:
+            self.pool.broken = True
+            return False
+        arrays[self.name] = mx.slice_update(pooled, rows[None], mx.array([self.b, 0]), axes=(0, 1))
+        return True
+
+
+class Pool:
+    """Each layer's arrays of B sessions stacked (`arrays`: per layer, by name), and the sessions' caches."""
+
+    def __init__(self, caches):
+        """`caches`: each session's list of `LayerCache`s (they must `fit` together); their rows are stacked
+        (one copy) and live here from now on."""
+        self.members = list(caches)
+        self.broken = False
+        self.arrays = []
+        for i, layer in enumerate(zip(*self.members)):
+            named = {}
+            for name, _ in layer[0].named_rings():
+                named[name] = mx.stack([c.storage(name).allocate() for c in layer])
+            capacity = _bucket(max(rows_done(c.pos, c.ratio) + 1 for c in layer)) if layer[0].ratio else 0
+            for name, _ in layer[0].named_buffers():
+                held = [c.storage(name) for c in layer]
+                capacity = max([capacity] + [b.rows.shape[0] for b in held if b.rows is not None])
+                named[name] = mx.stack([_padded(b, capacity) for b in held])
+            self.arrays.append(named)
+        for b, session in enumerate(self.members):
+            for i, c in enumerate(session):
+                for name, stored in c.named_rings():
+                    stored.move_to(Home(self, i, name, b, True))
+                for name, stored in c.named_buffers():
+                    stored.move_to(Home(self, i, name, b, False))
+
+    @staticmethod
+    def fit(caches):
+        """Whether these sessions' caches can share a pool: the same layers, ring sizes and row types."""
+        def shape(c):
+            return tuple((name, x.width, x.dtype, getattr(x, "capacity", None))
+                         for name, x in c.named_rings() + c.named_buffers())
+        return all(len(s) == len(caches[0]) and all(shape(a) == shape(b) for a, b in zip(s, caches[0]))
+                   for s in caches)
+
+    @classmethod
+    def of(cls, caches):
+        """The pool of exactly these sessions' caches (in this order): the one they are in, or a new one.
+        None for one session, or sessions whose caches cannot share a pool; their old pools let them go."""
+        current = caches[0][0].pool()
+        if current is not None and current.holds(caches):
+            return current
+        for session in caches:
+            for c in session:
+                old = c.pool()
+                if old is not None:
+                    old.release()
+        return cls(caches) if len(caches) > 1 and cls.fit(caches) else None
+
+    def holds(self, caches):
+        return not self.broken and len(caches) == len(self.members) and all(
+            a is b for a, b in zip(caches, self.members))
+
+    def release(self):
+        """Every session of the pool takes a copy of its rows (the pool is going away)."""
+        for session in self.members:
+            for c in session:
+                if c.pool() is self:
+                    for _, stored in c.named_rings() + c.named_buffers():
+                        stored.move_out()
+        self.members, self.arrays = [], []
+
+    def views(self):
+        """Each layer's (`BatchSlots`, arrays by name) for one decoded token of every session."""
+        return [self._view(i, layer) for i, layer in enumerate(zip(*self.members))]
+
+    def _view(self, i, layer):
+        c = layer[0]
+        slots = make_batch_slots(tuple(x.pos for x in layer), window=c.window, ratio=c.ratio,
+                                 raw_capacity=c.raw.capacity,
+                                 frontier_capacity=c.frontier.capacity if c.ratio else 0,
+                                 index_capacity=c.index_frontier.capacity if c.index_frontier else 0,
+                                 index_topk=c.index_topk)
+        named = self.arrays[i]
+        if c.ratio:  # room for each token's open row
+            need = _bucket(max(rows_done(x.pos, c.ratio) + 1 for x in layer))
+            for name, _ in c.named_buffers():
+                if named[name].shape[1] < need:
+                    grown = mx.zeros(named[name].shape[:1] + (need,) + named[name].shape[2:], named[name].dtype)
+                    named[name] = mx.slice_update(grown, named[name], mx.array([0]), axes=(0,))
+        return slots, dict(named)
+
+    def commit(self, written):
+        """Take the arrays a step of one token a session wrote (each layer's, by name); every session
+        moves on one position."""
+        self.arrays = [dict(w) for w in written]
+        for session in self.members:
+            for c in session:
+                c.moved(1)
+
+
+def _bucket(n):
+    return -(-n // RowBuffer.step) * RowBuffer.step
+
+
+def _padded(buffer, capacity):
+    """A buffer's rows array with `capacity` rows (rows past its count are never read)."""
+    zeros = mx.zeros((capacity, buffer.width), buffer.dtype)
+    if buffer.rows is None:
+        return zeros
+    return mx.slice_update(zeros, buffer.rows, mx.array([0]), axes=(0,))
