@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ds4_mlx.cache.geometry import (frontier_start, in_block, overlaps, ring_slot, rows_done, rows_visible,
                                     window_reach)
@@ -93,14 +94,14 @@ class BatchSlots(NamedTuple):
     # overlap [B, 2m] (the block before it first; positions before 0 read position 0, which weighs nothing)
     index_write: Optional[mx.array]  # [B] the same for the indexer compressor's ring
     index_block: Optional[mx.array]  # [B, 2m]
-    picks: Optional[mx.array]  # [B] bool: whose indexer picks its rows (None unless `selecting`)
+    picks: Optional[mx.array]  # [B] bool: whose indexer picks its rows (None: all of them, or none)
 
 
 def _block_slots(positions, ratio, capacity):
     """The ring slots of each position's block, with overlap the block before it first (clamped at 0)."""
-    first = [p - in_block(p, ratio) for p in positions]
     back = ratio if overlaps(ratio) else 0
-    return _ints([[ring_slot(max(f + i, 0), capacity) for i in range(-back, ratio)] for f in first])
+    first = positions - positions % ratio
+    return _ints(np.maximum(first[:, None] + np.arange(-back, ratio)[None, :], 0) % capacity)
 
 
 @lru_cache(maxsize=16)
@@ -108,17 +109,14 @@ def make_batch_slots(positions, *, window, ratio, raw_capacity, frontier_capacit
                      index_topk=0):
     """The `BatchSlots` of a layer of compression `ratio` for one token of each session at `positions` (a
     tuple)."""
-    raw_write = _ints([ring_slot(p, raw_capacity) for p in positions])
-    window_first = _ints([ring_slot(p - window_reach(window), raw_capacity) for p in positions])
+    p = np.array(positions)
+    raw = (_ints(p), _ints(ring_slot(p, raw_capacity)), _ints(ring_slot(p - window_reach(window), raw_capacity)))
     if not ratio:
-        return BatchSlots(False, _ints(positions), raw_write, window_first, *([None] * 8))
-    visible = [rows_visible(p, ratio) for p in positions]
-    picks = [bool(index_capacity) and v > index_topk for v in visible]
-    index = ((_ints([ring_slot(p, index_capacity) for p in positions]),
-              _block_slots(positions, ratio, index_capacity)) if index_capacity else (None, None))
-    return BatchSlots(any(picks), _ints(positions), raw_write, window_first,
-                      _ints([in_block(p, ratio) for p in positions]), _ints(visible),
-                      _ints([rows_done(p, ratio) for p in positions]),
-                      _ints([ring_slot(p, frontier_capacity) for p in positions]),
-                      _block_slots(positions, ratio, frontier_capacity), *index,
-                      mx.array(picks) if any(picks) else None)
+        return BatchSlots(False, *raw, *([None] * 8))
+    visible = rows_visible(p, ratio)
+    picks = visible > index_topk if index_capacity else np.zeros(len(p), bool)
+    index = ((_ints(ring_slot(p, index_capacity)), _block_slots(p, ratio, index_capacity)) if index_capacity
+             else (None, None))
+    return BatchSlots(bool(picks.any()), *raw, _ints(in_block(p, ratio)), _ints(visible), _ints(rows_done(p, ratio)),
+                      _ints(ring_slot(p, frontier_capacity)), _block_slots(p, ratio, frontier_capacity), *index,
+                      mx.array(picks) if picks.any() and not picks.all() else None)
