@@ -339,7 +339,9 @@ def step_together(sessions, tokens):
         return own(sessions, tokens)
     if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
         raise ValueError("step_together takes distinct sessions of one model")
-    pool = Pool.of([s.cache for s in sessions])  # one session, or caches that cannot be stacked: None
+    # None for one session, caches that cannot be stacked, or a model whose forward takes no pool (a stage of
+    # a pipeline over several machines)
+    pool = Pool.of([s.cache for s in sessions]) if getattr(sessions[0].model, "takes_pools", False) else None
     try:
         views = [[c.view(1) for c in s.cache] for s in sessions] if pool is None else pool.views()
         logits, written = sessions[0].model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)

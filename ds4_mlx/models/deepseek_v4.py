@@ -96,6 +96,8 @@ def _in_blocks(steps):
 
 
 class Model(nn.Module):
+    takes_pools = True  # `forward` takes a pool's views of B sessions' caches (`cache/pool.py`)
+
     def __init__(self, args: ModelArgs, quant_sim: bool = True, layers: Optional[range] = None):
         """`layers`: hold only this contiguous range of the decoder layers (one stage of a pipeline over
         several machines, `ds4_mlx.distributed`), as `layers.0` on; the embedding comes with the first
