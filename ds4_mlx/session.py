@@ -339,14 +339,15 @@ def step_together(sessions, tokens):
         return own(sessions, tokens)
     if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
         raise ValueError("step_together takes distinct sessions of one model")
-    # None for one session, caches that cannot be stacked, or a model whose forward takes no pool (a stage of
-    # a pipeline over several machines)
-    pool = Pool.of([s.cache for s in sessions]) if getattr(sessions[0].model, "takes_pools", False) else None
+    # the pool they decode from (`Pool.of`); None for a session alone, caches that cannot be stacked, or a
+    # model whose forward takes no pool (a stage of a pipeline over several machines)
+    caches = [s.cache for s in sessions]
+    pool = Pool.of(caches) if getattr(sessions[0].model, "takes_pools", False) else None
     try:
-        views = [[c.view(1) for c in s.cache] for s in sessions] if pool is None else pool.views()
+        views = [[c.view(1) for c in s.cache] for s in sessions] if pool is None else pool.views(caches)
         logits, written = sessions[0].model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
         if pool is not None:
-            pool.commit(written)
+            pool.commit(written, caches)
         for s, steps in zip(sessions, written if pool is None else []):
             for c, arrays in zip(s.cache, steps):
                 c.commit(arrays, 1)

@@ -39,7 +39,8 @@ def step_both(together, alone, tokens):
 def test_pooled_rows_equal_steps_alone_at_real_geometry(quant_sim):
     """Sessions at positions where the step changes kind: one leaving its first window (and closing the
     first ratio-128 block), one whose indexer starts to pick rows, one closing a later ratio-128 block, one
-    whose ratio-4 rows outgrow the pool's buffer; one trims back and replays into its rows of the pool."""
+    whose ratio-4 rows outgrow the pool's buffer; one trims back and replays into its rows of the pool, and
+    one sits a step out (rows of the pool in another order than the step's)."""
     model = random_model(real_geometry_args(), seed=0, quant_sim=quant_sim)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.args.vocab_size, n).tolist() for n in (120, 250, 378, 1020)]
@@ -49,7 +50,9 @@ def test_pooled_rows_equal_steps_alone_at_real_geometry(quant_sim):
         if step == 6:
             together[3].trim(1003)
             alone[3].trim(1003)
-        step_both(together, alone, rng.integers(0, model.args.vocab_size, len(prompts)))
+        group = [3, 1, 2] if step == 8 else range(len(prompts))
+        step_both([together[b] for b in group], [alone[b] for b in group],
+                  rng.integers(0, model.args.vocab_size, len(group)))
         pools.add(id(together[0].cache[0].pool()))
     assert len(pools) == 1 and None not in [s.cache[-1].pool() for s in together]  # one pool throughout
 
@@ -72,18 +75,21 @@ def test_a_pools_sessions_keep_their_snapshots_files_and_steps_alone(tmp_path):
     loaded = Session(model, max_chunk=32)
     loaded.load(tmp_path / "b.safetensors")
     assert same(forked.step(9), loaded.step(9))
-    step_both(together[:2], alone[:2], draw(2))  # two of them: a new pool, the third takes its rows back
-    assert together[2].cache[0].pool() is None and together[0].cache[0].pool() is not pool
-    assert same(together[2].step(4), alone[2].step(4))
+    step_both(together[1:], alone[1:], draw(2))  # two of them (the first verifies, say): from the same pool
+    assert together[0].cache[0].pool() is pool
+    assert same(together[0].step(4), alone[0].step(4))  # a step alone, on its rows of the pool
+    assert same(together[0].verify([5, 6])[-1], alone[0].verify([5, 6])[-1])
     together[0].load(tmp_path / "b.safetensors")  # a file into a pooled session: its rows leave the pool
     alone[0].load(tmp_path / "b.safetensors")
     step_both(together, alone, draw(3))
+    assert together[0].cache[0].pool() is not pool
     more = draw(20).tolist()
     assert same(together[1].sync(together[1].tokens + more), alone[1].sync(alone[1].tokens + more))  # a prefill
     # into its rows of the pool
     step_both(together, alone, draw(3))
-    step_both(together[:1], alone[:1], draw(1))  # alone again: out of the pool
-    assert together[0].cache[0].pool() is None
+    step_both(together[:1], alone[:1], draw(1))  # one of three: out of the pool, as are the others
+    assert [s.cache[0].pool() for s in together] == [None] * 3
+    step_both(together[1:], alone[1:], draw(2))
 
 
 def test_caches_of_other_sizes_are_not_pooled():

@@ -53,16 +53,17 @@ class Pool:
         """`caches`: each session's list of `LayerCache`s (they must `fit` together); their rows are stacked
         (one copy) and live here from now on."""
         self.members = list(caches)
+        self.rows = {id(session): b for b, session in enumerate(self.members)}  # a session's row of the arrays
         self.broken = False
         self.arrays = []
         for i, layer in enumerate(zip(*self.members)):
             named = {}
             for name, _ in layer[0].named_rings():
                 named[name] = mx.stack([c.storage(name).allocate() for c in layer])
-            capacity = _bucket(max(rows_done(c.pos, c.ratio) + 1 for c in layer)) if layer[0].ratio else 0
-            for name, _ in layer[0].named_buffers():
-                held = [c.storage(name) for c in layer]
-                capacity = max([capacity] + [b.rows.shape[0] for b in held if b.rows is not None])
+            buffers = [[c.storage(name) for c in layer] for name, _ in layer[0].named_buffers()]
+            capacity = max([_bucket(rows_done(c.pos, c.ratio) + 1) for c in layer if c.ratio]
+                           + [b.rows.shape[0] for held in buffers for b in held if b.rows is not None], default=0)
+            for (name, _), held in zip(layer[0].named_buffers(), buffers):  # one size for a layer's buffers
                 named[name] = mx.stack([_padded(b, capacity) for b in held])
             self.arrays.append(named)
         for b, session in enumerate(self.members):
@@ -83,10 +84,11 @@ class Pool:
 
     @classmethod
     def of(cls, caches):
-        """The pool of exactly these sessions' caches (in this order): the one they are in, or a new one.
-        None for one session, or sessions whose caches cannot share a pool; their old pools let them go."""
+        """The pool to decode these sessions' caches from: the one they all are in while they are at least half
+        of its sessions, else a new one of exactly them (their old pools let them go, each session taking a
+        copy of its rows). None for one session, or sessions whose caches cannot share a pool."""
         current = caches[0][0].pool()
-        if current is not None and current.holds(caches):
+        if current is not None and current.serves(caches):
             return current
         for session in caches:
             for c in session:
@@ -95,9 +97,12 @@ class Pool:
                     old.release()
         return cls(caches) if len(caches) > 1 and cls.fit(caches) else None
 
-    def holds(self, caches):
-        return not self.broken and len(caches) == len(self.members) and all(
-            a is b for a, b in zip(caches, self.members))
+    def serves(self, caches):
+        """Whether the pool decodes these sessions: its rows are theirs, and they are at least half of its
+        sessions (a pool holds the rows of sessions no longer decoded together until it is built again;
+        a session or a few may verify drafts in a turn while the others decode)."""
+        return (not self.broken and bool(self.members) and 2 * len(caches) >= len(self.members)
+                and all(self.members[self.rows.get(id(s), 0)] is s for s in caches))
 
     def release(self):
         """Every session of the pool takes a copy of its rows (the pool is going away)."""
@@ -106,33 +111,33 @@ class Pool:
                 if c.pool() is self:
                     for _, stored in c.named_rings() + c.named_buffers():
                         stored.move_out()
-        self.members, self.arrays = [], []
+        self.members, self.rows, self.arrays = [], {}, []
 
-    def views(self):
-        """Each layer's (`BatchSlots`, arrays by name) for one decoded token of every session."""
-        return [self._view(i, layer) for i, layer in enumerate(zip(*self.members))]
+    def views(self, caches):
+        """Each layer's (`BatchSlots`, arrays by name) for one decoded token of each of these sessions."""
+        rows = tuple(self.rows[id(s)] for s in caches)
+        return [self._view(i, layer, rows) for i, layer in enumerate(zip(*caches))]
 
-    def _view(self, i, layer):
-        c = layer[0]
-        slots = make_batch_slots(tuple(x.pos for x in layer), window=c.window, ratio=c.ratio,
-                                 raw_capacity=c.raw.capacity,
-                                 frontier_capacity=c.frontier.capacity if c.ratio else 0,
-                                 index_capacity=c.index_frontier.capacity if c.index_frontier else 0,
-                                 index_topk=c.index_topk)
-        named = self.arrays[i]
+    def _view(self, i, layer, rows):
+        c, named = layer[0], self.arrays[i]
         if c.ratio:  # room for each token's open row
             need = _bucket(max(rows_done(x.pos, c.ratio) + 1 for x in layer))
             for name, _ in c.named_buffers():
                 if named[name].shape[1] < need:
                     grown = mx.zeros(named[name].shape[:1] + (need,) + named[name].shape[2:], named[name].dtype)
                     named[name] = mx.slice_update(grown, named[name], mx.array([0]), axes=(0,))
+        slots = make_batch_slots(tuple(x.pos for x in layer), rows, window=c.window, ratio=c.ratio,
+                                 raw_capacity=c.raw.capacity,
+                                 frontier_capacity=c.frontier.capacity if c.ratio else 0,
+                                 index_capacity=c.index_frontier.capacity if c.index_frontier else 0,
+                                 index_topk=c.index_topk, buffer_rows=named["rows"].shape[1] if c.ratio else 0)
         return slots, dict(named)
 
-    def commit(self, written):
-        """Take the arrays a step of one token a session wrote (each layer's, by name); every session
-        moves on one position."""
+    def commit(self, written, caches):
+        """Take the arrays a step of one token of each of these sessions wrote (each layer's, by name); the
+        sessions move on one position."""
         self.arrays = [dict(w) for w in written]
-        for session in self.members:
+        for session in caches:
             for c in session:
                 c.moved(1)
 

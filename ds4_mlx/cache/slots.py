@@ -78,45 +78,53 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
 
 
 class BatchSlots(NamedTuple):
-    """B sessions' decoded tokens (one each, any positions) against a layer's pooled arrays ([B, ...]: row b
-    is session b's rings and compressed rows, `cache/pool.py`). Every field but `selecting` is an array, so
-    one graph per B serves every mix of positions: each step pools every session's open block and writes
-    the row where it belongs (a block's own row, read only once the block is complete)."""
+    """B sessions' decoded tokens (one each, any positions) against a layer's pooled arrays ([S, ...], S >= B:
+    row r is one session's rings or compressed rows, `cache/pool.py`). Writes and block reads index the
+    arrays flattened to [S * rows, width]. Every field but `selecting` is an array, so one graph per B and
+    pool serves every mix of positions: each step pools every session's open block and writes the row where
+    it belongs (a block's own row, read only once the block is complete)."""
     selecting: bool  # some session's indexer picks its rows
     positions: mx.array  # [B] int32
-    raw_write: mx.array  # [B] the raw ring's slot each token's row goes to
+    pool_rows: mx.array  # [B] the pool's row of each token's session
+    raw_write: mx.array  # [B] the flattened raw ring's row each token's row goes to
     window_first: mx.array  # [B] the raw ring's slot of the first of the W - 1 positions before each token
     in_blocks: Optional[mx.array]  # [B] offsets in their compressed blocks (None without compression)
     visible: Optional[mx.array]  # [B] compressed rows visible to each token
     open_row: Optional[mx.array]  # [B] the compressed row each token's block becomes
-    frontier_write: Optional[mx.array]  # [B] the compressor ring's slot each token's row goes to
-    frontier_block: Optional[mx.array]  # [B, m] the compressor ring's slots of each token's block, with
-    # overlap [B, 2m] (the block before it first; positions before 0 read position 0, which weighs nothing)
+    row_write: Optional[mx.array]  # [B] where that row goes in the flattened buffer
+    frontier_write: Optional[mx.array]  # [B] the flattened compressor ring's row each token's row goes to
+    frontier_block: Optional[mx.array]  # [B, m] its rows of each token's block, with overlap [B, 2m] (the
+    # block before it first; positions before 0 read position 0, which weighs nothing)
     index_write: Optional[mx.array]  # [B] the same for the indexer compressor's ring
     index_block: Optional[mx.array]  # [B, 2m]
     picks: Optional[mx.array]  # [B] bool: whose indexer picks its rows (None: all of them, or none)
 
 
-def _block_slots(positions, ratio, capacity):
-    """The ring slots of each position's block, with overlap the block before it first (clamped at 0)."""
+def _block_rows(positions, pool_rows, ratio, capacity):
+    """The flattened ring's rows of each position's block, with overlap the block before it first (clamped
+    at position 0)."""
     back = ratio if overlaps(ratio) else 0
     first = positions - positions % ratio
-    return _ints(np.maximum(first[:, None] + np.arange(-back, ratio)[None, :], 0) % capacity)
+    slots = np.maximum(first[:, None] + np.arange(-back, ratio)[None, :], 0) % capacity
+    return _ints(pool_rows[:, None] * capacity + slots)
 
 
 @lru_cache(maxsize=16)
-def make_batch_slots(positions, *, window, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
-                     index_topk=0):
-    """The `BatchSlots` of a layer of compression `ratio` for one token of each session at `positions` (a
-    tuple)."""
-    p = np.array(positions)
-    raw = (_ints(p), _ints(ring_slot(p, raw_capacity)), _ints(ring_slot(p - window_reach(window), raw_capacity)))
+def make_batch_slots(positions, pool_rows, *, window, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
+                     index_topk=0, buffer_rows=0):
+    """The `BatchSlots` of a layer of compression `ratio` for one token of each session at `positions`, whose
+    arrays are rows `pool_rows` of the pool (tuples); `buffer_rows`: the rows of a pooled buffer's row."""
+    p, r = np.array(positions), np.array(pool_rows)
+    raw = (_ints(p), _ints(r), _ints(r * raw_capacity + ring_slot(p, raw_capacity)),
+           _ints(ring_slot(p - window_reach(window), raw_capacity)))
     if not ratio:
-        return BatchSlots(False, *raw, *([None] * 8))
+        return BatchSlots(False, *raw, *([None] * 9))
     visible = rows_visible(p, ratio)
     picks = visible > index_topk if index_capacity else np.zeros(len(p), bool)
-    index = ((_ints(ring_slot(p, index_capacity)), _block_slots(p, ratio, index_capacity)) if index_capacity
-             else (None, None))
+    index = ((_ints(r * index_capacity + ring_slot(p, index_capacity)), _block_rows(p, r, ratio, index_capacity))
+             if index_capacity else (None, None))
     return BatchSlots(bool(picks.any()), *raw, _ints(in_block(p, ratio)), _ints(visible), _ints(rows_done(p, ratio)),
-                      _ints(ring_slot(p, frontier_capacity)), _block_slots(p, ratio, frontier_capacity), *index,
+                      _ints(r * buffer_rows + rows_done(p, ratio)),
+                      _ints(r * frontier_capacity + ring_slot(p, frontier_capacity)),
+                      _block_rows(p, r, ratio, frontier_capacity), *index,
                       mx.array(picks) if picks.any() and not picks.all() else None)

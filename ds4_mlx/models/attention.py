@@ -96,13 +96,14 @@ class Attention(nn.Module):
     _compiled_attend_one = compiled(_attend_one)
 
     def attend_batch(self, rows, slots: BatchSlots, arrays, quant_sim):
-        """`_attend_one` for one decoded token of each of B sessions, on their pooled arrays ([B, ...], row b
-        session b's: `cache/pool.py`) in launches that do not grow with B; each row's numbers are those of
-        the session's own step. -> (outputs [B, nh, hd] with RoPE still on, the arrays written)."""
+        """`_attend_one` for one decoded token of each of B sessions, on their pooled arrays ([S, ...], row
+        `slots.pool_rows[b]` token b's session's: `cache/pool.py`) in launches that do not grow with B; each
+        row's numbers are those of the session's own step. -> (outputs [B, nh, hd] with RoPE still on, the
+        arrays written)."""
         arrays = dict(arrays)
         ring = arrays["raw"]  # read before the write, as `_attend_one` does
         kv = rows["kv"].astype(ring.dtype)
-        arrays["raw"] = _write_each(ring, slots.raw_write, kv)
+        arrays["raw"] = _write_flat(ring, slots.raw_write, kv)
         compressed = selected = None
         if self.kind != SLIDING:
             compressed = self._compress_each(self.compressor, rows["frontier"], slots, slots.frontier_write,
@@ -113,9 +114,11 @@ class Attention(nn.Module):
                                                  slots.index_write, slots.index_block, arrays, "index_frontier",
                                                  "index_rows", index_rounding(quant_sim))
                 if slots.selecting:
-                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
+                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows[slots.pool_rows],
+                                              slots.visible[:, None])
         out = decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
-                               self.args.sliding_window, self.ratio, slots.window_first, slots.visible, slots.picks)
+                               self.args.sliding_window, self.ratio, slots.window_first, slots.visible, slots.picks,
+                               slots.pool_rows)
         return out, arrays
 
     _compiled_attend_batch = compiled(attend_batch)
@@ -123,13 +126,13 @@ class Attention(nn.Module):
     def _compress_each(self, compressor, fresh, slots: BatchSlots, write, block, arrays, ring, buffer, rounding):
         """`_compress` for one token of each session: pool every session's open block (rows of positions
         still to come are junk) and write it as the block's row, which is read only once the block is
-        complete (so no graph depends on which sessions complete one). -> the buffer [B, rows, width]."""
+        complete (so no graph depends on which sessions complete one). -> the pooled buffer [S, rows, width]."""
         arrays[ring], pooled = compressor.step_each(fresh, arrays[ring], write, block, slots.in_blocks,
                                                     slots.open_row)
         m = compressor.ratio
         finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
         finished = rounding(self.rope(finished, slots.open_row * m))
-        arrays[buffer] = _write_each(arrays[buffer], slots.open_row, finished)
+        arrays[buffer] = _write_flat(arrays[buffer], slots.row_write, finished)
         return arrays[buffer]
 
     def _attend_rows(self, q, window, compressed, selected, slots: Slots):
@@ -211,9 +214,7 @@ class Attention(nn.Module):
         return mx.argsort(-scores, axis=-1)[:, : args.index_topk]
 
 
-def _write_each(rows, at, values):
-    """`rows` [B, n, width] with row b's `values` [B, width] at its row `at` [B]: one scatter (in place when
-    nothing else holds `rows`)."""
-    B, _, width = rows.shape
-    return mx.put_along_axis(rows, mx.broadcast_to(at[:, None, None], (B, 1, width)),
-                             values[:, None, :].astype(rows.dtype), axis=1)
+def _write_flat(rows, at, values):
+    """`rows` [S, n, width] with `values` [B, width] at rows `at` [B] of it flattened to [S * n, width]: one
+    scatter (in place when nothing else holds `rows`)."""
+    return write_rows(rows.reshape(-1, rows.shape[-1]), at, values).reshape(rows.shape)

@@ -269,15 +269,18 @@ def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, windo
 
 
 def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None,
-                                    visible=None, picks=None):
-    """`decode_attention_reference` for each of B tokens: q [B, nh, hd], ring [B, capacity, hd], fresh [B, hd],
-    rows [B, n, hd] or None, selected [B, k] or None, pos [B]; `picks` [B] bool: the tokens that read
-    their `selected` rows (None: all of them), the others read all their valid rows. `first`, `visible`:
-    what the kernel is handed ([B] int32, `decode_attention`), computed here from `pos`. -> [B, nh, hd]"""
+                                    visible=None, picks=None, pool_rows=None):
+    """`decode_attention_reference` for each of B tokens: q [B, nh, hd], fresh [B, hd], selected [B, k] or
+    None, pos [B]; token b's ring and compressed rows are row `pool_rows[b]` (default b) of ring [S,
+    capacity, hd] and rows [S, n, hd] (or None); `picks` [B] bool: the tokens that read their `selected`
+    rows (None: all of them), the others read all their valid rows. `first`, `visible`: what the kernel is
+    handed ([B] int32, `decode_attention`), computed here from `pos`. -> [B, nh, hd]"""
     out = []
     for b in range(q.shape[0]):
+        r = b if pool_rows is None else pool_rows[b]
+
         def one(chosen):
-            return decode_attention_reference(q[b], ring[b], fresh[b : b + 1], None if rows is None else rows[b],
+            return decode_attention_reference(q[b], ring[r], fresh[b : b + 1], None if rows is None else rows[r],
                                               chosen, pos[b], sinks, window, ratio)
         if selected is None:
             out.append(one(None))
@@ -290,14 +293,14 @@ def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, 
 
 # One block a head of one token (grid: heads by tokens). Each warp runs an online softmax over every
 # NW-th key, its lanes holding dims lane, lane + 32, ... (coalesced row reads); the warps' partial sums
-# merge with the sink at the end. Token b's arrays start b rows of their batch axis in.
+# merge with the sink at the end. Token b's ring and compressed rows are row pool_rows[b] of theirs.
 _ATTEND_CUDA = """
     constexpr int E = HD / 32, NW = GROUP / 32;
     const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const bool pick = SELECT && picks[b];
     const int n_rows = pick ? K : visible[b];
     const int before_zero = max(W - 1 - pos[b], 0);  // window rows at positions before 0
-    const size_t head = ((size_t)b * NH + h) * HD;
+    const size_t head = ((size_t)b * NH + h) * HD, row = pool_rows[b];
     const float scale = rsqrtf((float)HD);
     float qv[E], acc[E];
     for (int e = 0; e < E; ++e) { qv[e] = q[head + e * 32 + lane] * scale; acc[e] = 0.0f; }
@@ -307,10 +310,10 @@ _ATTEND_CUDA = """
         decltype(ring) key;
         if (j < W - 1) {  // the window's rows from its first slot on, wrapping once (W - 1 <= CAP)
             const int slot = first[b] + j;
-            key = ring + ((size_t)b * CAP + (slot < CAP ? slot : slot - CAP)) * HD;
+            key = ring + (row * CAP + (slot < CAP ? slot : slot - CAP)) * HD;
         }
         else if (j == W - 1) key = fresh + (size_t)b * HD;
-        else key = rows + ((size_t)b * R + (pick ? selected[(size_t)b * K + j - W] : j - W)) * HD;
+        else key = rows + (row * R + (pick ? selected[(size_t)b * K + j - W] : j - W)) * HD;
         float k[E], s = 0.0f;
         for (int e = 0; e < E; ++e) { k[e] = static_cast<float>(key[e * 32 + lane]); s += qv[e] * k[e]; }
         for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
@@ -339,12 +342,13 @@ _ATTEND_GROUP = 512
 @lru_cache(maxsize=None)
 def _attend_kernel():
     return mx.fast.cuda_kernel(name="ds4_decode_attention",
-                               input_names=["q", "ring", "fresh", "rows", "selected", "picks", "first", "visible",
-                                            "pos", "sinks"],
+                               input_names=["q", "ring", "fresh", "rows", "selected", "picks", "pool_rows", "first",
+                                            "visible", "pos", "sinks"],
                                output_names=["out"], source=_ATTEND_CUDA)
 
 
-def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None, picks=None):
+def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None, picks=None,
+                     pool_rows=None):
     """`decode_attention_rows_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
     warps' partial sums fill 32 KB of shared memory at 512). `first`, `visible`: the ring slot of each
     window's first row and each token's visible compressed rows ([B] int32, from the cache's slots), else
@@ -353,21 +357,22 @@ def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, 
     kind = DECODE_ATTENTION.backend()
     if kind is None or hd % 32 or hd > 512:
         return decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio,
-                                               picks=picks)
+                                               picks=picks, pool_rows=pool_rows)
     return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, first, visible,
-                                           picks)
+                                           picks, pool_rows)
 
 
 def _decode_attention_sample():
-    """Two tokens: one past its first window that picks its rows, one in its first window that reads all."""
+    """Two tokens of a pool of three sessions: one past its first window that picks its rows, one in its
+    first window that reads all."""
     nh, hd, capacity, n_rows = 4, 64, 16, 8
-    return (_random(2, nh, hd), _random(2, capacity, hd), _random(2, hd), _random(2, n_rows, hd),
+    return (_random(2, nh, hd), _random(3, capacity, hd), _random(2, hd), _random(3, n_rows, hd),
             mx.array([[0, 3, 5], [1, 2, 0]], mx.uint32), mx.array([21, 5], mx.int32), _random(nh), 8, 4, None, None,
-            mx.array([True, False]))
+            mx.array([True, False]), mx.array([2, 0], mx.int32))
 
 
 def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None,
-                           picks=None):
+                           picks=None, pool_rows=None):
     B, nh, hd = q.shape
     i32 = mx.int32
     if first is None:
@@ -379,10 +384,12 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
         rows = ring
     if picks is None:
         picks = mx.ones((B,), i32)
+    if pool_rows is None:
+        pool_rows = mx.arange(B, dtype=i32)
     return _attend_kernel()(
         inputs=[q.astype(mx.float32), ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),
-                first if selected is None else selected, picks.astype(i32), first, visible, pos.astype(i32).reshape(B),
-                sinks.astype(mx.float32)],
+                first if selected is None else selected, picks.astype(i32), pool_rows.astype(i32), first, visible,
+                pos.astype(i32).reshape(B), sinks.astype(mx.float32)],
         template=[("HD", hd), ("NH", nh), ("W", window), ("CAP", ring.shape[1]), ("R", rows.shape[1]),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[1]),
                   ("GROUP", _ATTEND_GROUP)],
