@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4_mlx.cache import pool as pool_module
 from ds4_mlx.cache.pool import Pool
 from ds4_mlx.session import Session, step_together
 from ds4_mlx.tools.random_model import random_model
@@ -101,3 +102,17 @@ def test_caches_of_other_sizes_are_not_pooled():
     step_together([a, b], mx.array([7, 8], dtype=mx.int32))
     a.settle(), b.settle()
     assert a.cache[0].pool() is None and len(a.tokens) == 4
+
+
+def test_a_long_session_beside_short_ones_is_not_pooled(monkeypatch):
+    """Each pooled buffer has the longest session's rows: a long session would multiply the short ones'."""
+    monkeypatch.setattr(pool_module, "PADDING_ROWS", 256)
+    model = random_model(tiny_args(0), seed=0)
+    rng = np.random.default_rng(2)
+    short = [Session(model) for _ in range(3)]
+    for s in short:
+        s.sync(rng.integers(0, 512, 10).tolist())
+    long = Session(model)
+    long.sync(rng.integers(0, 512, 4000).tolist())  # 1,000 compressed rows of the ratio-4 layers
+    assert Pool.of([s.cache for s in short]) is not None
+    assert Pool.of([s.cache for s in short + [long]]) is None

@@ -17,6 +17,10 @@ from ds4_mlx.cache.layers import RowBuffer
 from ds4_mlx.cache.slots import make_batch_slots
 
 
+PADDING_ROWS = 8 * RowBuffer.step  # compressed rows a session's may be padded by in a pool, beyond as many
+# as the sessions hold
+
+
 class Home:
     """Where a session's rows of one array live: row `b` of the pool's array `name` of layer `layer`. A
     ring's rows must keep their shape; a buffer's may be fewer than the pool's (rows past a buffer's count
@@ -75,12 +79,20 @@ class Pool:
 
     @staticmethod
     def fit(caches):
-        """Whether these sessions' caches can share a pool: the same layers, ring sizes and row types."""
+        """Whether these sessions' caches can share a pool: the same layers, ring sizes and row types, and
+        compressed rows of lengths close enough: padding each session's to the longest adds no more rows than
+        the sessions hold, or than `PADDING_ROWS` a session (a long session beside short ones decodes alone)."""
         def shape(c):
             return tuple((name, x.width, x.dtype, getattr(x, "capacity", None))
                          for name, x in c.named_rings() + c.named_buffers())
-        return all(len(s) == len(caches[0]) and all(shape(a) == shape(b) for a, b in zip(s, caches[0]))
-                   for s in caches)
+
+        def close(layer):
+            need = [_bucket(rows_done(c.pos, c.ratio) + 1) for c in layer]
+            return len(need) * max(need) - sum(need) <= max(sum(need), len(need) * PADDING_ROWS)
+
+        return (all(len(s) == len(caches[0]) and all(shape(a) == shape(b) for a, b in zip(s, caches[0]))
+                    for s in caches)
+                and all(close(layer) for layer in zip(*caches) if layer[0].ratio))
 
     @classmethod
     def of(cls, caches):
