@@ -66,26 +66,28 @@ def on_cuda(kernel, *args):
     (64, 135, 300, 0, 0, 0, mx.float32),           # sliding window only, float32 rows
 ])
 def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_rows, top_k, dtype):
-    """Three tokens decoded together (a pool's rows): one at `pos`, one in its first window, one in
-    between; with `top_k`, the first and last pick their rows and the one in its first window reads all."""
-    nh, window, B = 8, 128, 3
+    """Three tokens decoded together from rows 3, 0 and 2 of a pool of four sessions: one at `pos`, one in its
+    first window, one in between; with `top_k`, the first and last pick their rows and the one in its first
+    window reads all."""
+    nh, window, B, S = 8, 128, 3, 4
     positions = mx.array([pos, 40, pos - 700 if ratio else pos - 3], mx.int32)
+    pool_rows = mx.array([3, 0, 2], mx.int32)
     k = mx.random.split(mx.random.key(hd + pos), 6)
     q = mx.random.normal((B, nh, hd), key=k[0])
-    ring = mx.random.normal((B, capacity, hd), key=k[1]).astype(dtype)
+    ring = mx.random.normal((S, capacity, hd), key=k[1]).astype(dtype)
     fresh = mx.random.normal((B, hd), key=k[2]).astype(dtype)
-    rows = mx.random.normal((B, n_rows, hd), key=k[3]).astype(dtype) if ratio else None
+    rows = mx.random.normal((S, n_rows, hd), key=k[3]).astype(dtype) if ratio else None
     visible = (pos - 700 + 1) // ratio if ratio else 0  # the fewest rows a picking token sees
     selected = (mx.stack([mx.random.permutation(visible, key=key)[:top_k] for key in mx.random.split(k[4], B)])
                 .astype(mx.uint32) if top_k else None)  # argsort's
     picks = mx.array([True, False, True]) if top_k else None
     sinks = mx.random.normal((nh,), key=k[5])
     got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, positions, sinks, window, ratio, None, None,
-                  picks)
+                  picks, pool_rows)
     # the reference on the CPU: CUDA's float32 matrix products run on TF32 tensor cores
     with mx.stream(mx.cpu):
         want = kernels.decode_attention_rows_reference(q, ring, fresh, rows, selected, positions, sinks, window, ratio,
-                                                       picks=picks)
+                                                       picks=picks, pool_rows=pool_rows)
     assert got.shape == (B, nh, hd) and got.dtype == mx.float32
     err = float(mx.abs(got - want).max())
     assert err <= 1e-5 * max(1.0, float(mx.abs(want).max())), f"max |diff| {err:.2e}"

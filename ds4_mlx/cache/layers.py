@@ -281,8 +281,8 @@ class LayerCache:
         """Hold the current arrays: O(1), the live cache copies a buffer on its next write; in a pool, a copy
         of the session's rows."""
         rings, buffers = [(r.held(), r.floor) for r in self.rings()], [(b.held(), b.count) for b in self.buffers()]
-        if self.pool() is not None:
-            mx.eval([rows for rows, _ in rings + buffers if rows is not None])  # the copies now: a lazy one would hold the pool's array
+        if self.pool() is not None:  # the copies now: a lazy one would hold the pool's array
+            mx.eval([rows for rows, _ in rings + buffers if rows is not None])
         return self.pos, rings, buffers
 
     def restore(self, snap):

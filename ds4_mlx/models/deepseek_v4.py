@@ -155,10 +155,10 @@ class Model(nn.Module):
             if pooled:
                 streams, arrays = layer(streams, flat, positions, views[i], self.quant_sim)
                 written.append(arrays)
-                continue
-            streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
-            for mine, step in zip(written, steps):
-                mine.append(step)
+            else:
+                streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
+                for mine, step in zip(written, steps):
+                    mine.append(step)
             if taps is not None and i in taps:
                 taps[i] = streams
             if layers_per_step and (i + 1) % layers_per_step == 0 and i + 1 < len(self.layers):

@@ -243,26 +243,26 @@ def _softmax_with_sinks(scores, sinks):
 # function until a Mac can test a port.
 
 
-def ring_rows(rows, pos, n):
-    """From a ring's rows array, the rows of the `n` positions before `pos` (an int array)."""
-    return rows[ring_slot(pos - n + mx.arange(n), rows.shape[0])]
-
-
-def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
+def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, row=None):
     """q [nh, hd]: one token at `pos` (an int array) over its window, the `window - 1` positions before
     it from `ring` (position p in slot p % capacity; those before position 0 masked) then its own row
     `fresh` [1, hd], and over compressed rows: rows[selected] where the indexer chose them, else the
-    (pos + 1) // ratio valid rows of `rows` (none for ratio 0); `attend` on those keys, float32.
-    -> [nh, hd] float32"""
+    (pos + 1) // ratio valid rows of `rows` (none for ratio 0); `attend` on those keys, float32. With `row`
+    (an int array), `ring` and `rows` are a pool's ([S, capacity, hd], [S, n, hd]) and the token's are
+    that row of them (read where needed: a ring's row is not copied whole). -> [nh, hd] float32"""
     f32 = mx.float32
-    keys = [ring_rows(ring, pos, window - 1), fresh]
+
+    def mine(array, index):
+        return array[index] if row is None else array[row, index]
+
+    keys = [mine(ring, ring_slot(pos - window_reach(window) + mx.arange(window - 1), ring.shape[-2])), fresh]
     mask = [pos - window_reach(window) + mx.arange(window) >= 0]
     if selected is not None:
-        keys.append(rows[selected])
+        keys.append(mine(rows, selected))
         mask.append(mx.ones(selected.shape, mx.bool_))
     elif ratio:
-        keys.append(rows)
-        mask.append(mx.arange(rows.shape[0]) < rows_visible(pos, ratio))
+        keys.append(rows if row is None else rows[row])
+        mask.append(mx.arange(rows.shape[-2]) < rows_visible(pos, ratio))
     keys = mx.concatenate(keys).astype(f32)
     return attend(q.astype(f32)[None], keys[None], mx.concatenate(mask)[None], sinks.astype(f32),
                   q.shape[-1] ** -0.5)[0]
@@ -277,11 +277,14 @@ def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, 
     handed ([B] int32, `decode_attention`), computed here from `pos`. -> [B, nh, hd]"""
     out = []
     for b in range(q.shape[0]):
-        r = b if pool_rows is None else pool_rows[b]
+        if pool_rows is None:  # the token's own rows: views, no copy
+            mine = (ring[b], None if rows is None else rows[b], None)
+        else:
+            mine = (ring, rows, pool_rows[b])
 
         def one(chosen):
-            return decode_attention_reference(q[b], ring[r], fresh[b : b + 1], None if rows is None else rows[r],
-                                              chosen, pos[b], sinks, window, ratio)
+            return decode_attention_reference(q[b], mine[0], fresh[b : b + 1], mine[1], chosen, pos[b], sinks,
+                                              window, ratio, row=mine[2])
         if selected is None:
             out.append(one(None))
         elif picks is None:
