@@ -9,6 +9,7 @@ import pytest
 
 from ds4_mlx.cache import pool as pool_module
 from ds4_mlx.cache.pool import Pool
+from ds4_mlx.models.attention import Attention
 from ds4_mlx.session import Session, step_together
 from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.tools.testing import real_geometry_args, tiny_args
@@ -37,7 +38,7 @@ def step_both(together, alone, tokens):
 
 
 @pytest.mark.parametrize("quant_sim", [True, False])
-def test_pooled_rows_equal_steps_alone_at_real_geometry(quant_sim):
+def test_pooled_rows_equal_steps_alone_at_real_geometry(quant_sim, monkeypatch):
     """Sessions at positions where the step changes kind: one leaving its first window (and closing the
     first ratio-128 block), one whose indexer starts to pick rows, one closing a later ratio-128 block, one
     whose ratio-4 rows outgrow the pool's buffer; one trims back and replays into its rows of the pool, and
@@ -46,14 +47,22 @@ def test_pooled_rows_equal_steps_alone_at_real_geometry(quant_sim):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.args.vocab_size, n).tolist() for n in (120, 250, 378, 1020)]
     together, alone = twins(model, prompts)
+    calls = []
+    for name in ("_compiled_attend_batch", "_compiled_attend_one"):
+        method = getattr(Attention, name)
+        monkeypatch.setattr(Attention, name, lambda self, *a, name=name, method=method: calls.append(name)
+                            or method(self, *a))
     pools = set()
     for step in range(12):
         if step == 6:
             together[3].trim(1003)
             alone[3].trim(1003)
         group = [3, 1, 2] if step == 8 else range(len(prompts))
+        calls.clear()
         step_both([together[b] for b in group], [alone[b] for b in group],
                   rng.integers(0, model.args.vocab_size, len(group)))
+        layers = model.args.num_hidden_layers  # one graph a layer for the cache part of all of them
+        assert calls[:layers] == ["_compiled_attend_batch"] * layers and "_compiled_attend_batch" not in calls[layers:]
         pools.add(id(together[0].cache[0].pool()))
     assert len(pools) == 1 and None not in [s.cache[-1].pool() for s in together]  # one pool throughout
 
