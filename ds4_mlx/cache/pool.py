@@ -1,6 +1,6 @@
 """The caches of sessions decoded together, stacked: for each layer, every ring's and buffer's rows as one
-array [B, ...] (row b: session b's), so that one decoded token of each session writes its rows and
-attends in launches that do not grow with B (`Attention.attend_batch`).
+array [S, ...] (row r: one session's), so that one decoded token of each session writes its rows and
+attends in launches that do not grow with the sessions (`Attention.attend_batch`).
 
 A `Pool` lasts while the same sessions are decoded together: a step hands the model each layer's
 `BatchSlots` and arrays and commits the arrays written, with no copy. The sessions' `LayerCache`s keep
@@ -65,9 +65,9 @@ class Pool:
             for name, _ in layer[0].named_rings():
                 named[name] = mx.stack([c.storage(name).allocate() for c in layer])
             buffers = [[c.storage(name) for c in layer] for name, _ in layer[0].named_buffers()]
-            capacity = max([_bucket(rows_done(c.pos, c.ratio) + 1) for c in layer if c.ratio]
-                           + [b.rows.shape[0] for held in buffers for b in held if b.rows is not None], default=0)
-            for (name, _), held in zip(layer[0].named_buffers(), buffers):  # one size for a layer's buffers
+            # one size for a layer's buffers: room for each session's open row (rows past a count are not read)
+            capacity = max([_bucket(rows_done(c.pos, c.ratio) + 1) for c in layer if c.ratio], default=0)
+            for (name, _), held in zip(layer[0].named_buffers(), buffers):
                 named[name] = mx.stack([_padded(b, capacity) for b in held])
             self.arrays.append(named)
         for b, session in enumerate(self.members):
@@ -159,8 +159,8 @@ def _bucket(n):
 
 
 def _padded(buffer, capacity):
-    """A buffer's rows array with `capacity` rows (rows past its count are never read)."""
+    """A buffer's rows array with `capacity` rows: its first rows (at least its count), then zeros."""
     zeros = mx.zeros((capacity, buffer.width), buffer.dtype)
     if buffer.rows is None:
         return zeros
-    return mx.slice_update(zeros, buffer.rows, mx.array([0]), axes=(0,))
+    return mx.slice_update(zeros, buffer.rows[:capacity], mx.array([0]), axes=(0,))
