@@ -30,7 +30,40 @@ RING_NAMES = ("raw", "frontier", "index_frontier")
 BUFFER_NAMES = ("rows", "index_rows")
 
 
-class TokenRing:
+class Stored:
+    """A rows array that lives in the object, or in its row of a pool of sessions decoded together
+    (`cache/pool.py`, `home`): there reading it gives the session's slice and writing it writes the slice.
+    Rows that no longer fit the pool (another shape, or None) move back into the object."""
+
+    home = None
+    _own = None
+
+    @property
+    def rows(self):
+        return self._own if self.home is None else self.home.read()
+
+    @rows.setter
+    def rows(self, value):
+        if self.home is not None and self.home.write(value):
+            return
+        self.home, self._own = None, value
+
+    def move_to(self, home):
+        """Live in a pool from now on (it holds the rows already)."""
+        self.home, self._own = home, None
+
+    def move_out(self):
+        """Hold a copy of its rows of the pool again (the pool is going away)."""
+        if self.home is not None:
+            self.home, self._own = None, self.home.copy()
+
+    def held(self):
+        """The rows to keep past the next step (a snapshot): the array itself, or a copy of the pool's slice
+        (holding the slice would hold the pool's array, which the next step could no longer write in place)."""
+        return self._own if self.home is None else self.home.copy()
+
+
+class TokenRing(Stored):
     """One row per position for the last `capacity` positions: position p in slot `ring_slot(p, capacity)`.
     A step longer than the ring keeps only its last `capacity` rows (a step never runs past a lane's
     position, and the session copies a lane as soon as a step ends on it: no lane loses its rows)."""
@@ -86,7 +119,7 @@ class TokenRing:
         return 0 if self.rows is None else self.rows.nbytes
 
 
-class RowBuffer:
+class RowBuffer(Stored):
     """Append-only rows with a live count. Capacity grows by a sixteenth (in steps of `step` rows), so
     appends cost amortised O(rows) and at most ~6% of the bytes are spare."""
 
@@ -173,11 +206,24 @@ class LayerCache:
     def commit(self, written, tokens):
         """Take the arrays a step of `tokens` tokens wrote (by name, `view`'s), and move on that many
         positions."""
-        for name, ring in self.named_rings():
-            ring.rows = written[name]
-        for name, buf in self.named_buffers():
-            buf.rows, buf.count = written[name], rows_done(self.pos + tokens, self.ratio)
+        for name, stored in self.named_rings() + self.named_buffers():
+            stored.rows = written[name]
+        self.moved(tokens)
+
+    def moved(self, tokens):
+        """A step of `tokens` tokens wrote this layer's arrays where they live (`commit`, or a pool's step):
+        move on that many positions."""
+        for buf in self.buffers():
+            buf.count = rows_done(self.pos + tokens, self.ratio)
         self.advance(tokens)
+
+    def storage(self, name):
+        """The ring or buffer of that name."""
+        return dict(self.named_rings() + self.named_buffers())[name]
+
+    def pool(self):
+        """The pool of sessions decoded together that holds this layer's rows (`cache/pool.py`), or None."""
+        return next((x.home.pool for _, x in self.named_rings() + self.named_buffers() if x.home is not None), None)
 
     def advance(self, n):
         self.pos += n
@@ -232,8 +278,12 @@ class LayerCache:
         self.trim(p)
 
     def snapshot(self):
-        """Hold the current arrays: O(1); the live cache copies a buffer on its next write."""
-        return (self.pos, [(r.rows, r.floor) for r in self.rings()], [(b.rows, b.count) for b in self.buffers()])
+        """Hold the current arrays: O(1), the live cache copies a buffer on its next write; in a pool, a copy
+        of the session's rows."""
+        rings, buffers = [(r.held(), r.floor) for r in self.rings()], [(b.held(), b.count) for b in self.buffers()]
+        if self.pool() is not None:  # the copies now: a lazy one would hold the pool's array
+            mx.eval([rows for rows, _ in rings + buffers if rows is not None])
+        return self.pos, rings, buffers
 
     def restore(self, snap):
         self.pos, rings, buffers = snap
