@@ -389,7 +389,8 @@ class DecodeBatch:
         logits = logits[:, 0]
         for b, s in enumerate(self.sessions):
             s.took(tokens[b], logits[b])
-        mx.async_eval(logits, pool.arrays if pool is not None else [c.arrays() for cache in caches for c in cache])
+        evaluate_step(logits, pool.arrays if pool is not None else [c.arrays() for cache in caches for c in cache],
+                      wait=False)
         return logits
 
     def _forward(self, tokens, caches, pool):
