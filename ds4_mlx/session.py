@@ -252,10 +252,14 @@ class Session:
             # a prompt's chunk beside other streams runs in pieces of layers; a verify or a token runs whole
             # (each piece waits for the device: the host could no longer build ahead of it)
             pieces = self.layers_per_turn if rows is None and n > 1 else None
+            # a token of a session whose rows are in a pool: the pool's step of this session (`cache/pool.py`)
+            pool = Pool.of([self.cache]) if n == 1 and getattr(self.model, "takes_pools", False) else None
             try:
                 # the views go with the forward, no name here holds them: a ring only the graph holds is
                 # written in place (MLX copies an array something else holds, every ring every token)
-                run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32), [[c.view(n) for c in self.cache]],
+                run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32),
+                                               [[c.view(n) for c in self.cache]] if pool is None else
+                                               pool.views([self.cache]),
                                                last_only=rows is None, layers_per_step=pieces, taps=taps)
                 while True:
                     try:
@@ -264,10 +268,13 @@ class Session:
                         logits, written = finished.value
                         break
                     yield done  # a piece of the chunk: other work may run before the next
-                for c, arrays in zip(self.cache, written[0]):  # every layer or none
-                    c.commit(arrays, n)
+                if pool is not None:
+                    pool.commit(written, [self.cache])
+                else:
+                    for c, arrays in zip(self.cache, written[0]):  # every layer or none
+                        c.commit(arrays, n)
                 logits = logits[0]
-                evaluate_step(logits, [c.arrays() for c in self.cache])
+                evaluate_step(logits, [c.arrays() for c in self.cache] if pool is None else pool.arrays)
                 if rows is not None:
                     rows.append(logits)
                 logits = logits[-1]

@@ -89,16 +89,17 @@ def test_a_pools_sessions_keep_their_snapshots_files_and_steps_alone(tmp_path):
     assert together[0].cache[0].pool() is pool
     assert same(together[0].step(4), alone[0].step(4))  # a step alone, on its rows of the pool
     assert same(together[0].verify([5, 6])[-1], alone[0].verify([5, 6])[-1])
-    together[0].load(tmp_path / "b.safetensors")  # a file into a pooled session: its rows leave the pool
+    together[0].load(tmp_path / "b.safetensors")  # a file into a pooled session: new caches, out of the pool
     alone[0].load(tmp_path / "b.safetensors")
-    step_both(together, alone, draw(3))
+    step_both(together, alone, draw(3))  # a pool of them is built again
     assert together[0].cache[0].pool() is not pool
+    pool = together[0].cache[0].pool()
     more = draw(20).tolist()
     assert same(together[1].sync(together[1].tokens + more), alone[1].sync(alone[1].tokens + more))  # a prefill
-    # into its rows of the pool
+    assert not together[1].cache[0].in_pool()  # on its own rows
     step_both(together, alone, draw(3))
-    step_both(together[:1], alone[:1], draw(1))  # one of three: out of the pool, as are the others
-    assert [s.cache[0].pool() for s in together] == [None] * 3
+    step_both(together[:1], alone[:1], draw(1))  # one of three: the pool's step of one session
+    assert [s.cache[0].pool() for s in together] == [pool] * 3 and all(s.cache[-1].in_pool() for s in together)
     step_both(together[1:], alone[1:], draw(2))
 
 
@@ -125,3 +126,44 @@ def test_a_long_session_beside_short_ones_is_not_pooled(monkeypatch):
     long.sync(rng.integers(0, 512, 4000).tolist())  # 1,000 compressed rows of the ratio-4 layers
     assert Pool.of([s.cache for s in short]) is not None
     assert Pool.of([s.cache for s in short + [long]]) is None
+
+
+def test_a_pool_is_copied_only_when_built():
+    """Once built, the pool's arrays are written in place: by a batched step, a decoded token of one of its
+    sessions alone, a trim, and a step that brings a session's rows back. A verify copies the verifying
+    session's rows alone (they leave the pool), never the others'. With a long rewind slack the raw rings
+    dominate, so a copy of any pooled array shows in the peak memory."""
+    model = random_model(tiny_args(0), seed=0)
+    rng = np.random.default_rng(3)
+    sessions = [Session(model, rewind_slack=20_000) for _ in range(4)]
+    for s, n in zip(sessions, (30, 41, 52, 63)):
+        s.sync(rng.integers(0, 512, n).tolist())
+
+    def together(group=sessions):
+        step_together(group, mx.array(rng.integers(0, 512, len(group)), mx.int32))
+        for s in group:
+            s.settle()
+
+    def peak_of(step):
+        mx.eval([s.logits for s in sessions])
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        step()
+        mx.eval([s.logits for s in sessions])
+        return mx.get_peak_memory() - base
+
+    together()  # built: the one copy
+    pool = sessions[0].cache[0].pool()
+    ring = max(a.nbytes for layer in pool.arrays for a in layer.values())  # a layer's raw rings, pooled
+    mine = sum(a.nbytes for layer in pool.arrays for a in layer.values()) // len(sessions)  # a session's rows
+    steps = {"batched": together, "alone": lambda: sessions[0].step(7), "alone, async": lambda: together(sessions[:1]),
+             "trimmed": lambda: sessions[2].trim(len(sessions[2].tokens) - 1),
+             "verify": lambda: sessions[1].verify([5, 6, 7]),
+             "trimmed after a verify": lambda: sessions[1].trim(len(sessions[1].tokens) - 2),
+             "alone after a verify": lambda: sessions[1].step(8), "back": together,
+             "three of four": lambda: together(sessions[1:])}
+    for _ in range(2):
+        for name, step in steps.items():
+            allowed = mine + ring / 4 if name == "verify" else ring / 4
+            assert peak_of(step) < allowed, name
+    assert all(s.cache[0].pool() is pool for s in sessions)

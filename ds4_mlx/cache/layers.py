@@ -32,35 +32,46 @@ BUFFER_NAMES = ("rows", "index_rows")
 
 class Stored:
     """A rows array that lives in the object, or in its row of a pool of sessions decoded together
-    (`cache/pool.py`, `home`): there reading it gives the session's slice and writing it writes the slice.
-    Rows that no longer fit the pool (another shape, or None) move back into the object."""
+    (`cache/pool.py`, `home`). In the pool, reading it gives the session's slice; a step of the session
+    alone, or any other write, takes the rows out (a copy of this session's rows alone: the pool is never
+    written from here) and the pool keeps the row for them until the pool's next step brings them back
+    (`Pool.views`)."""
 
-    home = None
+    home = None  # the pool's row kept for these rows, while the session is one of the pool's
+    inside = False  # the rows live in the pool's row (else in `_own`)
     _own = None
 
     @property
     def rows(self):
-        return self._own if self.home is None else self.home.read()
+        return self.home.read() if self.inside else self._own
 
     @rows.setter
     def rows(self, value):
-        if self.home is not None and self.home.write(value):
-            return
-        self.home, self._own = None, value
+        self.inside, self._own = False, value
 
     def move_to(self, home):
         """Live in a pool from now on (it holds the rows already)."""
-        self.home, self._own = home, None
+        self.home, self.inside, self._own = home, True, None
+
+    def leave(self):
+        """Hold a copy of its rows of the pool, the pool keeping their row (a step of this session alone)."""
+        if self.inside:
+            self.inside, self._own = False, self.home.copy()
 
     def move_out(self):
-        """Hold a copy of its rows of the pool again (the pool is going away)."""
-        if self.home is not None:
-            self.home, self._own = None, self.home.copy()
+        """Leave the pool for good (it is going away)."""
+        self.leave()
+        self.home = None
+
+    def enter(self):
+        """The rows to write into the pool's row, which holds them from now on (`Pool.views`)."""
+        rows, self.inside, self._own = self._own, True, None
+        return rows
 
     def held(self):
         """The rows to keep past the next step (a snapshot): the array itself, or a copy of the pool's slice
         (holding the slice would hold the pool's array, which the next step could no longer write in place)."""
-        return self._own if self.home is None else self.home.copy()
+        return self.home.copy() if self.inside else self._own
 
 
 class TokenRing(Stored):
@@ -193,7 +204,8 @@ class LayerCache:
     def view(self, tokens):
         """What a step of `tokens` tokens from `pos` needs: (`Slots`, the arrays it reads and writes by name:
         the rings' rows, and the buffers' with room for the rows the step reads). The model returns the
-        arrays written, for `commit`."""
+        arrays written, for `commit`. A step of this session alone: rows in a pool leave it (`leave_pool`)."""
+        self.leave_pool()
         slots = make_slots(self.pos, tokens, window=self.window, ratio=self.ratio, raw_capacity=self.raw.capacity,
                            frontier_capacity=self.frontier.capacity if self.ratio else 0,
                            index_capacity=self.index_frontier.capacity if self.index_frontier else 0,
@@ -222,8 +234,19 @@ class LayerCache:
         return dict(self.named_rings() + self.named_buffers())[name]
 
     def pool(self):
-        """The pool of sessions decoded together that holds this layer's rows (`cache/pool.py`), or None."""
+        """The pool of sessions decoded together that keeps a row for this layer's rows (`cache/pool.py`), or
+        None."""
         return next((x.home.pool for _, x in self.named_rings() + self.named_buffers() if x.home is not None), None)
+
+    def in_pool(self):
+        """Whether every array of the layer lives in its pool's row."""
+        return all(x.inside for _, x in self.named_rings() + self.named_buffers())
+
+    def leave_pool(self):
+        """Hold copies of this layer's rows of its pool (a step of this session alone, `view`); the pool keeps
+        their row."""
+        for _, x in self.named_rings() + self.named_buffers():
+            x.leave()
 
     def advance(self, n):
         self.pos += n

@@ -3,11 +3,14 @@ array [S, ...] (row r: one session's), so that one decoded token of each session
 attends in launches that do not grow with the sessions (`Attention.attend_batch`).
 
 A `Pool` lasts while the same sessions are decoded together: a step hands the model each layer's
-`BatchSlots` and arrays and commits the arrays written, with no copy. The sessions' `LayerCache`s keep
-working on their slices (`Stored.home`): prefill chunks, trims, checkpoints and snapshots read and write
-the session's rows of the pool. Rows that no longer fit it (a buffer that grew past the pool's, a state
-loaded from a file) move back into the session, and the pool is built again on the next step. Another
-set of sessions gets a new pool; the sessions of the old one take copies of their rows first.
+`BatchSlots` and arrays and commits the arrays written, which MLX writes in place (nothing else holds
+them). The pool's arrays are copied only when the pool is built or a buffer grows:
+- a session's decoded token alone, while its rows are in the pool, is the pool's step of one session;
+- any other step of a session alone (a verify, a prefill chunk, a replay, a token while its rows are out)
+  and any other write (a restored snapshot or checkpoint, a loaded file) takes the session's rows out of the
+  pool: a copy of its rows alone (`LayerCache.leave_pool`). The pool keeps their row, and its next step
+  with the session writes them back there, in place; trims, checkpoints and snapshots only read the row;
+- another set of sessions gets a new pool; the sessions of the old one take copies of their rows first.
 """
 
 import mlx.core as mx
@@ -36,18 +39,11 @@ class Home:
         rows = self.read()
         return mx.take(rows, mx.arange(rows.shape[0]), axis=0)  # a gather: its own buffer, not a view
 
-    def write(self, rows):
-        """Write `rows` into the pool, True; or False when they do not fit it (the pool is then broken: a
-        session's rows live outside it)."""
-        arrays = self.pool.arrays[self.layer]
-        pooled = arrays[self.name]
-        fits = (rows is not None and rows.ndim == 2 and rows.dtype == pooled.dtype and rows.shape[1] == pooled.shape[2]
-                and (rows.shape[0] == pooled.shape[1] if self.ring else rows.shape[0] <= pooled.shape[1]))
-        if not fits:
-            self.pool.broken = True
-            return False
-        arrays[self.name] = mx.slice_update(pooled, rows[None], mx.array([self.b, 0]), axes=(0, 1))
-        return True
+    def fits(self, rows):
+        """Whether rows taken out of the pool (`Stored.leave`) can come back into this row."""
+        pooled = self.pool.arrays[self.layer][self.name]
+        return rows is None or (rows.ndim == 2 and rows.dtype == pooled.dtype and rows.shape[1] == pooled.shape[2]
+                                and (rows.shape[0] == pooled.shape[1] or not self.ring))
 
 
 class Pool:
@@ -58,7 +54,6 @@ class Pool:
         (one copy) and live here from now on."""
         self.members = list(caches)
         self.rows = {id(session): b for b, session in enumerate(self.members)}  # a session's row of the arrays
-        self.broken = False
         self.arrays = []
         for i, layer in enumerate(zip(*self.members)):
             named = {}
@@ -96,38 +91,50 @@ class Pool:
 
     @classmethod
     def of(cls, caches):
-        """The pool to decode these sessions' caches from: the one they all are in while they are at least half
-        of its sessions, else a new one of exactly them (their old pools let them go, each session taking a
-        copy of its rows). None for one session, or sessions whose caches cannot share a pool."""
+        """The pool to decode these sessions' caches from: the one they all are in (`serves`), else a new one of
+        exactly them (their old pools let them go, each session taking a copy of its rows). None for one
+        session not in a pool, or sessions whose caches cannot share one: they step on their own rows."""
         current = caches[0][0].pool()
         if current is not None and current.serves(caches):
             return current
+        if len(caches) == 1 or not cls.fit(caches):
+            return None
         for session in caches:
             for c in session:
                 old = c.pool()
                 if old is not None:
                     old.release()
-        return cls(caches) if len(caches) > 1 and cls.fit(caches) else None
+        return cls(caches)
 
     def serves(self, caches):
-        """Whether the pool decodes these sessions: its rows are theirs, and they are at least half of its
-        sessions (a pool holds the rows of sessions no longer decoded together until it is built again;
-        a session or a few may verify drafts in a turn while the others decode)."""
-        return (not self.broken and bool(self.members) and 2 * len(caches) >= len(self.members)
-                and all(self.members[self.rows.get(id(s), 0)] is s for s in caches))
+        """Whether the pool decodes these sessions: its rows are theirs; one session alone only while its rows
+        are in the pool (else it steps on its own rows, with no copy back), several while they are at least
+        half of its sessions (a pool keeps the rows of sessions no longer decoded together until it is built
+        again; a session or a few may verify drafts in a turn while the others decode) and the rows they took
+        out can come back."""
+        if not self.members or not all(self.members[self.rows.get(id(s), 0)] is s for s in caches):
+            return False
+        if len(caches) == 1:
+            return all(c.in_pool() for c in caches[0])
+        return 2 * len(caches) >= len(self.members) and all(
+            x.inside or x.home.fits(x.rows) for s in caches for c in s for _, x in c.named_rings() + c.named_buffers())
 
     def release(self):
         """Every session of the pool takes a copy of its rows (the pool is going away)."""
         for session in self.members:
             for c in session:
-                if c.pool() is self:
-                    for _, stored in c.named_rings() + c.named_buffers():
+                for _, stored in c.named_rings() + c.named_buffers():
+                    if stored.home is not None and stored.home.pool is self:
                         stored.move_out()
         self.members, self.rows, self.arrays = [], {}, []
 
     def views(self, caches):
-        """Each layer's (`BatchSlots`, arrays by name) for one decoded token of each of these sessions."""
+        """Each layer's (`BatchSlots`, arrays by name) for one decoded token of each of these sessions; rows a
+        session took out come back into its row of the pool first."""
         rows = tuple(self.rows[id(s)] for s in caches)
+        # evaluated before they come back: a lazy copy of the pool's slice would hold the array written in place
+        mx.eval([x.rows for s in caches for c in s if not c.in_pool()
+                 for _, x in c.named_rings() + c.named_buffers() if not x.inside and x.rows is not None])
         return [self._view(i, layer, rows) for i, layer in enumerate(zip(*caches))]
 
     def _view(self, i, layer, rows):
@@ -138,6 +145,9 @@ class Pool:
                 if named[name].shape[1] < need:
                     grown = mx.zeros(named[name].shape[:1] + (need,) + named[name].shape[2:], named[name].dtype)
                     named[name] = mx.slice_update(grown, named[name], mx.array([0]), axes=(0,))
+        for session, b in zip(layer, rows):
+            if not session.in_pool():
+                _come_back(named, session, b)
         slots = make_batch_slots(tuple(x.pos for x in layer), rows, window=c.window, ratio=c.ratio,
                                  raw_capacity=c.raw.capacity,
                                  frontier_capacity=c.frontier.capacity if c.ratio else 0,
@@ -152,6 +162,17 @@ class Pool:
         for session in caches:
             for c in session:
                 c.moved(1)
+
+
+def _come_back(named, layer, b):
+    """A layer's rows that a session took out of the pool back into its row `b` of the pooled arrays `named`
+    (in place: nothing else holds them once the step is built)."""
+    for name, x in layer.named_rings() + layer.named_buffers():
+        if not x.inside:
+            rows = x.enter()
+            if rows is not None:
+                named[name] = mx.slice_update(named[name], rows[None, : named[name].shape[1]], mx.array([b, 0]),
+                                              axes=(0, 1))
 
 
 def _bucket(n):
