@@ -93,18 +93,19 @@ class Pool:
     def of(cls, caches):
         """The pool to decode these sessions' caches from: the one they all are in (`serves`), else a new one of
         exactly them (their old pools let them go, each session taking a copy of its rows). None for one
-        session not in a pool, or sessions whose caches cannot share one: they step on their own rows."""
+        session whose rows are not in a pool (it steps on its own rows and its pool keeps its row), or sessions
+        whose caches cannot share one."""
         current = caches[0][0].pool()
         if current is not None and current.serves(caches):
             return current
-        if len(caches) == 1 or not cls.fit(caches):
+        if len(caches) == 1:
             return None
         for session in caches:
             for c in session:
                 old = c.pool()
                 if old is not None:
                     old.release()
-        return cls(caches)
+        return cls(caches) if cls.fit(caches) else None
 
     def serves(self, caches):
         """Whether the pool decodes these sessions: its rows are theirs; one session alone only while its rows
