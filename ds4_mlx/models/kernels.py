@@ -291,8 +291,8 @@ def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, 
     handed ([B] int32, `decode_attention`), computed here from `pos`. -> [B, nh, hd]"""
     out = []
     for b in range(q.shape[0]):
-        if pool_rows is None and q.shape[0] == 1:  # a session's own step: its ring by a reshape, as an index
-            # would keep a view of it that stops the step from writing it in place (a copy of the ring)
+        if pool_rows is None and q.shape[0] == 1:  # a session's own step: its ring by a reshape (read through
+            # an index, the compiled step copied the whole ring to write it: tests/test_session.py)
             mine = (ring.reshape(ring.shape[1:]), None if rows is None else rows.reshape(rows.shape[1:]), None)
         elif pool_rows is None:  # the tokens' own rows: views, no copy
             mine = (ring[b], None if rows is None else rows[b], None)
