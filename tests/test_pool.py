@@ -160,7 +160,8 @@ def test_a_pool_is_copied_only_when_built():
              "trimmed": lambda: sessions[2].trim(len(sessions[2].tokens) - 1),
              "verify": lambda: sessions[1].verify([5, 6, 7]),
              "trimmed after a verify": lambda: sessions[1].trim(len(sessions[1].tokens) - 2),
-             "alone after a verify": lambda: sessions[1].step(8), "back": together,
+             "alone after a verify": lambda: sessions[1].step(8),
+             "the others meanwhile": lambda: together(sessions[:1] + sessions[2:]), "back": together,
              "three of four": lambda: together(sessions[1:])}
     for _ in range(2):
         for name, step in steps.items():
