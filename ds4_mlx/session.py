@@ -28,6 +28,7 @@ import math
 import mlx.core as mx
 
 from ds4_mlx.cache.layers import LayerCache, lane_every
+from ds4_mlx.cache.pool import Pool
 
 
 class SyncInterrupted(Exception):
@@ -116,7 +117,9 @@ class Session:
         this step while the device finishes the last one. Call `settle()` before using the session again."""
         return step_together([self], token.reshape(1))[0]
 
-    def _stepped(self, token, logits):
+    def took(self, token, logits):
+        """The bookkeeping of a token a batched step gave the layers (`DecodeBatch`): the token, the
+        next-token logits after it, checkpoints."""
         pos = len(self.tokens)
         self.tokens.append(token)
         self.logits = logits
@@ -213,9 +216,9 @@ class Session:
             self.reset()
         return replay
 
-    def _undo_chunk(self, n):
+    def undo_chunk(self, n):
         """A chunk of n tokens failed (an exception or out of memory mid-graph). A step commits every layer
-        or none (`_feed_steps`, `step_together`): if it committed, its arrays may not evaluate, so go back to
+        or none (`_feed_steps`, `DecodeBatch.step`): if it committed, its arrays may not evaluate, so go back to
         `self.tokens` and evaluate what is left; when that cannot be done, start over empty. Either way the
         layers agree with `self.tokens`. (Holding the arrays of before the chunk instead would cost a copy
         of every ring per chunk: MLX could no longer update them in place.)"""
@@ -249,10 +252,14 @@ class Session:
             # a prompt's chunk beside other streams runs in pieces of layers; a verify or a token runs whole
             # (each piece waits for the device: the host could no longer build ahead of it)
             pieces = self.layers_per_turn if rows is None and n > 1 else None
+            # a token of a session whose rows are in a pool: the pool's step of this session (`cache/pool.py`)
+            pool = Pool.of([self.cache]) if n == 1 and getattr(self.model, "takes_pools", False) else None
             try:
                 # the views go with the forward, no name here holds them: a ring only the graph holds is
                 # written in place (MLX copies an array something else holds, every ring every token)
-                run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32), [[c.view(n) for c in self.cache]],
+                run = self.model.forward_steps(mx.array([chunk], dtype=mx.int32),
+                                               [[c.view(n) for c in self.cache]] if pool is None else
+                                               pool.views([self.cache]),
                                                last_only=rows is None, layers_per_step=pieces, taps=taps)
                 while True:
                     try:
@@ -261,15 +268,18 @@ class Session:
                         logits, written = finished.value
                         break
                     yield done  # a piece of the chunk: other work may run before the next
-                for c, arrays in zip(self.cache, written[0]):  # every layer or none
-                    c.commit(arrays, n)
+                if pool is not None:
+                    pool.commit(written, [self.cache])
+                else:
+                    for c, arrays in zip(self.cache, written[0]):  # every layer or none
+                        c.commit(arrays, n)
                 logits = logits[0]
-                evaluate_step(logits, [c.arrays() for c in self.cache])
+                evaluate_step(logits, [c.arrays() for c in self.cache] if pool is None else pool.arrays)
                 if rows is not None:
                     rows.append(logits)
                 logits = logits[-1]
             except BaseException:
-                self._undo_chunk(n)
+                self.undo_chunk(n)
                 raise
             self._fed(chunk, logits, taps)
             done += n
@@ -355,25 +365,61 @@ def _forward_together(sessions, ids, wait=False, **forward_args):
             evaluate_step(logits, [c.arrays() for s in sessions for c in s.cache])
     except BaseException:
         for s in sessions:
-            s._undo_chunk(T)
+            s.undo_chunk(T)
         raise
     return logits
 
 
+class DecodeBatch:
+    """Sessions of one model decoded together, one token each a step, in one forward (`Model.forward` over B
+    sessions) whose cache part reads and writes a pool of their caches (`cache/pool.py`). The pool lasts
+    while the same sessions are decoded together, so a batch may be made for each step."""
+
+    def __init__(self, sessions):
+        if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
+            raise ValueError("step_together takes distinct sessions of one model")
+        self.sessions, self.model = list(sessions), sessions[0].model
+
+    def step(self, tokens):
+        """`Session.step_async` for every session: `tokens` int32 [B], one per session (lazy draws are fine).
+        -> logits [B, vocab], their evaluation started; call each session's `settle()` before using it again."""
+        caches = [s.cache for s in self.sessions]
+        # the pool they decode from (`Pool.of`); None for a session alone, caches that cannot be stacked, or a
+        # model whose forward takes no pool (a stage of a pipeline over several machines)
+        pool = Pool.of(caches) if getattr(self.model, "takes_pools", False) else None
+        try:
+            logits = self._forward(tokens, caches, pool)
+        except BaseException:  # as in `_feed`: every layer of every session back at its last token
+            for s in self.sessions:
+                s.undo_chunk(1)
+            raise
+        logits = logits[:, 0]
+        for b, s in enumerate(self.sessions):
+            s.took(tokens[b], logits[b])
+        evaluate_step(logits, pool.arrays if pool is not None else [c.arrays() for cache in caches for c in cache],
+                      wait=False)
+        return logits
+
+    def _forward(self, tokens, caches, pool):
+        """The forward, and the commit of every layer of every session (or of none). -> logits [B, 1, vocab]
+        (the arrays before the step go with `views`: the step alone holds them, each freed once written)."""
+        views = [[c.view(1) for c in cache] for cache in caches] if pool is None else pool.views(caches)
+        logits, written = self.model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
+        if pool is not None:
+            pool.commit(written, caches)
+            return logits
+        for cache, steps in zip(caches, written):
+            for c, arrays in zip(cache, steps):
+                c.commit(arrays, 1)
+        return logits
+
+
 def step_together(sessions, tokens):
-    """`Session.step_async` for several sessions of one model in one forward (`Model.forward` over B
-    sessions): `tokens` int32 [B], one per session (lazy draws are fine). -> logits [B, vocab], their
-    evaluation started; call each session's `settle()` before using it again."""
-    own = getattr(type(sessions[0]), "step_together", None)  # sessions in lockstep over several machines
+    """`DecodeBatch(sessions).step(tokens)`, or the sessions' own (in lockstep over several machines)."""
+    own = getattr(type(sessions[0]), "step_together", None)
     if own is not None:
         return own(sessions, tokens)
-    if len({id(s) for s in sessions}) < len(sessions) or any(s.model is not sessions[0].model for s in sessions):
-        raise ValueError("step_together takes distinct sessions of one model")
-    logits = _forward_together(sessions, tokens.astype(mx.int32).reshape(-1, 1), last_only=True)[:, 0]
-    for b, s in enumerate(sessions):
-        s._stepped(tokens[b], logits[b])
-    evaluate_step(logits, [c.arrays() for s in sessions for c in s.cache], wait=False)
-    return logits
+    return DecodeBatch(sessions).step(tokens)
 
 
 def verify_together(sessions, id_lists):

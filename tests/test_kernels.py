@@ -71,23 +71,52 @@ def on_cuda(kernel, *args):
     (512, 127, 8191, 4, 2100, 512, mx.float16, mx.bfloat16),  # queries in the bfloat16 compute dtype
 ])
 def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_rows, top_k, dtype, q_dtype):
-    nh, window = 8, 128
+    """Three tokens decoded together from rows 3, 0 and 2 of a pool of four sessions: one at `pos`, one in its
+    first window, one in between; with `top_k`, the first and last pick their rows and the one in its first
+    window reads all."""
+    nh, window, B, S = 8, 128, 3, 4
+    positions = mx.array([pos, 40, pos - 700 if ratio else pos - 3], mx.int32)
+    pool_rows = mx.array([3, 0, 2], mx.int32)
     k = mx.random.split(mx.random.key(hd + pos), 6)
-    q = mx.random.normal((nh, hd), key=k[0]).astype(q_dtype)
-    ring = mx.random.normal((capacity, hd), key=k[1]).astype(dtype)
-    fresh = mx.random.normal((1, hd), key=k[2]).astype(dtype)
-    rows = mx.random.normal((n_rows, hd), key=k[3]).astype(dtype) if ratio else None
-    visible = (pos + 1) // ratio if ratio else 0
-    selected = mx.random.permutation(visible, key=k[4])[:top_k].astype(mx.uint32) if top_k else None  # argpartition's
+    q = mx.random.normal((B, nh, hd), key=k[0]).astype(q_dtype)
+    ring = mx.random.normal((S, capacity, hd), key=k[1]).astype(dtype)
+    fresh = mx.random.normal((B, hd), key=k[2]).astype(dtype)
+    rows = mx.random.normal((S, n_rows, hd), key=k[3]).astype(dtype) if ratio else None
+    visible = (pos - 700 + 1) // ratio if ratio else 0  # the fewest rows a picking token sees
+    selected = (mx.stack([mx.random.permutation(visible, key=key)[:top_k] for key in mx.random.split(k[4], B)])
+                .astype(mx.uint32) if top_k else None)  # argsort's
+    picks = mx.array([True, False, True]) if top_k else None
     sinks = mx.random.normal((nh,), key=k[5])
-    position = mx.array(pos)
-    got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, position, sinks, window, ratio)
+    got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, positions, sinks, window, ratio, None, None,
+                  picks, pool_rows)
     # the reference on the CPU: CUDA's float32 matrix products run on TF32 tensor cores
     with mx.stream(mx.cpu):
-        want = kernels.decode_attention_reference(q, ring, fresh, rows, selected, position, sinks, window, ratio)
-    assert got.shape == (nh, hd) and got.dtype == mx.float32
+        want = kernels.decode_attention_rows_reference(q, ring, fresh, rows, selected, positions, sinks, window, ratio,
+                                                       picks=picks, pool_rows=pool_rows)
+    assert got.shape == (B, nh, hd) and got.dtype == mx.float32
     err = float(mx.abs(got - want).max())
     assert err <= 1e-5 * max(1.0, float(mx.abs(want).max())), f"max |diff| {err:.2e}"
+
+
+def test_decode_attention_rows_are_each_tokens_own():
+    """The batched definition is the one-token definition row by row (what the pool's exactness rests on),
+    a token in its first window included: its rows before position 0 are masked, not read."""
+    nh, hd, window, capacity, n_rows = 4, 32, 8, 12, 6
+    k = mx.random.split(mx.random.key(0), 6)
+    q, ring = mx.random.normal((2, nh, hd), key=k[0]), mx.random.normal((2, capacity, hd), key=k[1])
+    fresh, rows = mx.random.normal((2, hd), key=k[2]), mx.random.normal((2, n_rows, hd), key=k[3])
+    selected, sinks = mx.array([[1, 4, 0], [2, 0, 1]], mx.uint32), mx.random.normal((nh,), key=k[4])
+    positions = mx.array([23, 3], mx.int32)
+    got = kernels.decode_attention_rows_reference(q, ring, fresh, rows, selected, positions, sinks, window, 4,
+                                                  picks=mx.array([True, False]))
+    for b, chosen in ((0, selected[0]), (1, None)):
+        want = kernels.decode_attention_reference(q[b], ring[b], fresh[b : b + 1], rows[b], chosen, positions[b],
+                                                  sinks, window, 4)
+        assert float(mx.abs(got[b] - want).max()) == 0.0
+    junk = ring.at[1, (3 - 7) % capacity :].add(100.0)  # the slots of positions -4 .. -1
+    again = kernels.decode_attention_rows_reference(q, junk, fresh, rows, selected, positions, sinks, window, 4,
+                                                    picks=mx.array([True, False]))
+    assert float(mx.abs(again[1] - got[1]).max()) == 0.0
 
 
 @pytest.mark.parametrize("T,K", [(1, 700), (37, 19)])
@@ -448,10 +477,10 @@ def test_kernels_name_the_dtypes_they_are_launched_at(monkeypatch):
     mix, scale, base, streams, iters, eps = kernels._hc_mix_sample()
     for dtype in (mx.float32, mx.bfloat16):
         kernels._hc_mix_kernel("cuda", mix, scale, base, streams, iters, eps, dtype)
-    q, ring, fresh, rows, selected, pos, sinks, window, ratio = kernels._decode_attention_sample()
+    q, ring, fresh, rows, selected, pos, sinks, window, ratio, *rest = kernels._decode_attention_sample()
     for q_dtype, row_dtype in ((mx.float32, mx.float32), (mx.bfloat16, mx.float32), (mx.float32, mx.float16)):
         kernels._decode_attention_cuda(q.astype(q_dtype), ring.astype(row_dtype), fresh, rows, selected, pos, sinks,
-                                       window, ratio)
+                                       window, ratio, *rest)
     assert seen[0] != seen[1] and len(set(seen[2:])) == 3
 
 

@@ -30,7 +30,51 @@ RING_NAMES = ("raw", "frontier", "index_frontier")
 BUFFER_NAMES = ("rows", "index_rows")
 
 
-class TokenRing:
+class Stored:
+    """A rows array that lives in the object, or in its row of a pool of sessions decoded together
+    (`cache/pool.py`, `home`). In the pool, reading it gives the session's slice; a step of the session
+    alone, or any other write, takes the rows out (a copy of this session's rows alone: the pool is never
+    written from here) and the pool keeps the row for them until the pool's next step brings them back
+    (`Pool.views`)."""
+
+    home = None  # the pool's row kept for these rows, while the session is one of the pool's
+    inside = False  # the rows live in the pool's row (else in `_own`)
+    _own = None
+
+    @property
+    def rows(self):
+        return self.home.read() if self.inside else self._own
+
+    @rows.setter
+    def rows(self, value):
+        self.inside, self._own = False, value
+
+    def move_to(self, home):
+        """Live in a pool from now on (it holds the rows already)."""
+        self.home, self.inside, self._own = home, True, None
+
+    def leave(self):
+        """Hold a copy of its rows of the pool, the pool keeping their row (a step of this session alone)."""
+        if self.inside:
+            self.inside, self._own = False, self.home.copy()
+
+    def move_out(self):
+        """Leave the pool for good (it is going away)."""
+        self.leave()
+        self.home = None
+
+    def enter(self):
+        """The rows to write into the pool's row, which holds them from now on (`Pool.views`)."""
+        rows, self.inside, self._own = self._own, True, None
+        return rows
+
+    def held(self):
+        """The rows to keep past the next step (a snapshot): the array itself, or a copy of the pool's slice
+        (holding the slice would hold the pool's array, which the next step could no longer write in place)."""
+        return self.home.copy() if self.inside else self._own
+
+
+class TokenRing(Stored):
     """One row per position for the last `capacity` positions: position p in slot `ring_slot(p, capacity)`.
     A step longer than the ring keeps only its last `capacity` rows (a step never runs past a lane's
     position, and the session copies a lane as soon as a step ends on it: no lane loses its rows)."""
@@ -86,7 +130,7 @@ class TokenRing:
         return 0 if self.rows is None else self.rows.nbytes
 
 
-class RowBuffer:
+class RowBuffer(Stored):
     """Append-only rows with a live count. Capacity grows by a sixteenth (in steps of `step` rows), so
     appends cost amortised O(rows) and at most ~6% of the bytes are spare."""
 
@@ -160,7 +204,8 @@ class LayerCache:
     def view(self, tokens):
         """What a step of `tokens` tokens from `pos` needs: (`Slots`, the arrays it reads and writes by name:
         the rings' rows, and the buffers' with room for the rows the step reads). The model returns the
-        arrays written, for `commit`."""
+        arrays written, for `commit`. A step of this session alone: rows in a pool leave it (`leave_pool`)."""
+        self.leave_pool()
         slots = make_slots(self.pos, tokens, window=self.window, ratio=self.ratio, raw_capacity=self.raw.capacity,
                            frontier_capacity=self.frontier.capacity if self.ratio else 0,
                            index_capacity=self.index_frontier.capacity if self.index_frontier else 0,
@@ -173,11 +218,35 @@ class LayerCache:
     def commit(self, written, tokens):
         """Take the arrays a step of `tokens` tokens wrote (by name, `view`'s), and move on that many
         positions."""
-        for name, ring in self.named_rings():
-            ring.rows = written[name]
-        for name, buf in self.named_buffers():
-            buf.rows, buf.count = written[name], rows_done(self.pos + tokens, self.ratio)
+        for name, stored in self.named_rings() + self.named_buffers():
+            stored.rows = written[name]
+        self.moved(tokens)
+
+    def moved(self, tokens):
+        """A step of `tokens` tokens wrote this layer's arrays where they live (`commit`, or a pool's step):
+        move on that many positions."""
+        for buf in self.buffers():
+            buf.count = rows_done(self.pos + tokens, self.ratio)
         self.advance(tokens)
+
+    def storage(self, name):
+        """The ring or buffer of that name."""
+        return dict(self.named_rings() + self.named_buffers())[name]
+
+    def pool(self):
+        """The pool of sessions decoded together that keeps a row for this layer's rows (`cache/pool.py`), or
+        None."""
+        return next((x.home.pool for _, x in self.named_rings() + self.named_buffers() if x.home is not None), None)
+
+    def in_pool(self):
+        """Whether every array of the layer lives in its pool's row."""
+        return all(x.inside for _, x in self.named_rings() + self.named_buffers())
+
+    def leave_pool(self):
+        """Hold copies of this layer's rows of its pool (a step of this session alone, `view`); the pool keeps
+        their row."""
+        for _, x in self.named_rings() + self.named_buffers():
+            x.leave()
 
     def advance(self, n):
         self.pos += n
@@ -232,8 +301,12 @@ class LayerCache:
         self.trim(p)
 
     def snapshot(self):
-        """Hold the current arrays: O(1); the live cache copies a buffer on its next write."""
-        return (self.pos, [(r.rows, r.floor) for r in self.rings()], [(b.rows, b.count) for b in self.buffers()])
+        """Hold the current arrays: O(1), the live cache copies a buffer on its next write; in a pool, a copy
+        of the session's rows."""
+        rings, buffers = [(r.held(), r.floor) for r in self.rings()], [(b.held(), b.count) for b in self.buffers()]
+        if self.pool() is not None:  # the copies now: a lazy one would hold the pool's array
+            mx.eval([rows for rows, _ in rings + buffers if rows is not None])
+        return self.pos, rings, buffers
 
     def restore(self, snap):
         self.pos, rings, buffers = snap

@@ -12,8 +12,10 @@ from functools import lru_cache
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
+import numpy as np
 
-from ds4_mlx.cache.geometry import frontier_start, in_block, ring_slot, rows_done, rows_visible, window_reach
+from ds4_mlx.cache.geometry import (frontier_start, in_block, overlaps, ring_slot, rows_done, rows_visible,
+                                    window_reach)
 
 
 class RingSlots(NamedTuple):
@@ -26,7 +28,6 @@ class RingSlots(NamedTuple):
 class Slots(NamedTuple):
     tokens: int  # T, the step's tokens, at positions start .. start + T - 1
     window: int  # the sliding window
-    steady: bool  # one token whose window lies whole in the raw ring (a decoded token past the first window)
     pooled: int  # compressed rows the step completes (0: it only logs compressor rows)
     pool_offset: int  # where the first completed block starts in the compressor's read rows
     selecting: bool  # the indexer picks the compressed rows (more are visible than index_topk)
@@ -61,9 +62,8 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     # the whole window's rows are read even where it starts before position 0 (the attention masks those):
     # one shape for every step of T tokens
     raw = ring_slots(start, tokens, window_reach(window), raw_capacity)
-    steady = tokens == 1 and start >= window_reach(window)
     if not ratio:
-        return Slots(tokens, window, steady, 0, 0, False, 0, positions, None, None, None, raw, None, None)
+        return Slots(tokens, window, 0, 0, False, 0, positions, None, None, None, raw, None, None)
     first, last = rows_done(start, ratio), rows_done(end, ratio)
     lo = frontier_start(start, ratio)
     pool_back = start - lo if last > first else 0  # nothing to pool: only log
@@ -72,6 +72,59 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     visible = [rows_visible(p, ratio) for p in range(start, end)]
     selecting = bool(index_capacity) and visible[-1] > index_topk
     rows = -(-last // row_bucket) * row_bucket
-    return Slots(tokens, window, steady, last - first, first * ratio - lo, selecting, rows, positions,
+    return Slots(tokens, window, last - first, first * ratio - lo, selecting, rows, positions,
                  _ints([in_block(p, ratio) for p in range(start, end)]), _ints(visible), mx.array(first, mx.int32),
                  raw, frontier, index)
+
+
+class BatchSlots(NamedTuple):
+    """B sessions' decoded tokens (one each, any positions) against a layer's pooled arrays ([S, ...], S >= B:
+    row r is one session's rings or compressed rows, `cache/pool.py`). Writes and block reads index the
+    arrays flattened to [S * rows, width]. Every field but `selecting` is an array, so one graph per B and
+    pool serves every mix of positions: each step pools every session's open block and writes the row where
+    it belongs (a block's own row, read only once the block is complete)."""
+    selecting: bool  # some session's indexer picks its rows
+    positions: mx.array  # [B] int32
+    pool_rows: mx.array  # [B] the pool's row of each token's session
+    raw_write: mx.array  # [B] the flattened raw ring's row each token's row goes to
+    window_first: mx.array  # [B] the raw ring's slot of the first of the W - 1 positions before each token
+    in_blocks: Optional[mx.array]  # [B] offsets in their compressed blocks (None without compression)
+    visible: Optional[mx.array]  # [B] compressed rows visible to each token
+    open_row: Optional[mx.array]  # [B] the compressed row each token's block becomes
+    row_write: Optional[mx.array]  # [B] where that row goes in the flattened buffer
+    frontier_write: Optional[mx.array]  # [B] the flattened compressor ring's row each token's row goes to
+    frontier_block: Optional[mx.array]  # [B, m] its rows of each token's block, with overlap [B, 2m] (the
+    # block before it first; positions before 0 read position 0, which weighs nothing)
+    index_write: Optional[mx.array]  # [B] the same for the indexer compressor's ring
+    index_block: Optional[mx.array]  # [B, 2m]
+    picks: Optional[mx.array]  # [B] bool: whose indexer picks its rows (None: all of them, or none)
+
+
+def _block_rows(positions, pool_rows, ratio, capacity):
+    """The flattened ring's rows of each position's block, with overlap the block before it first (clamped
+    at position 0)."""
+    back = ratio if overlaps(ratio) else 0
+    first = positions - positions % ratio
+    slots = np.maximum(first[:, None] + np.arange(-back, ratio)[None, :], 0) % capacity
+    return _ints(pool_rows[:, None] * capacity + slots)
+
+
+@lru_cache(maxsize=16)
+def make_batch_slots(positions, pool_rows, *, window, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
+                     index_topk=0, buffer_rows=0):
+    """The `BatchSlots` of a layer of compression `ratio` for one token of each session at `positions`, whose
+    arrays are rows `pool_rows` of the pool (tuples); `buffer_rows`: the rows of a pooled buffer's row."""
+    p, r = np.array(positions), np.array(pool_rows)
+    raw = (_ints(p), _ints(r), _ints(r * raw_capacity + ring_slot(p, raw_capacity)),
+           _ints(ring_slot(p - window_reach(window), raw_capacity)))
+    if not ratio:
+        return BatchSlots(False, *raw, *([None] * 9))
+    visible = rows_visible(p, ratio)
+    picks = visible > index_topk if index_capacity else np.zeros(len(p), bool)
+    index = ((_ints(r * index_capacity + ring_slot(p, index_capacity)), _block_rows(p, r, ratio, index_capacity))
+             if index_capacity else (None, None))
+    return BatchSlots(bool(picks.any()), *raw, _ints(in_block(p, ratio)), _ints(visible), _ints(rows_done(p, ratio)),
+                      _ints(r * buffer_rows + rows_done(p, ratio)),
+                      _ints(r * frontier_capacity + ring_slot(p, frontier_capacity)),
+                      _block_rows(p, r, ratio, frontier_capacity), *index,
+                      mx.array(picks) if picks.any() and not picks.all() else None)

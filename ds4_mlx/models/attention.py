@@ -5,7 +5,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ds4_mlx.cache.geometry import window_reach
-from ds4_mlx.cache.slots import RingSlots, Slots
+from ds4_mlx.cache.slots import BatchSlots, RingSlots, Slots
 from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
@@ -86,15 +86,54 @@ class Attention(nn.Module):
                                             index_rounding(quant_sim))
                 if slots.selecting:
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
-        if slots.steady:  # one decoded token: the fused kernel reads its window from the ring in place
-            out = decode_attention(rows["q"][0], ring, kv, compressed, None if selected is None else selected[0],
-                                   slots.positions[0], self.sinks, slots.window, self.ratio, slots.raw.read[0],
-                                   slots.visible)
-            return out[None], arrays
+        if slots.tokens == 1:  # a decoded token: the fused kernel reads its window from the ring in place
+            return decode_attention(rows["q"], ring[None], kv, None if compressed is None else compressed[None],
+                                    selected, slots.positions, self.sinks, slots.window, self.ratio,
+                                    slots.raw.read[:1], slots.visible), arrays
         window = mx.concatenate([ring[slots.raw.read], kv])  # the raw rows from start - (W - 1) on
         return self._attend_rows(rows["q"], window, compressed, selected, slots), arrays
 
     _compiled_attend_one = compiled(_attend_one)
+
+    def attend_batch(self, rows, slots: BatchSlots, arrays, quant_sim):
+        """`_attend_one` for one decoded token of each of B sessions, on their pooled arrays ([S, ...], row
+        `slots.pool_rows[b]` token b's session's: `cache/pool.py`) in launches that do not grow with B; each
+        row's numbers are those of the session's own step. -> (outputs [B, nh, hd] with RoPE still on, the
+        arrays written)."""
+        arrays = dict(arrays)
+        ring = arrays["raw"]  # read before the write, as `_attend_one` does
+        kv = rows["kv"].astype(ring.dtype)
+        arrays["raw"] = _write_flat(ring, slots.raw_write, kv)
+        compressed = selected = None
+        if self.kind != SLIDING:
+            compressed = self._compress_each(self.compressor, rows["frontier"], slots, slots.frontier_write,
+                                             slots.frontier_block, arrays, "frontier", "rows",
+                                             lambda r: self._store_kv(r, quant_sim))
+            if self.kind == CSA:
+                index_rows = self._compress_each(self.indexer.compressor, rows["index_frontier"], slots,
+                                                 slots.index_write, slots.index_block, arrays, "index_frontier",
+                                                 "index_rows", index_rounding(quant_sim))
+                if slots.selecting:
+                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows[slots.pool_rows],
+                                              slots.visible[:, None])
+        out = decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
+                               self.args.sliding_window, self.ratio, slots.window_first, slots.visible, slots.picks,
+                               slots.pool_rows)
+        return out, arrays
+
+    _compiled_attend_batch = compiled(attend_batch)
+
+    def _compress_each(self, compressor, fresh, slots: BatchSlots, write, block, arrays, ring, buffer, rounding):
+        """`_compress` for one token of each session: pool every session's open block (rows of positions
+        still to come are junk) and write it as the block's row, which is read only once the block is
+        complete (so no graph depends on which sessions complete one). -> the pooled buffer [S, rows, width]."""
+        arrays[ring], pooled = compressor.step_each(fresh, arrays[ring], write, block, slots.in_blocks,
+                                                    slots.open_row)
+        m = compressor.ratio
+        finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
+        finished = rounding(self.rope(finished, slots.open_row * m))
+        arrays[buffer] = _write_flat(arrays[buffer], slots.row_write, finished)
+        return arrays[buffer]
 
     def _attend_rows(self, q, window, compressed, selected, slots: Slots):
         """Each token's heads q [T, nh, hd] over its window (from `window`: the raw rows of positions
@@ -123,7 +162,7 @@ class Attention(nn.Module):
         if pooled is not None:
             m = compressor.ratio
             finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
-            finished = rounding(self.rope(finished, slots.first_row * m, m))
+            finished = rounding(self.rope(finished, (slots.first_row + counting(slots.pooled)) * m))
             arrays[buffer] = write_rows(arrays[buffer], slots.first_row + counting(slots.pooled), finished)
         return arrays[buffer][: slots.rows]
 
@@ -158,15 +197,23 @@ class Attention(nn.Module):
         return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
 
     def _top_rows(self, qi, w, index_rows, visible):
-        """The index_topk rows of `index_rows` with the highest scores for each query (`_index_query`),
-        rows at or past `visible` [T, 1] excluded."""
+        """The index_topk rows of `index_rows` [C, dim] (or each query's own, [T, C, dim]) with the highest
+        scores for each query (`_index_query`), rows at or past `visible` [T, 1] excluded."""
         idx, args = self.indexer, self.args
         T = qi.shape[0]
-        C = index_rows.shape[0]
+        C = index_rows.shape[-2]
         # ReLU per head, weighted over heads; in tiles of rows so [T, heads, rows] stays ~256 MB
         tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
-        scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[i : i + tile].T, 0))[:, 0]
+        scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[..., i : i + tile, :].swapaxes(-1, -2),
+                                                             0))[:, 0]
                                  for i in range(0, C, tile)], axis=1)  # [T, C]
         scores = mx.where(counting(C)[None, :] < visible, scores, -mx.inf)
-        k = args.index_topk
-        return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]
+        # a stable sort, not a partition: the choice and its order (ties to the lower row) are the same
+        # whatever rows past the visible ones there are, so a session's rows in a pool choose as it does alone
+        return mx.argsort(-scores, axis=-1)[:, : args.index_topk]
+
+
+def _write_flat(rows, at, values):
+    """`rows` [S, n, width] with `values` [B, width] at rows `at` [B] of it flattened to [S * n, width]: one
+    scatter (in place when nothing else holds `rows`)."""
+    return write_rows(rows.reshape(-1, rows.shape[-1]), at, values).reshape(rows.shape)

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ds4_mlx.cache.slots import BatchSlots
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.attention import Attention
 from ds4_mlx.models.compiling import compiled
@@ -41,7 +42,12 @@ class DecoderLayer(nn.Module):
         each session's arrays written). A few rows of a few tokens each (decoded tokens, a verify of drafts)
         run as compiled graphs: one for one session; for several, one for what reads no cache and one for
         each session's cache part (a graph over all of them would be traced anew for every mix of their
-        steps). Longer steps run as plain MLX: a graph is traced for every length, and prompts end anywhere."""
+        steps). Longer steps run as plain MLX: a graph is traced for every length, and prompts end anywhere.
+        `steps` may instead be one (`BatchSlots`, pooled arrays) pair: one token of each session against a
+        pool of their caches (`cache/pool.py`), whose cache part is one compiled graph for all of them. ->
+        (streams, the pooled arrays written)."""
+        if isinstance(steps[0], BatchSlots):
+            return self._pooled_step(streams, ids, positions, *steps, quant_sim)
         if steps[0][0].tokens > COMPILED_TOKENS or streams.shape[0] >= self.few_rows:
             return self._step(streams, ids, positions, steps, quant_sim)
         if len(steps) == 1:
@@ -50,6 +56,13 @@ class DecoderLayer(nn.Module):
                                                 any(s.selecting for s, _ in steps), quant_sim)
         out, written = self.attn.attend(rows, steps, quant_sim, self.attn._compiled_attend_one)
         return self._compiled_leave(out, positions, streams, post, comb, ids), written
+
+    def _pooled_step(self, streams, ids, positions, slots, arrays, quant_sim):
+        few = streams.shape[0] < self.few_rows
+        enter, leave = (self._compiled_enter, self._compiled_leave) if few else (self._enter, self._leave)
+        post, comb, rows = enter(streams, positions, slots.in_blocks, slots.selecting, quant_sim)
+        out, written = self.attn._compiled_attend_batch(rows, slots, arrays, quant_sim)
+        return leave(out, positions, streams, post, comb, ids), written
 
     def _step(self, streams, ids, positions, steps, quant_sim):
         post, comb, rows = self._enter(streams, positions, _in_blocks(steps), any(s.selecting for s, _ in steps),
@@ -83,6 +96,8 @@ def _in_blocks(steps):
 
 
 class Model(nn.Module):
+    takes_pools = True  # `forward` takes a pool's views of B sessions' caches (`cache/pool.py`)
+
     def __init__(self, args: ModelArgs, quant_sim: bool = True, layers: Optional[range] = None):
         """`layers`: hold only this contiguous range of the decoder layers (one stage of a pipeline over
         several machines, `ds4_mlx.distributed`), as `layers.0` on; the embedding comes with the first
@@ -117,7 +132,10 @@ class Model(nn.Module):
 
         `taps`: None, or a dict whose keys name residual streams a drafter reads (speculative decoding):
         a layer index i (the streams leaving layer i) or "final" (leaving the last layer, before the HC
-        head); the forward sets each key to those streams, [B * T, hc, H] float32, for every row."""
+        head); the forward sets each key to those streams, [B * T, hc, H] float32, for every row.
+
+        `views` may instead be a pool's (`cache/pool.py`: each layer's `BatchSlots` and pooled arrays, T = 1):
+        the arrays written are then each layer's pooled arrays, for `Pool.commit`."""
         return run_to_end(self.forward_steps(ids, views, last_only=last_only, taps=taps))
 
     def forward_steps(self, ids, views, *, last_only=False, layers_per_step=None, taps=None):
@@ -126,13 +144,21 @@ class Model(nn.Module):
         as in one piece). Its return value is `forward`'s."""
         B, T = ids.shape
         flat = ids.reshape(-1)
-        positions = mx.concatenate([v[0][0].positions for v in views]) if B > 1 else views[0][0][0].positions
+        pooled = isinstance(views[0][0], BatchSlots)
+        if pooled:
+            positions = views[0][0].positions
+        else:
+            positions = mx.concatenate([v[0][0].positions for v in views]) if B > 1 else views[0][0][0].positions
         streams = self._streams(flat)
-        written = [[] for _ in views]
+        written = [] if pooled else [[] for _ in views]
         for i, layer in enumerate(self.layers):
-            streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
-            for mine, step in zip(written, steps):
-                mine.append(step)
+            if pooled:
+                streams, arrays = layer(streams, flat, positions, views[i], self.quant_sim)
+                written.append(arrays)
+            else:
+                streams, steps = layer(streams, flat, positions, [v[i] for v in views], self.quant_sim)
+                for mine, step in zip(written, steps):
+                    mine.append(step)
             if taps is not None and i in taps:
                 taps[i] = streams
             if layers_per_step and (i + 1) % layers_per_step == 0 and i + 1 < len(self.layers):

@@ -251,52 +251,89 @@ def _softmax_with_sinks(scores, sinks):
 
 # ---------------------------------------------------------------------------------------------
 # Decode attention: one token's heads over its window (read from the ring in place) and its compressed
-# rows, with a sink logit per head. As plain MLX this is a gather, a concatenation, a cast, the mask
-# and SDPA, which at head_dim 512 falls back to ~10 plain ops; fused, one launch. CUDA only for now:
-# Metal runs the plain function until a Mac can test a port.
+# rows, with a sink logit per head; B such tokens (sessions decoded together, `cache/pool.py`) at once.
+# As plain MLX this is a gather, a concatenation, a cast, the mask and SDPA, which at head_dim 512 falls
+# back to ~10 plain ops a token; fused, one launch for all B. CUDA only for now: Metal runs the plain
+# function until a Mac can test a port.
 
 
-def ring_rows(rows, pos, n):
-    """From a ring's rows array, the rows of the `n` positions before `pos` (an int array)."""
-    return rows[ring_slot(pos - n + counting(n), rows.shape[0])]
-
-
-def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio):
+def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, row=None):
     """q [nh, hd]: one token at `pos` (an int array) over its window, the `window - 1` positions before
-    it from `ring` (position p in slot p % capacity) then its own row `fresh` [1, hd], and over
-    compressed rows: rows[selected] where the indexer chose them, else the (pos + 1) // ratio valid
-    rows of `rows` (none for ratio 0); `attend` on those keys, float32. -> [nh, hd] float32"""
+    it from `ring` (position p in slot p % capacity; those before position 0 masked) then its own row
+    `fresh` [1, hd], and over compressed rows: rows[selected] where the indexer chose them, else the
+    (pos + 1) // ratio valid rows of `rows` (none for ratio 0); `attend` on those keys, float32. With `row`
+    (an int array), `ring` and `rows` are a pool's ([S, capacity, hd], [S, n, hd]) and the token's are
+    that row of them (read where needed: a ring's row is not copied whole). -> [nh, hd] float32"""
     f32 = mx.float32
-    keys = [ring_rows(ring, pos, window - 1), fresh]
-    mask = None
+
+    def mine(array, index):
+        return array[index] if row is None else array[row, index]
+
+    keys = [mine(ring, ring_slot(pos - window_reach(window) + counting(window - 1), ring.shape[-2])), fresh]
+    mask = [pos - window_reach(window) + counting(window) >= 0]
     if selected is not None:
-        keys.append(rows[selected])
+        keys.append(mine(rows, selected))
+        mask.append(mx.ones(selected.shape, mx.bool_))
     elif ratio:
-        keys.append(rows)
-        mask = mx.concatenate([mx.ones((window,), mx.bool_), counting(rows.shape[0]) < rows_visible(pos, ratio)])
+        keys.append(rows if row is None else rows[row])
+        mask.append(counting(rows.shape[-2]) < rows_visible(pos, ratio))
     keys = mx.concatenate(keys).astype(f32)
-    return attend(q.astype(f32)[None], keys[None], None if mask is None else mask[None], sinks.astype(f32),
+    return attend(q.astype(f32)[None], keys[None], mx.concatenate(mask)[None], sinks.astype(f32),
                   q.shape[-1] ** -0.5)[0]
 
 
-# One block a head. Each warp runs an online softmax over every NW-th key, its lanes holding dims
-# lane, lane + 32, ... (coalesced row reads); the warps' partial sums merge with the sink at the end.
+def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None,
+                                    visible=None, picks=None, pool_rows=None):
+    """`decode_attention_reference` for each of B tokens: q [B, nh, hd], fresh [B, hd], selected [B, k] or
+    None, pos [B]; token b's ring and compressed rows are row `pool_rows[b]` (default b) of ring [S,
+    capacity, hd] and rows [S, n, hd] (or None); `picks` [B] bool: the tokens that read their `selected`
+    rows (None: all of them), the others read all their valid rows. `first`, `visible`: what the kernel is
+    handed ([B] int32, `decode_attention`), computed here from `pos`. -> [B, nh, hd]"""
+    out = []
+    for b in range(q.shape[0]):
+        if pool_rows is None and q.shape[0] == 1:  # a session's own step: its ring by a reshape (read through
+            # an index, the compiled step copied the whole ring to write it: tests/test_session.py)
+            mine = (ring.reshape(ring.shape[1:]), None if rows is None else rows.reshape(rows.shape[1:]), None)
+        elif pool_rows is None:  # the tokens' own rows: views, no copy
+            mine = (ring[b], None if rows is None else rows[b], None)
+        else:
+            mine = (ring, rows, pool_rows[b])
+
+        def one(chosen):
+            return decode_attention_reference(q[b], mine[0], fresh[b : b + 1], mine[1], chosen, pos[b], sinks,
+                                              window, ratio, row=mine[2])
+        if selected is None:
+            out.append(one(None))
+        elif picks is None:
+            out.append(one(selected[b]))
+        else:
+            out.append(mx.where(picks[b], one(selected[b]), one(None)))
+    return mx.stack(out)
+
+
+# One block a head of one token (grid: heads by tokens). Each warp runs an online softmax over every
+# NW-th key, its lanes holding dims lane, lane + 32, ... (coalesced row reads); the warps' partial sums
+# merge with the sink at the end. Token b's ring and compressed rows are row pool_rows[b] of theirs.
 _ATTEND_CUDA = """
     constexpr int E = HD / 32, NW = GROUP / 32;
-    const int h = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int n_rows = SELECT ? K : visible[0];
+    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const bool pick = SELECT && picks[b];
+    const int n_rows = pick ? K : visible[b];
+    const int before_zero = max(W - 1 - pos[b], 0);  // window rows at positions before 0
+    const size_t head = ((size_t)b * NH + h) * HD, row = pool_rows[b];
     const float scale = rsqrtf((float)HD);
     float qv[E], acc[E];
-    for (int e = 0; e < E; ++e) { qv[e] = static_cast<float>(q[h * HD + e * 32 + lane]) * scale; acc[e] = 0.0f; }
+    for (int e = 0; e < E; ++e) { qv[e] = static_cast<float>(q[head + e * 32 + lane]) * scale; acc[e] = 0.0f; }
     float m = -__int_as_float(0x7f800000), l = 0.0f;  // -infinity
     for (int j = warp; j < W + n_rows; j += NW) {
+        if (j < before_zero) continue;
         decltype(ring) key;
         if (j < W - 1) {  // the window's rows from its first slot on, wrapping once (W - 1 <= CAP)
-            const int slot = first[0] + j;
-            key = ring + (slot < CAP ? slot : slot - CAP) * HD;
+            const int slot = first[b] + j;
+            key = ring + (row * CAP + (slot < CAP ? slot : slot - CAP)) * HD;
         }
-        else if (j == W - 1) key = fresh;
-        else key = rows + (SELECT ? selected[j - W] : j - W) * HD;
+        else if (j == W - 1) key = fresh + (size_t)b * HD;
+        else key = rows + (row * R + (pick ? selected[(size_t)b * K + j - W] : j - W)) * HD;
         float k[E], s = 0.0f;
         for (int e = 0; e < E; ++e) { k[e] = static_cast<float>(key[e * 32 + lane]); s += qv[e] * k[e]; }
         for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
@@ -316,7 +353,7 @@ _ATTEND_CUDA = """
     for (int d = tid; d < HD; d += GROUP) {
         float o = 0.0f;
         for (int w = 0; w < NW; ++w) o += part_acc[w * HD + d] * expf(part_m[w] - top);
-        out[h * HD + d] = o / total;
+        out[head + d] = o / total;
     }
 """
 _ATTEND_GROUP = 512
@@ -325,49 +362,63 @@ _ATTEND_GROUP = 512
 @lru_cache(maxsize=None)
 def _attend_kernel():
     return mx.fast.cuda_kernel(name="ds4_decode_attention",
-                               input_names=["q", "ring", "fresh", "rows", "selected", "first", "visible", "sinks"],
+                               input_names=["q", "ring", "fresh", "rows", "selected", "picks", "pool_rows", "first",
+                                            "visible", "pos", "sinks"],
                                output_names=["out"], source=_ATTEND_CUDA)
 
 
-def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None):
-    """`decode_attention_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
-    warps' partial sums fill 32 KB of shared memory at 512). `first`, `visible`: the ring slot of the
-    window's first row and the visible compressed rows ([1] int32, from the cache's `Slots`), else
+def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None, picks=None,
+                     pool_rows=None):
+    """`decode_attention_rows_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
+    warps' partial sums fill 32 KB of shared memory at 512). `first`, `visible`: the ring slot of each
+    window's first row and each token's visible compressed rows ([B] int32, from the cache's slots), else
     computed from `pos`."""
-    nh, hd = q.shape
+    hd = q.shape[-1]
     kind = DECODE_ATTENTION.backend()
     if kind is None or hd % 32 or hd > 512:
-        return decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio)
-    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, first, visible)
+        return decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio,
+                                               picks=picks, pool_rows=pool_rows)
+    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, first, visible,
+                                           picks, pool_rows)
 
 
 def _decode_attention_sample():
+    """Two tokens of a pool of three sessions: one past its first window that picks its rows, one in its
+    first window that reads all."""
     nh, hd, capacity, n_rows = 4, 64, 16, 8
-    return (_random(nh, hd), _random(capacity, hd), _random(1, hd), _random(n_rows, hd), None,
-            mx.array(21, mx.int32), _random(nh), 8, 4)
+    return (_random(2, nh, hd), _random(3, capacity, hd), _random(2, hd), _random(3, n_rows, hd),
+            mx.array([[0, 3, 5], [1, 2, 0]], mx.uint32), mx.array([21, 5], mx.int32), _random(nh), 8, 4, None, None,
+            mx.array([True, False]), mx.array([2, 0], mx.int32))
 
 
-def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None):
-    nh, hd = q.shape
-    f32 = mx.float32
+def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None,
+                           picks=None, pool_rows=None):
+    B, nh, hd = q.shape
+    i32 = mx.int32
     if first is None:
-        first = ring_slot(pos - window_reach(window), ring.shape[0])
+        first = ring_slot(pos - window_reach(window), ring.shape[1])
     if visible is None:
         visible = rows_visible(pos, ratio) if ratio else mx.zeros_like(pos)
-    first, visible = first.astype(mx.int32).reshape(()), visible.astype(mx.int32).reshape(())
+    first, visible = first.astype(i32).reshape(B), visible.astype(i32).reshape(B)
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
+    if picks is None:
+        picks = mx.ones((B,), i32)
+    if pool_rows is None:
+        pool_rows = counting(B)
     inputs = [q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
-              first[None] if selected is None else selected, first, visible, sinks.astype(f32)]
+              first if selected is None else selected, picks.astype(i32), pool_rows.astype(i32), first, visible,
+              pos.astype(i32).reshape(B), sinks.astype(mx.float32)]
     return _attend_kernel()(
         inputs=inputs,
-        template=[("HD", hd), ("W", window), ("CAP", ring.shape[0]), ("SELECT", selected is not None),
-                  ("K", 0 if selected is None else selected.shape[0]), ("GROUP", _ATTEND_GROUP), *_dtype_keys(inputs)],
-        grid=(nh * _ATTEND_GROUP, 1, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
-        output_shapes=[(nh, hd)], output_dtypes=[f32])[0]
+        template=[("HD", hd), ("NH", nh), ("W", window), ("CAP", ring.shape[1]), ("R", rows.shape[1]),
+                  ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[1]),
+                  ("GROUP", _ATTEND_GROUP), *_dtype_keys(inputs)],
+        grid=(nh * _ATTEND_GROUP, B, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
+        output_shapes=[(B, nh, hd)], output_dtypes=[mx.float32])[0]
 
 
-DECODE_ATTENTION = Kernel("decode_attention", decode_attention_reference, _decode_attention_sample, 1e-4)
+DECODE_ATTENTION = Kernel("decode_attention", decode_attention_rows_reference, _decode_attention_sample, 1e-4)
 DECODE_ATTENTION.launches["cuda"] = _decode_attention_cuda
 
 
