@@ -12,7 +12,7 @@ from ds4_mlx.cache.pool import Pool
 from ds4_mlx.models.attention import Attention
 from ds4_mlx.session import Session, step_together
 from ds4_mlx.tools.random_model import random_model
-from ds4_mlx.tools.testing import real_geometry_args, tiny_args
+from ds4_mlx.tools.testing import peak_memory_of, real_geometry_args, tiny_args
 
 
 def same(a, b):
@@ -144,14 +144,6 @@ def test_a_pool_is_copied_only_when_built():
         for s in group:
             s.settle()
 
-    def peak_of(step):
-        mx.eval([s.logits for s in sessions])
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        step()
-        mx.eval([s.logits for s in sessions])
-        return mx.get_peak_memory() - base
-
     together()  # built: the one copy
     pool = sessions[0].cache[0].pool()
     ring = max(a.nbytes for layer in pool.arrays for a in layer.values())  # a layer's raw rings, pooled
@@ -166,5 +158,5 @@ def test_a_pool_is_copied_only_when_built():
     for _ in range(2):
         for name, step in steps.items():
             allowed = mine + ring / 4 if name == "verify" else ring / 4
-            assert peak_of(step) < allowed, name
+            assert peak_memory_of(step, sessions) < allowed, name
     assert all(s.cache[0].pool() is pool for s in sessions)

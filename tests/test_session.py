@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ds4_mlx.cache.layers import make_caches
 from ds4_mlx.session import Session, SyncInterrupted
 from ds4_mlx.tools.random_model import random_model
-from ds4_mlx.tools.testing import cold_logits, tiny_args
+from ds4_mlx.tools.testing import cold_logits, peak_memory_of, tiny_args
 
 SEEDS = [0, 3, 5]
 _models = {}
@@ -351,21 +351,13 @@ def test_decoded_tokens_write_the_rings_in_place():
     sessions[1].sync(list(range(2, 35)))
     ring = sessions[0].cache[0].raw.rows.nbytes
 
-    def peak_of(step):
-        mx.eval([s.logits for s in sessions])
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        step()
-        mx.eval([s.logits for s in sessions])
-        return mx.get_peak_memory() - base
-
     def together():
         step_together(sessions, mx.array([3, 4], mx.int32))
         for s in sessions:
             s.settle()
 
-    assert peak_of(lambda: sessions[0].step(5)) < ring / 4
+    assert peak_memory_of(lambda: sessions[0].step(5), sessions) < ring / 4
     together()  # the sessions' pool (`cache/pool.py`) is built: their rows are copied once
     for _ in range(2):
-        assert peak_of(together) < ring / 4
-        assert peak_of(lambda: sessions[0].step(5)) < ring / 4  # the pool's step of one of its sessions
+        assert peak_memory_of(together, sessions) < ring / 4
+        assert peak_memory_of(lambda: sessions[0].step(5), sessions) < ring / 4  # the pool's step of one of its sessions

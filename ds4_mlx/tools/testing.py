@@ -451,6 +451,19 @@ def wait_healthy(url, process=None, timeout_s=180):
     raise AssertionError(f"the server at {url} did not become healthy: {output}")
 
 
+def peak_memory_of(step, sessions):
+    """Bytes above what was held before that `step()` held at its peak, the sessions' logits evaluated
+    before and after (so that a copy of a cache array shows)."""
+    import mlx.core as mx
+
+    mx.eval([s.logits for s in sessions])
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    step()
+    mx.eval([s.logits for s in sessions])
+    return mx.get_peak_memory() - base
+
+
 def cold_logits(model, tokens, max_chunk=61):
     """The logits of `tokens` prefilled into an empty session: what every rewind must give again."""
     from ds4_mlx.session import Session
