@@ -3,6 +3,8 @@ session's own step bit for bit, at the real model's cache geometry (window 128, 
 through what the sessions do beside the batched steps (trims and replays, snapshots, files, another set
 of sessions decoded together)."""
 
+import gc
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -168,3 +170,40 @@ def test_a_pool_is_copied_only_when_built():
             allowed = mine + ring / 4 if name == "verify" else ring / 4
             assert peak_of(step) < allowed, name
     assert all(s.cache[0].pool() is pool for s in sessions)
+
+
+def _pooled(n, seed, **options):
+    """n sessions of the tiny model with long raw rings (a copy of a session's rows shows in the memory),
+    synced and decoded together twice: their rows live in a pool."""
+    model = random_model(tiny_args(0), seed=0)
+    rng = np.random.default_rng(seed)
+    sessions = [Session(model, rewind_slack=20_000, **options) for _ in range(n)]
+    for s in sessions:
+        s.sync(rng.integers(0, 512, 30).tolist())
+    for _ in range(2):
+        _together(sessions, rng)
+    assert all(s.cache[0].pool() is sessions[0].cache[0].pool() is not None for s in sessions)
+    return sessions, rng
+
+
+def _together(group, rng):
+    step_together(group, mx.array(rng.integers(0, 512, len(group)), mx.int32))
+    for s in group:
+        s.settle()
+
+
+def _active(sessions):
+    gc.collect()
+    mx.eval([s.logits for s in sessions])
+    return mx.get_active_memory()
+
+
+def test_a_reset_session_frees_its_rows_of_the_pool():
+    """A server empties an idle session to stay within its memory budget (`Session.reset`, a load, a rewind
+    to the start) while the others go on decoding: its rows are freed, not kept in the pool."""
+    sessions, rng = _pooled(3, 4)
+    held, before = sessions[2].nbytes, _active(sessions)
+    sessions[2].reset()
+    _together(sessions[:2], rng)
+    assert before - _active(sessions) > 0.9 * held
+

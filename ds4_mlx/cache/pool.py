@@ -129,6 +129,15 @@ class Pool:
                         stored.move_out()
         self.members, self.rows, self.arrays = [], {}, []
 
+    def drop(self, caches):
+        """A session lets these caches go (`Session.reset`): the pool goes away, so that their rows are freed
+        now rather than when the others next decode apart; the others take copies of their rows."""
+        self.members = [s for s in self.members if s is not caches]  # their rows are copied for no one
+        others = [c for s in self.members for c in s]
+        self.release()
+        # started now: the lazy copies would hold the pool's arrays until the others' next step
+        mx.async_eval([x.rows for c in others for _, x in c.named_rings() + c.named_buffers() if x.rows is not None])
+
     def views(self, caches):
         """Each layer's (`BatchSlots`, arrays by name) for one decoded token of each of these sessions; rows a
         session took out come back into its row of the pool first."""
