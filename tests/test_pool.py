@@ -207,3 +207,13 @@ def test_a_reset_session_frees_its_rows_of_the_pool():
     _together(sessions[:2], rng)
     assert before - _active(sessions) > 0.9 * held
 
+
+def test_a_sessions_bytes_count_the_row_the_pool_keeps_while_its_rows_are_out():
+    """A verify takes a session's rows out of the pool (a copy) and the pool keeps their row: the server's
+    memory budget sums `Session.nbytes`, which must count both."""
+    sessions, rng = _pooled(3, 5)
+    counted, before = sum(s.nbytes for s in sessions), _active(sessions)
+    sessions[1].verify([5, 6, 7])
+    assert not sessions[1].cache[0].in_pool()
+    assert sum(s.nbytes for s in sessions) - counted > 0.9 * (_active(sessions) - before)
+
