@@ -217,3 +217,22 @@ def test_a_sessions_bytes_count_the_row_the_pool_keeps_while_its_rows_are_out():
     assert not sessions[1].cache[0].in_pool()
     assert sum(s.nbytes for s in sessions) - counted > 0.9 * (_active(sessions) - before)
 
+
+def test_a_pooled_session_grown_long_does_not_pad_the_others(monkeypatch):
+    """A session of a pool that prefills a long prompt on its own rows, then decodes beside the short ones,
+    would grow every session's row of the pool's buffers to its length: it decodes alone (`Pool.fit`)."""
+    monkeypatch.setattr(pool_module, "PADDING_ROWS", 256)
+    model = random_model(tiny_args(0), seed=0)
+    rng = np.random.default_rng(6)
+    sessions = [Session(model) for _ in range(4)]
+    for s in sessions:
+        s.sync(rng.integers(0, 512, 10).tolist())
+    _together(sessions, rng)
+
+    def rows():
+        return [c.rows.rows.shape[0] for c in sessions[0].cache if c.ratio]
+
+    short = rows()
+    sessions[3].sync(sessions[3].tokens + rng.integers(0, 512, 4000).tolist())  # 1,000 rows of the ratio-4 layers
+    _together(sessions, rng)
+    assert rows() == short
