@@ -398,10 +398,12 @@ class DecodeBatch:
                 s.undo_chunk(1)
             raise
         logits = logits[:, 0]
-        for b, s in enumerate(self.sessions):
-            s.took(tokens[b], logits[b])
+        # started before the checkpoints `took` takes: one evaluated first would write a ring (the whole pool's)
+        # before its reads on the logits' path, so a copy
         evaluate_step(logits, pool.arrays if pool is not None else [c.arrays() for cache in caches for c in cache],
                       wait=False)
+        for b, s in enumerate(self.sessions):
+            s.took(tokens[b], logits[b])
         return logits
 
     def _forward(self, tokens, caches, pool):

@@ -236,3 +236,20 @@ def test_a_pooled_session_grown_long_does_not_pad_the_others(monkeypatch):
     sessions[3].sync(sessions[3].tokens + rng.integers(0, 512, 4000).tolist())  # 1,000 rows of the ratio-4 layers
     _together(sessions, rng)
     assert rows() == short
+
+
+def test_a_batched_step_that_takes_a_checkpoint_copies_no_pooled_array():
+    """A session of the batch reaching a checkpoint position copies a few rows of its rings; taken before
+    the step's evaluation was started, the copy would write the pool's rings before their reads, a copy
+    of each."""
+    sessions, rng = _pooled(4, 7, max_chunk=16, checkpoint_every=16)
+    pool = sessions[0].cache[0].pool()
+    ring = max(a.nbytes for layer in pool.arrays for a in layer.values())
+    for _ in range(16):  # a checkpoint of each session on the way
+        mx.eval([s.logits for s in sessions])
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        _together(sessions, rng)
+        mx.eval([s.logits for s in sessions])
+        assert mx.get_peak_memory() - base < ring / 2
+    assert all(s.cache[0].pool() is pool and len(s.checkpoints) for s in sessions)
