@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ds4_mlx.cache import pool as pool_module
+from ds4_mlx.cache.layers import RowBuffer
 from ds4_mlx.cache.pool import Pool
 from ds4_mlx.models.attention import Attention
 from ds4_mlx.session import Session, step_together
@@ -237,6 +238,22 @@ def test_a_pooled_session_grown_long_does_not_pad_the_others(monkeypatch):
     _together(sessions, rng)
     assert rows() == short
 
+
+def test_a_session_decoding_on_beside_idle_ones_does_not_pad_theirs(monkeypatch):
+    """The others of its pool finished their turns: one session decoding on alone, from its row of the pool,
+    would grow every session's row of the pool's buffers to its length."""
+    monkeypatch.setattr(RowBuffer, "step", 16)  # compressed rows in buckets of 16: a short run outgrows them
+    monkeypatch.setattr(pool_module, "PADDING_ROWS", 0)
+    model = random_model(tiny_args(0), seed=0)
+    rng = np.random.default_rng(8)
+    sessions = [Session(model) for _ in range(3)]
+    for s, n in zip(sessions, (1, 1, 200)):
+        s.sync(rng.integers(0, 512, n).tolist())
+    _together(sessions, rng)
+    short = [c.rows.rows.shape[0] for c in sessions[0].cache if c.ratio]
+    for _ in range(64):  # one bucket more of the ratio-4 layers' rows
+        _together(sessions[2:], rng)
+    assert [c.rows.rows.shape[0] for c in sessions[0].cache if c.ratio] == short
 
 def test_a_batched_step_that_takes_a_checkpoint_copies_no_pooled_array():
     """A session of the batch reaching a checkpoint position copies a few rows of its rings; taken before

@@ -112,15 +112,22 @@ class Pool:
         are in the pool (else it steps on its own rows, with no copy back), several while they are at least
         half of its sessions (a pool keeps the rows of sessions no longer decoded together until it is built
         again; a session or a few may verify drafts in a turn while the others decode) and the rows they took
-        out can come back, still close enough in length to share it (`fit`: a session out of the pool may
-        have prefilled a long prompt since)."""
+        out can come back. A step that grows the pool's buffers grows every session's row of them: only while
+        the sessions' lengths stay close (`fit`; one may have prefilled a long prompt on its own rows, or
+        decoded on long beside idle ones)."""
         if not self.members or not all(self.members[self.rows.get(id(s), 0)] is s for s in caches):
+            return False
+        if self._grows(caches) and not self.fit(self.members):
             return False
         if len(caches) == 1:
             return all(c.in_pool() for c in caches[0])
-        out = [x for s in caches for c in s for _, x in c.named_rings() + c.named_buffers() if not x.inside]
-        return 2 * len(caches) >= len(self.members) and all(x.home.fits(x.rows) for x in out) and (
-            not out or self.fit(caches))
+        return 2 * len(caches) >= len(self.members) and all(
+            x.inside or x.home.fits(x.rows) for s in caches for c in s for _, x in c.named_rings() + c.named_buffers())
+
+    def _grows(self, caches):
+        """Whether a step of these sessions needs more rows than the pool's buffers have (`_view`)."""
+        return any(_bucket(rows_done(c.pos, c.ratio) + 1) > named["rows"].shape[1]
+                   for session in caches for c, named in zip(session, self.arrays) if c.ratio)
 
     def release(self):
         """Every session of the pool takes a copy of its rows (the pool is going away)."""
