@@ -168,7 +168,7 @@ def test_a_pool_is_copied_only_when_built():
              "three of four": lambda: together(sessions[1:])}
     for _ in range(2):
         for name, step in steps.items():
-            allowed = mine + ring / 4 if name == "verify" else ring / 4
+            allowed = mine + ring / 8 if name == "verify" else ring / 4  # a verify: a copy of its rows alone
             assert peak_of(step) < allowed, name
     assert all(s.cache[0].pool() is pool for s in sessions)
 
@@ -256,9 +256,9 @@ def test_a_session_decoding_on_beside_idle_ones_does_not_pad_theirs(monkeypatch)
     assert [c.rows.rows.shape[0] for c in sessions[0].cache if c.ratio] == short
 
 def test_a_batched_step_that_takes_a_checkpoint_copies_no_pooled_array():
-    """A session of the batch reaching a checkpoint position copies a few rows of its rings; taken before
+    """A session of the batch reaching a checkpoint position copies a few rows of its rings: taken before
     the step's evaluation was started, the copy would write the pool's rings before their reads, a copy
-    of each."""
+    of each; gathered from the session's slice of the pool, a copy of its rings."""
     sessions, rng = _pooled(4, 7, max_chunk=16, checkpoint_every=16)
     pool = sessions[0].cache[0].pool()
     ring = max(a.nbytes for layer in pool.arrays for a in layer.values())
@@ -268,5 +268,5 @@ def test_a_batched_step_that_takes_a_checkpoint_copies_no_pooled_array():
         base = mx.get_active_memory()
         _together(sessions, rng)
         mx.eval([s.logits for s in sessions])
-        assert mx.get_peak_memory() - base < ring / 2
+        assert mx.get_peak_memory() - base < ring / 8  # not even a copy of one session's ring
     assert all(s.cache[0].pool() is pool and len(s.checkpoints) for s in sessions)

@@ -115,7 +115,8 @@ class TokenRing(Stored):
     def gather(self, positions):
         """Rows at the given positions (an int array of any shape; negative positions give junk rows
         that the caller masks)."""
-        return self.rows[ring_slot(positions, self.capacity)]
+        slots = ring_slot(positions, self.capacity)
+        return self.home.gather(slots) if self.inside else self.rows[slots]
 
     def read(self, start, stop):
         """Rows of positions [start, stop), in order (the caller checked they are held)."""

@@ -35,9 +35,14 @@ class Home:
     def read(self):
         return self.pool.arrays[self.layer][self.name][self.b]
 
+    def gather(self, index):
+        """Its rows at `index` (an int array), gathered from the pool's array flattened: a gather from the
+        row's slice (`read`) would copy the whole slice first."""
+        pooled = self.pool.arrays[self.layer][self.name]
+        return pooled.reshape(-1, pooled.shape[-1])[self.b * pooled.shape[1] + index]
+
     def copy(self):
-        rows = self.read()
-        return mx.take(rows, mx.arange(rows.shape[0]), axis=0)  # a gather: its own buffer, not a view
+        return self.gather(mx.arange(self.pool.arrays[self.layer][self.name].shape[1]))  # its own buffer
 
     def fits(self, rows):
         """Whether rows taken out of the pool (`Stored.leave`) can come back into this row."""
