@@ -63,8 +63,12 @@ class Session:
         self.reset()
 
     def reset(self):
+        old = getattr(self, "cache", None)
         self.cache: list[LayerCache] = self.model.make_cache(
             history=self.rewind_slack, frontier_history=self.frontier_horizon)
+        pool = old[0].pool() if old else None
+        if pool is not None:  # else the pool would keep the old caches' rows, which no session counts
+            pool.drop(old)
         ratios = lane_every(self.cache)  # a position whose compressor state is a lane
         self.lane_every = math.lcm(ratios, self.max_chunk) if ratios else None  # and on the chunk grid
         self.tokens: list[int] = []
@@ -394,10 +398,12 @@ class DecodeBatch:
                 s.undo_chunk(1)
             raise
         logits = logits[:, 0]
-        for b, s in enumerate(self.sessions):
-            s.took(tokens[b], logits[b])
+        # started before the checkpoints `took` takes: one evaluated first would write a ring (the whole pool's)
+        # before its reads on the logits' path, so a copy
         evaluate_step(logits, pool.arrays if pool is not None else [c.arrays() for cache in caches for c in cache],
                       wait=False)
+        for b, s in enumerate(self.sessions):
+            s.took(tokens[b], logits[b])
         return logits
 
     def _forward(self, tokens, caches, pool):

@@ -73,6 +73,12 @@ class Stored:
         (holding the slice would hold the pool's array, which the next step could no longer write in place)."""
         return self.home.copy() if self.inside else self._own
 
+    @property
+    def nbytes(self):
+        """The bytes of its rows, and of the pool's row kept for them while they are out of it."""
+        kept = self.home.read().nbytes if self.home is not None and not self.inside else 0
+        return kept + (0 if self.rows is None else self.rows.nbytes)
+
 
 class TokenRing(Stored):
     """One row per position for the last `capacity` positions: position p in slot `ring_slot(p, capacity)`.
@@ -109,7 +115,8 @@ class TokenRing(Stored):
     def gather(self, positions):
         """Rows at the given positions (an int array of any shape; negative positions give junk rows
         that the caller masks)."""
-        return self.rows[ring_slot(positions, self.capacity)]
+        slots = ring_slot(positions, self.capacity)
+        return self.home.gather(slots) if self.inside else self.rows[slots]
 
     def read(self, start, stop):
         """Rows of positions [start, stop), in order (the caller checked they are held)."""
@@ -124,10 +131,6 @@ class TokenRing(Stored):
     def passed(self, pos):
         """The ring has been written up to `pos`: rows older than one capacity are gone."""
         self.floor = max(self.floor, pos - self.capacity)
-
-    @property
-    def nbytes(self):
-        return 0 if self.rows is None else self.rows.nbytes
 
 
 class RowBuffer(Stored):
@@ -155,10 +158,6 @@ class RowBuffer(Stored):
 
     def set(self, rows):
         self.rows, self.count = (rows.astype(self.dtype), rows.shape[0]) if rows.shape[0] else (None, 0)
-
-    @property
-    def nbytes(self):
-        return 0 if self.rows is None else self.rows.nbytes
 
 
 class LayerCache:

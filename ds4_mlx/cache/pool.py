@@ -35,9 +35,14 @@ class Home:
     def read(self):
         return self.pool.arrays[self.layer][self.name][self.b]
 
+    def gather(self, index):
+        """Its rows at `index` (an int array), gathered from the pool's array flattened: a gather from the
+        row's slice (`read`) would copy the whole slice first."""
+        pooled = self.pool.arrays[self.layer][self.name]
+        return pooled.reshape(-1, pooled.shape[-1])[self.b * pooled.shape[1] + index]
+
     def copy(self):
-        rows = self.read()
-        return mx.take(rows, mx.arange(rows.shape[0]), axis=0)  # a gather: its own buffer, not a view
+        return self.gather(mx.arange(self.pool.arrays[self.layer][self.name].shape[1]))  # its own buffer
 
     def fits(self, rows):
         """Whether rows taken out of the pool (`Stored.leave`) can come back into this row."""
@@ -112,13 +117,22 @@ class Pool:
         are in the pool (else it steps on its own rows, with no copy back), several while they are at least
         half of its sessions (a pool keeps the rows of sessions no longer decoded together until it is built
         again; a session or a few may verify drafts in a turn while the others decode) and the rows they took
-        out can come back."""
+        out can come back. A step that grows the pool's buffers grows every session's row of them: only while
+        the sessions' lengths stay close (`fit`; one may have prefilled a long prompt on its own rows, or
+        decoded on long beside idle ones)."""
         if not self.members or not all(self.members[self.rows.get(id(s), 0)] is s for s in caches):
+            return False
+        if self._grows(caches) and not self.fit(self.members):
             return False
         if len(caches) == 1:
             return all(c.in_pool() for c in caches[0])
         return 2 * len(caches) >= len(self.members) and all(
             x.inside or x.home.fits(x.rows) for s in caches for c in s for _, x in c.named_rings() + c.named_buffers())
+
+    def _grows(self, caches):
+        """Whether a step of these sessions needs more rows than the pool's buffers have (`_view`)."""
+        return any(_bucket(rows_done(c.pos, c.ratio) + 1) > named["rows"].shape[1]
+                   for session in caches for c, named in zip(session, self.arrays) if c.ratio)
 
     def release(self):
         """Every session of the pool takes a copy of its rows (the pool is going away)."""
@@ -128,6 +142,15 @@ class Pool:
                     if stored.home is not None and stored.home.pool is self:
                         stored.move_out()
         self.members, self.rows, self.arrays = [], {}, []
+
+    def drop(self, caches):
+        """A session lets these caches go (`Session.reset`): the pool goes away, so that their rows are freed
+        now rather than when the others next decode apart; the others take copies of their rows."""
+        self.members = [s for s in self.members if s is not caches]  # their rows are copied for no one
+        others = [c for s in self.members for c in s]
+        self.release()
+        # started now: the lazy copies would hold the pool's arrays until the others' next step
+        mx.async_eval([x.rows for c in others for _, x in c.named_rings() + c.named_buffers() if x.rows is not None])
 
     def views(self, caches):
         """Each layer's (`BatchSlots`, arrays by name) for one decoded token of each of these sessions; rows a
