@@ -63,12 +63,11 @@ class OracleDrafter:
 
     def draft(self, target, anchor, context, context_start, choose, k, committed_tokens=()):
         pos = len(committed_tokens) + 1  # the first draft's position
-        right_ones = self._right_ones()
+        right_ones, vocab = self._right_ones(), target.args.vocab_size
         tokens = []
         for i in range(min(k, self.k)):
             right = self.continuation[pos + i] if pos + i < len(self.continuation) else 0
-            tokens.append(right if i < right_ones else (right + 1) % target.args.vocab_size)
-        vocab = target.args.vocab_size
+            tokens.append(right if i < right_ones else (right + 1) % vocab)
         return tokens, mx.zeros((len(tokens), vocab)), None
 
     def _right_ones(self):
