@@ -97,28 +97,30 @@ def accept(sampler, target_logits, draft_tokens, draft_logits):
         while a < k and draft_tokens[a] == best[a]:
             a += 1
         return a, best[a]
+    # every outcome's token is drawn before the acceptances are known, so that one evaluation gives both
+    # (the host waits once a round): row i of `rows` is what follows i accepted drafts, the residual
+    # max(p - q, 0) of the first rejected position (p itself where p == q up to rounding), or after all k
+    # the target's own distribution; the draw of row a is independent of the draws that decided a
     p = mx.softmax(transformed(sampler, target_logits), axis=-1)
+    sampler.key, accept_key = mx.random.split(sampler.key)
+    sampler.key, token_key = mx.random.split(sampler.key)
     if k:
         q = mx.softmax(transformed(sampler, draft_logits), axis=-1)
         idx = mx.array(draft_tokens, dtype=mx.int32)
-        ratio = (p[mx.arange(k), idx] / q[mx.arange(k), idx])
-        sampler.key, key = mx.random.split(sampler.key)
-        u = mx.random.uniform(shape=(k,), key=key)
-        accepted = (u < ratio).tolist()
+        ratio = p[mx.arange(k), idx] / q[mx.arange(k), idx]
+        accepted = mx.random.uniform(shape=(k,), key=accept_key) < ratio
+        residual = mx.maximum(p[:k] - q, 0.0)
+        residual = mx.where(residual.sum(axis=-1, keepdims=True) <= 0, p[:k], residual)
+        rows = mx.concatenate([residual, p[k:]])
     else:
-        accepted = []
+        accepted, rows = mx.zeros((0,), mx.bool_), p
+    tokens = mx.random.categorical(mx.log(rows), key=token_key)
+    mx.eval(accepted, tokens)
+    accepted, tokens = accepted.tolist(), tokens.tolist()
     a = 0
     while a < k and accepted[a]:
         a += 1
-    sampler.key, key = mx.random.split(sampler.key)
-    if a < k:  # the residual distribution of the first rejected position
-        residual = mx.maximum(p[a] - q[a], 0.0)
-        if residual.sum().item() <= 0:  # p == q up to rounding: then p is the residual
-            residual = p[a]
-        token = mx.random.categorical(mx.log(residual), key=key)
-    else:
-        token = mx.random.categorical(mx.log(p[a]), key=key)
-    return a, int(token.item())
+    return a, int(tokens[a])
 
 
 @dataclass
