@@ -20,11 +20,11 @@ def fresh_server():
 def test_eight_clients_with_random_aborts_get_no_errors_and_exact_answers():
     convs = conversations(4, words=12, max_tokens=(2, 4))
     with background_server(2) as bg:
-        records = run_clients(bg.url, convs, clients=8, requests=104, abort_rate=0.3, seed=1)
+        records = run_clients(bg.url, convs, clients=8, requests=64, abort_rate=0.3, seed=1)
     figures = summary(records, lone_answers(convs, fresh_server))
-    assert figures["requests"] == 104 and figures["aborted_in_prefill"] > 0 and figures["aborted_in_decode"] > 0
+    assert figures["requests"] == 64 and figures["aborted_in_prefill"] > 0 and figures["aborted_in_decode"] > 0
     assert figures["errors"] == 0, figures["error_kinds"]
-    assert figures["completed"] >= 50 and figures["mismatches"] == 0, figures
+    assert figures["completed"] >= 30 and figures["mismatches"] == 0, figures
 
 
 def test_hostile_attacks_are_answered_and_bounded(monkeypatch):
