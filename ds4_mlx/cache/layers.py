@@ -188,6 +188,8 @@ class LayerCache:
         self._named_buffers = tuple((n, b) for n, b in zip(BUFFER_NAMES, (self.rows, self.index_rows)) if b is not None)
         self._rings = tuple(r for _, r in self._named_rings)
         self._buffers = tuple(b for _, b in self._named_buffers)
+        self._named_stored = self._named_rings + self._named_buffers
+        self._stored = self._rings + self._buffers
 
     def rings(self):
         return self._rings
@@ -198,7 +200,7 @@ class LayerCache:
     def arrays(self):
         """The arrays a step writes (its rings' and buffers' rows): what to
         evaluate with the logits (set-aside rows evaluated later would hold the whole chunk until then)."""
-        return [x.rows for x in self.rings() + self.buffers()]
+        return [x.rows for x in self.stored()]
 
     def view(self, tokens):
         """What a step of `tokens` tokens from `pos` needs: (`Slots`, the arrays it reads and writes by name:
@@ -212,12 +214,12 @@ class LayerCache:
         for b in self.buffers():
             b.reserve(slots.rows)
         return slots, {name: x.allocate() if x in self._rings else x.rows
-                       for name, x in self.named_rings() + self.named_buffers()}
+                       for name, x in self.named_stored()}
 
     def commit(self, written, tokens):
         """Take the arrays a step of `tokens` tokens wrote (by name, `view`'s), and move on that many
         positions."""
-        for name, stored in self.named_rings() + self.named_buffers():
+        for name, stored in self.named_stored():
             stored.rows = written[name]
         self.moved(tokens)
 
@@ -230,21 +232,21 @@ class LayerCache:
 
     def storage(self, name):
         """The ring or buffer of that name."""
-        return dict(self.named_rings() + self.named_buffers())[name]
+        return dict(self.named_stored())[name]
 
     def pool(self):
         """The pool of sessions decoded together that keeps a row for this layer's rows (`cache/pool.py`), or
         None."""
-        return next((x.home.pool for _, x in self.named_rings() + self.named_buffers() if x.home is not None), None)
+        return next((x.home.pool for x in self.stored() if x.home is not None), None)
 
     def in_pool(self):
         """Whether every array of the layer lives in its pool's row."""
-        return all(x.inside for _, x in self.named_rings() + self.named_buffers())
+        return all(x.inside for x in self.stored())
 
     def leave_pool(self):
         """Hold copies of this layer's rows of its pool (a step of this session alone, `view`); the pool keeps
         their row."""
-        for _, x in self.named_rings() + self.named_buffers():
+        for x in self.stored():
             x.leave()
 
     def advance(self, n):
@@ -320,6 +322,13 @@ class LayerCache:
 
     def named_buffers(self):
         return self._named_buffers
+
+    def named_stored(self):
+        """Its rings' and buffers' (name, `Stored`) pairs, rings first."""
+        return self._named_stored
+
+    def stored(self):
+        return self._stored
 
     def export_state(self, back_to=None):
         """`state`, with every ring's rows back to what the state at `back_to` needs (as far as the rings

@@ -84,7 +84,7 @@ class Pool:
         the sessions hold, or than `PADDING_ROWS` a session (a long session beside short ones decodes alone)."""
         def shape(c):
             return tuple((name, x.width, x.dtype, getattr(x, "capacity", None))
-                         for name, x in c.named_rings() + c.named_buffers())
+                         for name, x in c.named_stored())
 
         def close(layer):
             need = [_bucket(rows_done(c.pos, c.ratio) + 1) for c in layer]
@@ -127,7 +127,7 @@ class Pool:
         if len(caches) == 1:
             return all(c.in_pool() for c in caches[0])
         return 2 * len(caches) >= len(self.members) and all(
-            x.inside or x.home.fits(x.rows) for s in caches for c in s for _, x in c.named_rings() + c.named_buffers())
+            x.inside or x.home.fits(x.rows) for s in caches for c in s for x in c.stored())
 
     def _grows(self, caches):
         """Whether a step of these sessions needs more rows than the pool's buffers have (`_view`)."""
@@ -138,7 +138,7 @@ class Pool:
         """Every session of the pool takes a copy of its rows (the pool is going away)."""
         for session in self.members:
             for c in session:
-                for _, stored in c.named_rings() + c.named_buffers():
+                for stored in c.stored():
                     if stored.home is not None and stored.home.pool is self:
                         stored.move_out()
         self.members, self.rows, self.arrays = [], {}, []
@@ -150,7 +150,7 @@ class Pool:
         others = [c for s in self.members for c in s]
         self.release()
         # started now: the lazy copies would hold the pool's arrays until the others' next step
-        mx.async_eval([x.rows for c in others for _, x in c.named_rings() + c.named_buffers() if x.rows is not None])
+        mx.async_eval([x.rows for c in others for x in c.stored() if x.rows is not None])
 
     def views(self, caches):
         """Each layer's (`BatchSlots`, arrays by name) for one decoded token of each of these sessions; rows a
@@ -158,7 +158,7 @@ class Pool:
         rows = tuple(self.rows[id(s)] for s in caches)
         # evaluated before they come back: a lazy copy of the pool's slice would hold the array written in place
         mx.eval([x.rows for s in caches for c in s if not c.in_pool()
-                 for _, x in c.named_rings() + c.named_buffers() if not x.inside and x.rows is not None])
+                 for x in c.stored() if not x.inside and x.rows is not None])
         return [self._view(i, layer, rows) for i, layer in enumerate(zip(*caches))]
 
     def _view(self, i, layer, rows):
@@ -191,7 +191,7 @@ class Pool:
 def _come_back(named, layer, b):
     """A layer's rows that a session took out of the pool back into its row `b` of the pooled arrays `named`
     (in place: nothing else holds them once the step is built)."""
-    for name, x in layer.named_rings() + layer.named_buffers():
+    for name, x in layer.named_stored():
         if not x.inside:
             rows = x.enter()
             if rows is not None:
