@@ -387,16 +387,14 @@ class DecodeBatch:
     def step(self, tokens):
         """`Session.step_async` for every session: `tokens` int32 [B], one per session (lazy draws are fine).
         -> logits [B, vocab], their evaluation started; call each session's `settle()` before using it again."""
-        caches = [s.cache for s in self.sessions]
+        caches, ids = [s.cache for s in self.sessions], tokens.astype(mx.int32).reshape(-1, 1)
         # the pool they decode from (`Pool.of`); None for a session alone, caches that cannot be stacked, or a
         # model whose forward takes no pool (a stage of a pipeline over several machines)
         pool = Pool.of(caches) if getattr(self.model, "takes_pools", False) else None
-        try:
-            logits = self._forward(tokens, caches, pool)
-        except BaseException:  # as in `_feed`: every layer of every session back at its last token
-            for s in self.sessions:
-                s.undo_chunk(1)
-            raise
+        if pool is None:
+            logits = _forward_together(self.sessions, ids, last_only=True)
+        else:
+            logits = self._pooled_forward(ids, caches, pool)
         logits = logits[:, 0]
         # started before the checkpoints `took` takes: one evaluated first would write a ring (the whole pool's)
         # before its reads on the logits' path, so a copy
@@ -406,17 +404,17 @@ class DecodeBatch:
             s.took(tokens[b], logits[b])
         return logits
 
-    def _forward(self, tokens, caches, pool):
-        """The forward, and the commit of every layer of every session (or of none). -> logits [B, 1, vocab]
-        (the arrays before the step go with `views`: the step alone holds them, each freed once written)."""
-        views = [[c.view(1) for c in cache] for cache in caches] if pool is None else pool.views(caches)
-        logits, written = self.model.forward(tokens.astype(mx.int32).reshape(-1, 1), views, last_only=True)
-        if pool is not None:
+    def _pooled_forward(self, ids, caches, pool):
+        """`_forward_together` on the pool's rows: the forward, and the commit of every session's or of none.
+        -> logits [B, 1, vocab] (the arrays before the step go with the views: the step alone holds them, each
+        freed once written)."""
+        try:
+            logits, written = self.model.forward(ids, pool.views(caches), last_only=True)
             pool.commit(written, caches)
-            return logits
-        for cache, steps in zip(caches, written):
-            for c, arrays in zip(cache, steps):
-                c.commit(arrays, 1)
+        except BaseException:  # as in `_feed_steps`: every layer of every session back at its last token
+            for s in self.sessions:
+                s.undo_chunk(1)
+            raise
         return logits
 
 
