@@ -95,7 +95,8 @@ def test_speed_bench_profiles_a_decode_step(capsys):
 
 
 # every bench that runs in seconds on a CPU, with small settings (`load` starts servers for minutes,
-# `distributed` processes under mlx.launch: tests/test_distributed.py runs it; `kernels` reads a CUDA GPU)
+# `distributed` processes under mlx.launch: tests/test_distributed.py runs it; `kernels` and `gguf-rows`
+# need a CUDA GPU)
 QUICK = {
     "model": ["--prompt", "16", "--decode", "2"],
     "rewind": ["--contexts", "64", "--repeats", "1", "--generated", "2"],
@@ -112,14 +113,15 @@ QUICK = {
 def test_every_bench_is_listed():
     from ds4_mlx.tools.bench import BENCHES
 
-    assert set(QUICK) | {"load", "distributed", "kernels"} == {name for name, _, _ in BENCHES}
+    assert set(QUICK) | {"load", "distributed", "kernels", "gguf-rows"} == {name for name, _, _ in BENCHES}
 
 
-def test_kernels_bench_says_what_it_needs_on_a_cpu():
+@pytest.mark.parametrize("name", ["kernels", "gguf-rows"])
+def test_cuda_benches_say_what_they_need_on_a_cpu(name):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "bench", "kernels", "--json"],
+    done = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "bench", name, "--json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and done.stdout == ""
     assert "needs MLX's CUDA build" in done.stderr and "Traceback" not in done.stderr

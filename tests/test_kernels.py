@@ -356,11 +356,14 @@ def test_no_kernels_flag(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
-@pytest.mark.parametrize("pairs,rows,out,inp", [(6, 1, 2048, 4096), (12, 12, 4096, 2048), (3, 3, 8, 256)])
+@pytest.mark.parametrize("pairs,rows,out,inp,offset", [(6, 1, 2048, 4096, 0), (12, 12, 4096, 2048, 0),
+                                                       (36, 6, 2048, 4096, 0), (3, 3, 8, 256, 0), (6, 2, 40, 512, 1)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, dtype):
+def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, offset, dtype):
     """The kernel for routed experts kept in GGUF blocks against the `gguf` package's dequantization: each
-    pair's row of x (consecutive pairs share one: a token's experts), x and the result in x's dtype."""
+    pair's row of x (consecutive pairs share one: a token's experts), x and the result in x's dtype. Rows
+    a block takes need not divide the output rows; x may be a view that starts `offset` values into its
+    array, off a wide word."""
     import numpy as np
     import gguf.quants
     from gguf import GGMLQuantizationType as T
@@ -368,7 +371,7 @@ def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, dtype):
     from ds4_mlx.models import gguf_blocks
 
     w = gguf_blocks.random_blocks(codec, (16, out, gguf_blocks.row_bytes(codec, inp)), seed=pairs)
-    x = mx.random.normal((rows, inp), key=mx.random.key(out)).astype(dtype)
+    x = mx.random.normal((rows * inp + offset,), key=mx.random.key(out)).astype(dtype)[offset:].reshape(rows, inp)
     indices = mx.random.randint(0, 16, (pairs,), key=mx.random.key(inp)).astype(mx.uint32)
     got = on_cuda(kernels.gguf_rows, x, w, indices, codec)
     values = gguf.quants.dequantize(np.array(w), T[codec.upper()])  # [16, out, inp]

@@ -693,6 +693,12 @@ __device__ inline void load_floats(const T* p, float* v) {
 
 template <typename T>
 __device__ inline void store(T* p, float v) { *p = static_cast<T>(v); }
+
+// Byte j of `bytes` as a float, exactly and without an integer conversion: the byte set as the low bits of
+// 2^23's mantissa, then 2^23 taken away.
+__device__ inline float small_int(uint32_t bytes, int j) {
+    return __int_as_float(__byte_perm(bytes, 0x4B000000u, 0x7440 | j)) - 8388608.0f;
+}
 """
 
 
@@ -702,7 +708,7 @@ __device__ inline void store(T* p, float v) { *p = static_cast<T>(v); }
 # and sign tables come from the `gguf` package, as inputs). The product of `linear.gguf_gather_product`.
 
 # One unit of a block decoded, for the dequantizing kernel below (the rows kernel decodes its units inline,
-# from a row staged in shared memory and a packed lattice there). Q2_K (scales[16] as sc | m << 4, qs[64] of 4
+# from a row staged in shared memory). Q2_K (scales[16] as sc | m << 4, qs[64] of 4
 # values a byte, then d and dmin): code byte `byte` holds the values at[0..3] of its 256-value block.
 # IQ2_XXS (d, then 8 sub-blocks of 4 lattice indices and a word of 4 x 7 sign bits and a scale): unit
 # `unit` of 32 is the 8 values from unit * 8 on.
@@ -731,69 +737,82 @@ __device__ inline void iq2xxs_unit(const uint8_t* blk, int unit, const float* la
 }
 """
 
-# The product of a few rows: a warp first copies its row's blocks into shared memory in wide words, all
-# its loads at once (read where they are used, a few bytes a lane, a warp kept ~66 bytes in flight and
-# reached a sixth of the memory's bandwidth), then decodes them from there. It looks the IQ2_XXS lattice
-# up in shared memory as 8 bytes an entry. A Q2_K lane takes 4 code bytes (16 values, each group of 4
-# contiguous in x); an IQ2_XXS lane takes 8 values of one sub-block.
+# The product of a few rows. A block of WARPS warps takes WARPS consecutive output rows of one pair. Every
+# global read comes first, all at once: the pair's row of x, each warp's weight row (wide words) and the
+# IQ2_XXS tables, into shared memory; the block waits once, then each warp decodes its row from there.
+# (Reads where they are used left each warp a chain of round trips, and the kernel at a seventh of the
+# memory's bandwidth.) Codes become floats through their bits, never an integer conversion. A Q2_K lane
+# takes 4 code bytes (16 values, each group of 4 contiguous in x); an IQ2_XXS lane takes 8 values of one
+# sub-block, the same sub-block of every block.
 _GGUF_ROWS_CUDA = """
     typedef typename Word<WORD>::type word;
-    constexpr int ROW_WORDS = IN / 256 * BLOCK / WORD;
-    __shared__ uint2 grid_bytes[256];
+    constexpr int ROW_WORDS = IN / 256 * BLOCK / WORD, BLOCKS_A_PAIR = (OUT + WARPS - 1) / WARPS;
+    __shared__ __align__(16) uint8_t x_bytes[IN * sizeof(x[0])];
+    __shared__ __align__(16) float grid[CODEC == 1 ? 256 * 8 : 4];
     __shared__ uint8_t sign_bytes[128];
-    __shared__ __align__(16) word staged[GROUP / 32][ROW_WORDS];
-    if (CODEC == 1) {
-        for (int i = threadIdx.x; i < 256; i += GROUP) grid_bytes[i] = reinterpret_cast<const uint2*>(lattice)[i];
-        for (int i = threadIdx.x; i < 128; i += GROUP) sign_bytes[i] = ksigns[i];
-        __syncthreads();
-    }
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, job = blockIdx.x * (GROUP / 32) + warp;
-    if (job >= PAIRS * OUT) return;
-    const int pair = job / OUT, row = job % OUT;
-    const word* source = reinterpret_cast<const word*>(w + ((size_t)indices[pair] * OUT + row) * (ROW_WORDS * WORD));
-    for (int i = lane; i < ROW_WORDS; i += 32) staged[warp][i] = source[i];
-    __syncwarp();
-    const uint8_t* r = reinterpret_cast<const uint8_t*>(staged[warp]);
+    __shared__ __align__(16) word staged[WARPS][ROW_WORDS];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int pair = blockIdx.x / BLOCKS_A_PAIR, row = (blockIdx.x % BLOCKS_A_PAIR) * WARPS + warp;
     const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
+    if (row < OUT) {
+        const word* source = reinterpret_cast<const word*>(w + ((size_t)indices[pair] * OUT + row) * (ROW_WORDS * WORD));
+        for (int i = lane; i < ROW_WORDS; i += 32) staged[warp][i] = source[i];
+    }
+    if (reinterpret_cast<unsigned long long>(xv) % 16 == 0) {
+        for (int i = threadIdx.x; i < sizeof(x_bytes) / 16; i += WARPS * 32)
+            reinterpret_cast<uint4*>(x_bytes)[i] = reinterpret_cast<const uint4*>(xv)[i];
+    } else {  // a row-contiguous view may start off a word
+        for (int i = threadIdx.x; i < sizeof(x_bytes); i += WARPS * 32)
+            x_bytes[i] = reinterpret_cast<const uint8_t*>(xv)[i];
+    }
+    const auto* xs = reinterpret_cast<decltype(&x[0])>(x_bytes);
+    if (CODEC == 1) {
+        for (int i = threadIdx.x; i < 256 * 2; i += WARPS * 32)
+            reinterpret_cast<float4*>(grid)[i] = reinterpret_cast<const float4*>(lattice)[i];
+        for (int i = threadIdx.x; i < 128; i += WARPS * 32) sign_bytes[i] = ksigns[i];
+    }
+    __syncthreads();
+    if (row >= OUT) return;
+    const uint8_t* r = reinterpret_cast<const uint8_t*>(staged[warp]);
     float acc = 0.0f;
     if (CODEC == 0) {
-        for (int u = lane; u < IN / 256 * 16; u += 32) {
-            const uint8_t* blk = r + (u / 16) * BLOCK;
-            const int byte = (u % 16) * 4, half = byte / 32, l = byte % 32;
+        const int byte = (lane % 16) * 4, half = byte / 32, l = byte % 32;
+        for (int b = lane / 16; b < IN / 256; b += 2) {
+            const uint8_t* blk = r + b * BLOCK;
             const uint32_t q = *reinterpret_cast<const uint32_t*>(blk + 16 + byte);
             const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
             const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
             for (int i = 0; i < 4; ++i) {
                 const int at = half * 128 + i * 32 + l;
-                const uint8_t sc = blk[at / 16];
-                float xs[4];
-                load_floats<4>(xv + (u / 16) * 256 + at, xs);
-                const float codes = (float)((q >> (2 * i)) & 3) * xs[0] + (float)((q >> (8 + 2 * i)) & 3) * xs[1]
-                                  + (float)((q >> (16 + 2 * i)) & 3) * xs[2] + (float)((q >> (24 + 2 * i)) & 3) * xs[3];
-                acc += d * (float)(sc & 0xF) * codes - dmin * (float)(sc >> 4) * (xs[0] + xs[1] + xs[2] + xs[3]);
+                const uint32_t sc = blk[at / 16], codes = (q >> (2 * i)) & 0x03030303u;
+                float e[4];
+                load_floats<4>(xs + b * 256 + at, e);
+                const float dot = small_int(codes, 0) * e[0] + small_int(codes, 1) * e[1]
+                                + small_int(codes, 2) * e[2] + small_int(codes, 3) * e[3];
+                acc += d * small_int(sc & 0xF, 0) * dot - dmin * small_int(sc >> 4, 0) * (e[0] + e[1] + e[2] + e[3]);
             }
         }
     } else {
-        for (int u = lane; u < IN / 256 * 32; u += 32) {
-            const uint8_t* blk = r + (u / 32) * BLOCK;
-            const int sub = (u % 32) / 4, g = u % 4;
+        const int sub = lane / 4, g = lane % 4;
+        for (int b = 0; b < IN / 256; ++b) {
+            const uint8_t* blk = r + b * BLOCK;
             const uint16_t* sb = reinterpret_cast<const uint16_t*>(blk + 2 + sub * 8);
             const uint32_t aux = sb[2] | ((uint32_t)sb[3] << 16);
-            const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + (float)(aux >> 28)) * 0.25f;
-            const uint2 point = grid_bytes[blk[2 + sub * 8 + g]];
-            const int signs = sign_bytes[(aux >> (7 * g)) & 127];
+            const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + small_int(aux >> 28, 0)) * 0.25f;
+            const float4* point = reinterpret_cast<const float4*>(grid + blk[2 + sub * 8 + g] * 8);
+            const float4 p0 = point[0], p1 = point[1];
+            const float p[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+            const uint32_t signs = sign_bytes[(aux >> (7 * g)) & 127];
             float e[8];
-            load_floats<8>(xv + (u / 32) * 256 + (u % 32) * 8, e);
+            load_floats<8>(xs + b * 256 + lane * 8, e);
             float sum = 0.0f;
-            for (int k = 0; k < 8; ++k) {
-                const float value = (float)(((k < 4 ? point.x : point.y) >> (8 * (k % 4))) & 0xFF);
-                sum += ((signs >> k) & 1 ? -value : value) * e[k];
-            }
+            for (int k = 0; k < 8; ++k)
+                sum += __int_as_float(__float_as_int(p[k]) ^ ((signs << (31 - k)) & 0x80000000u)) * e[k];
             acc += db * sum;
         }
     }
     for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
-    if (lane == 0) store(y + job, acc);
+    if (lane == 0) store(y + (size_t)pair * OUT + row, acc);
 """
 _GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
 
@@ -810,20 +829,32 @@ def _word(row_bytes):
     return next(size for size in (16, 8, 4, 2) if row_bytes % size == 0)
 
 
+_SHARED_BYTES = 48 * 1024  # a block's static shared memory
+
+
+def _gguf_rows_warps(codec, inp, itemsize, row_bytes):
+    """Warps a block of the rows kernel (16, 8 or 4: the most whose staged x, tables and rows fit shared
+    memory), or None where even 4 do not fit."""
+    tables = 256 * 8 * 4 + 128 if codec == "iq2_xxs" else 0
+    return next((warps for warps in (16, 8, 4) if inp * itemsize + tables + warps * row_bytes <= _SHARED_BYTES),
+                None)
+
+
 def _gguf_rows_cuda(x, w, indices, codec):
     """x [X, in] (X divides P), w uint8 [E, out, row bytes], indices [P] -> [P, out] in x's dtype: pair p's
     row of x (row p // (P / X)) through expert indices[p]."""
     from ds4_mlx.models import gguf_blocks
 
     (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
-    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
+    warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
+    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables()
     inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns]
     return _gguf_rows_kernel()(
         inputs=inputs,
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
-                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])),
-                  ("GROUP", _EXPERT_GROUP), *_dtype_keys(inputs)],
-        grid=(-(-pairs * out * 32 // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
+                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])), ("WARPS", warps),
+                  *_dtype_keys(inputs)],
+        grid=(pairs * -(-out // warps) * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(pairs, out)], output_dtypes=[x.dtype])[0]
 
 
@@ -856,7 +887,7 @@ def gguf_rows(x, w, indices, codec):
     does not apply (the caller then runs its own path)."""
     kernel = GGUF_ROWS.get(codec)
     if (kernel is None or indices.size > GGUF_ROWS_MAX_PAIRS or indices.size % x.shape[0] or x.shape[1] % 256
-            or kernel.backend() is None):
+            or _gguf_rows_warps(codec, x.shape[1], x.itemsize, w.shape[-1]) is None or kernel.backend() is None):
         return None
     return kernel.launches[kernel.backend()](x, w, indices, codec)
 

@@ -303,6 +303,7 @@ BENCHES = [
     ("parity", bench_parity.bench_parity, bench_parity.parity_options),
     ("batch", bench_batch, _bench_batch_options),
     ("kernels", bench_kernels.bench_kernels, lambda q: (_model_options(q), bench_kernels.options(q))),
+    ("gguf-rows", bench_kernels.bench_gguf_rows, bench_kernels.gguf_rows_options),
     ("distributed", bench_distributed.bench_distributed, bench_distributed.options),
     ("speculative", bench_speculative.bench_speculative, lambda q: (_model_options(q), bench_speculative.options(q))),
 ]

@@ -176,3 +176,53 @@ def options(q):
     q.add_argument("--shapes", default="decode,verify:6,decode:8",
                    help="comma-separated: decode (one token), decode:B (B streams in one step), verify:K")
     q.add_argument("--repeats", type=int, default=8, help="steps timed and profiled per shape")
+
+
+def bench_gguf_rows(a):
+    """The GGUF expert rows kernel alone at real widths: microseconds a launch and bandwidth.
+
+    Each shape is a product of the q2 layout's routed experts (gate or up: IQ2_XXS, down: Q2_K) for
+    `pairs` (token, expert) pairs, six a token: a decoded token, a verify or a batch. A timed evaluation
+    holds many launches on experts drawn afresh each (as a forward's layers read weights the cache has not
+    seen), so the launch and the wait are spread over them."""
+    from ds4_mlx.models import gguf_blocks, kernels
+    from ds4_mlx.tools.random_model import real_args
+
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        raise SystemExit("bench gguf-rows needs MLX's CUDA build on an NVIDIA GPU")
+    args, dtype = real_args(1), getattr(mx, a.dtype)
+    H, inner, experts = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
+    results = []
+    for name, codec, out, inp in (("gate or up", "iq2_xxs", inner, H), ("down", "q2_k", H, inner)):
+        w = gguf_blocks.random_blocks(codec, (experts, out, gguf_blocks.row_bytes(codec, inp)), seed=1)
+        mx.eval(w)
+        for pairs in (int(p) for p in a.pairs.split(",")):
+            x = mx.random.normal((pairs // 6, inp)).astype(dtype)
+            draws = [mx.random.randint(0, experts, (a.launches, pairs), key=mx.random.key(r)).astype(mx.uint32)
+                     for r in range(a.repeats + 1)]
+            mx.eval(x, draws)
+
+            def launches(indices):
+                return [kernels.gguf_rows(x, w, indices[i], codec) for i in range(a.launches)]
+
+            mx.eval(launches(draws[0]))  # warm-up: the kernel compiled
+            times = []
+            for indices in draws[1:]:
+                t = time.perf_counter()
+                mx.eval(launches(indices))
+                times.append((time.perf_counter() - t) / a.launches)
+            us = statistics.median(times) * 1e6
+            gb_s = pairs * w[0].nbytes / (us * 1e-6) / 1e9
+            results.append({"product": name, "codec": codec, "pairs": pairs, "us": round(us, 2),
+                            "gb_s": round(gb_s, 1)})
+            print(f"{name:10s} {codec:8s} {pairs:3d} pairs: {us:8.2f} us a launch, {gb_s:7.1f} GB/s", file=sys.stderr,
+                  flush=True)
+        del w
+    return {"dtype": a.dtype, "results": results}
+
+
+def gguf_rows_options(q):
+    q.add_argument("--pairs", default="6,12,36,48", help="(token, expert) pairs a launch, multiples of 6")
+    q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="x's dtype")
+    q.add_argument("--launches", type=int, default=43, help="launches an evaluation (one a layer of a forward)")
+    q.add_argument("--repeats", type=int, default=7, help="timed evaluations a shape (their median is reported)")
