@@ -112,10 +112,12 @@ def _iq2xxs_tables():
 
 
 @lru_cache(maxsize=None)
-def iq2xxs_kernel_tables():
-    """IQ2_XXS's lattice (float32 [256 * 8]) and its 128 sign bytes (uint8), as kernel inputs."""
+def iq2xxs_kernel_tables(packed=False):
+    """IQ2_XXS's lattice (float32 [256 * 8]; `packed`: its values as uint8, which they all fit) and its 128
+    sign bytes (uint8), as kernel inputs."""
     lattice, ksigns = _iq2xxs_source()
-    grid, ksigns = mx.array(lattice.reshape(-1)), mx.array(ksigns)
+    lattice = lattice.reshape(-1)
+    grid, ksigns = mx.array(lattice.astype(np.uint8) if packed else lattice), mx.array(ksigns)
     mx.eval(grid, ksigns)
     return grid, ksigns
 

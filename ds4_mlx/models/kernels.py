@@ -678,12 +678,8 @@ template <> struct Word<8> { using type = uint2; };
 template <> struct Word<16> { using type = uint4; };
 
 template <int COUNT, typename T>
-__device__ inline void load_floats(const T* p, float* v) {
+__device__ inline void aligned_floats(const T* p, float* v) {  // p on a word of COUNT values (at most 16 bytes)
     constexpr int BYTES = COUNT * sizeof(T) < 16 ? COUNT * sizeof(T) : 16, PER = BYTES / sizeof(T);
-    if (reinterpret_cast<unsigned long long>(p) % BYTES) {  // a row-contiguous view may start off a word
-        for (int j = 0; j < COUNT; ++j) v[j] = static_cast<float>(p[j]);
-        return;
-    }
     for (int i = 0; i < COUNT / PER; ++i) {
         const typename Word<BYTES>::type raw = reinterpret_cast<const typename Word<BYTES>::type*>(p)[i];
         const T* e = reinterpret_cast<const T*>(&raw);
@@ -691,13 +687,26 @@ __device__ inline void load_floats(const T* p, float* v) {
     }
 }
 
+template <int COUNT, typename T>
+__device__ inline void load_floats(const T* p, float* v) {
+    constexpr int BYTES = COUNT * sizeof(T) < 16 ? COUNT * sizeof(T) : 16;
+    if (reinterpret_cast<unsigned long long>(p) % BYTES) {  // a row-contiguous view may start off a word
+        for (int j = 0; j < COUNT; ++j) v[j] = static_cast<float>(p[j]);
+        return;
+    }
+    aligned_floats<COUNT>(p, v);
+}
+
 template <typename T>
 __device__ inline void store(T* p, float v) { *p = static_cast<T>(v); }
 
 // Byte j of `bytes` as a float, exactly and without an integer conversion: the byte set as the low bits of
 // 2^23's mantissa, then 2^23 taken away.
-__device__ inline float small_int(uint32_t bytes, int j) {
-    return __int_as_float(__byte_perm(bytes, 0x4B000000u, 0x7440 | j)) - 8388608.0f;
+template <int J>
+__device__ inline float small_int(uint32_t bytes) {
+    uint32_t bits;  // the selector an immediate, 2^23's top byte a register kept across calls
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(bits) : "r"(bytes), "r"(0x4B000000u), "n"(0x7440 | J));
+    return __int_as_float(bits) - 8388608.0f;
 }
 """
 
@@ -737,27 +746,29 @@ __device__ inline void iq2xxs_unit(const uint8_t* blk, int unit, const float* la
 }
 """
 
-# The product of a few rows. A block of WARPS warps takes WARPS consecutive output rows of one pair. Every
-# global read comes first, all at once: the pair's row of x, each warp's weight row (wide words) and the
-# IQ2_XXS tables, into shared memory; the block waits once, then each warp decodes its row from there.
-# (Reads where they are used left each warp a chain of round trips, and the kernel at a seventh of the
-# memory's bandwidth.) Codes become floats through their bits, never an integer conversion. A Q2_K lane
-# takes 4 code bytes (16 values, each group of 4 contiguous in x); an IQ2_XXS lane takes 8 values of one
-# sub-block, the same sub-block of every block.
+# The product of a few rows. A block of WARPS warps takes 2 x WARPS consecutive output rows of one pair,
+# two a warp. Every global read comes first, all at once: the pair's row of x, each warp's weight rows
+# (wide words) and the IQ2_XXS tables, into shared memory; the block waits once, then each warp decodes
+# its rows from there, each value of x it reads meeting both rows. (Reads where they were used left each
+# warp a chain of round trips, and a float lattice in shared memory conflicted on its banks.) Codes
+# become floats through their bits, with no integer conversion. A Q2_K lane takes 4 code bytes (16
+# values, each group of 4 contiguous in x); an IQ2_XXS lane takes 8 values of one sub-block.
 _GGUF_ROWS_CUDA = """
     typedef typename Word<WORD>::type word;
-    constexpr int ROW_WORDS = IN / 256 * BLOCK / WORD, BLOCKS_A_PAIR = (OUT + WARPS - 1) / WARPS;
+    constexpr int ROW_WORDS = IN / 256 * BLOCK / WORD, BLOCK_ROWS = WARPS * 2;
+    constexpr int BLOCKS_A_PAIR = (OUT + BLOCK_ROWS - 1) / BLOCK_ROWS;
     __shared__ __align__(16) uint8_t x_bytes[IN * sizeof(x[0])];
-    __shared__ __align__(16) float grid[CODEC == 1 ? 256 * 8 : 4];
+    __shared__ uint2 grid_bytes[CODEC == 1 ? 256 : 1];
     __shared__ uint8_t sign_bytes[128];
-    __shared__ __align__(16) word staged[WARPS][ROW_WORDS];
+    __shared__ __align__(16) word staged[BLOCK_ROWS][ROW_WORDS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int pair = blockIdx.x / BLOCKS_A_PAIR, row = (blockIdx.x % BLOCKS_A_PAIR) * WARPS + warp;
-    const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
-    if (row < OUT) {
-        const word* source = reinterpret_cast<const word*>(w + ((size_t)indices[pair] * OUT + row) * (ROW_WORDS * WORD));
-        for (int i = lane; i < ROW_WORDS; i += 32) staged[warp][i] = source[i];
+    const int pair = blockIdx.x / BLOCKS_A_PAIR, first = (blockIdx.x % BLOCKS_A_PAIR) * BLOCK_ROWS + warp * 2;
+    const int rows = OUT - first < 2 ? OUT - first : 2;  // this warp's rows: two, or fewer at the end
+    for (int r = 0; r < rows; ++r) {
+        const word* source = reinterpret_cast<const word*>(w + ((size_t)indices[pair] * OUT + first + r) * (ROW_WORDS * WORD));
+        for (int i = lane; i < ROW_WORDS; i += 32) staged[warp * 2 + r][i] = source[i];
     }
+    const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
     if (reinterpret_cast<unsigned long long>(xv) % 16 == 0) {
         for (int i = threadIdx.x; i < sizeof(x_bytes) / 16; i += WARPS * 32)
             reinterpret_cast<uint4*>(x_bytes)[i] = reinterpret_cast<const uint4*>(xv)[i];
@@ -765,54 +776,59 @@ _GGUF_ROWS_CUDA = """
         for (int i = threadIdx.x; i < sizeof(x_bytes); i += WARPS * 32)
             x_bytes[i] = reinterpret_cast<const uint8_t*>(xv)[i];
     }
-    const auto* xs = reinterpret_cast<decltype(&x[0])>(x_bytes);
     if (CODEC == 1) {
-        for (int i = threadIdx.x; i < 256 * 2; i += WARPS * 32)
-            reinterpret_cast<float4*>(grid)[i] = reinterpret_cast<const float4*>(lattice)[i];
+        for (int i = threadIdx.x; i < 256; i += WARPS * 32) grid_bytes[i] = reinterpret_cast<const uint2*>(lattice)[i];
         for (int i = threadIdx.x; i < 128; i += WARPS * 32) sign_bytes[i] = ksigns[i];
     }
     __syncthreads();
-    if (row >= OUT) return;
-    const uint8_t* r = reinterpret_cast<const uint8_t*>(staged[warp]);
-    float acc = 0.0f;
+    if (rows <= 0) return;
+    const auto* xs = reinterpret_cast<decltype(&x[0])>(x_bytes);
+    float acc[2] = {0.0f, 0.0f};
     if (CODEC == 0) {
         const int byte = (lane % 16) * 4, half = byte / 32, l = byte % 32;
         for (int b = lane / 16; b < IN / 256; b += 2) {
-            const uint8_t* blk = r + b * BLOCK;
-            const uint32_t q = *reinterpret_cast<const uint32_t*>(blk + 16 + byte);
-            const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
-            const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
-            for (int i = 0; i < 4; ++i) {
-                const int at = half * 128 + i * 32 + l;
-                const uint32_t sc = blk[at / 16], codes = (q >> (2 * i)) & 0x03030303u;
-                float e[4];
-                load_floats<4>(xs + b * 256 + at, e);
-                const float dot = small_int(codes, 0) * e[0] + small_int(codes, 1) * e[1]
-                                + small_int(codes, 2) * e[2] + small_int(codes, 3) * e[3];
-                acc += d * small_int(sc & 0xF, 0) * dot - dmin * small_int(sc >> 4, 0) * (e[0] + e[1] + e[2] + e[3]);
+            float e[4][4];  // the 16 values of x this lane takes in block b: both rows' codes meet them
+            for (int i = 0; i < 4; ++i) aligned_floats<4>(xs + b * 256 + half * 128 + i * 32 + l, e[i]);
+            for (int r = 0; r < rows; ++r) {
+                const uint8_t* blk = reinterpret_cast<const uint8_t*>(staged[warp * 2 + r]) + b * BLOCK;
+                const uint32_t q = *reinterpret_cast<const uint32_t*>(blk + 16 + byte);
+                const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+                const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+                for (int i = 0; i < 4; ++i) {
+                    const uint32_t sc = blk[half * 8 + i * 2 + l / 16], codes = (q >> (2 * i)) & 0x03030303u;
+                    const float dot = small_int<0>(codes) * e[i][0] + small_int<1>(codes) * e[i][1]
+                                    + small_int<2>(codes) * e[i][2] + small_int<3>(codes) * e[i][3];
+                    const float sum = (e[i][0] + e[i][1]) + (e[i][2] + e[i][3]);
+                    acc[r] += d * small_int<0>(sc & 0xF) * dot - dmin * small_int<0>(sc >> 4) * sum;
+                }
             }
         }
     } else {
         const int sub = lane / 4, g = lane % 4;
         for (int b = 0; b < IN / 256; ++b) {
-            const uint8_t* blk = r + b * BLOCK;
-            const uint16_t* sb = reinterpret_cast<const uint16_t*>(blk + 2 + sub * 8);
-            const uint32_t aux = sb[2] | ((uint32_t)sb[3] << 16);
-            const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + small_int(aux >> 28, 0)) * 0.25f;
-            const float4* point = reinterpret_cast<const float4*>(grid + blk[2 + sub * 8 + g] * 8);
-            const float4 p0 = point[0], p1 = point[1];
-            const float p[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
-            const uint32_t signs = sign_bytes[(aux >> (7 * g)) & 127];
-            float e[8];
-            load_floats<8>(xs + b * 256 + lane * 8, e);
-            float sum = 0.0f;
-            for (int k = 0; k < 8; ++k)
-                sum += __int_as_float(__float_as_int(p[k]) ^ ((signs << (31 - k)) & 0x80000000u)) * e[k];
-            acc += db * sum;
+            float e[8];  // the 8 values of x this lane takes in block b
+            aligned_floats<8>(xs + b * 256 + lane * 8, e);
+            for (int r = 0; r < rows; ++r) {
+                const uint8_t* blk = reinterpret_cast<const uint8_t*>(staged[warp * 2 + r]) + b * BLOCK;
+                const uint16_t* sb = reinterpret_cast<const uint16_t*>(blk + 2 + sub * 8);
+                const uint32_t aux = sb[2] | ((uint32_t)sb[3] << 16);
+                const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + small_int<0>(aux >> 28)) * 0.25f;
+                const uint2 point = grid_bytes[blk[2 + sub * 8 + g]];
+                const uint32_t signs = sign_bytes[(aux >> (7 * g)) & 127];
+                float sum = 0.0f;
+                const float value[8] = {small_int<0>(point.x), small_int<1>(point.x), small_int<2>(point.x),
+                                        small_int<3>(point.x), small_int<0>(point.y), small_int<1>(point.y),
+                                        small_int<2>(point.y), small_int<3>(point.y)};
+                for (int k = 0; k < 8; ++k)
+                    sum += __int_as_float(__float_as_int(value[k]) ^ ((signs << (31 - k)) & 0x80000000u)) * e[k];
+                acc[r] += db * sum;
+            }
         }
     }
-    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
-    if (lane == 0) store(y + (size_t)pair * OUT + row, acc);
+    for (int r = 0; r < 2; ++r)
+        for (int o = 16; o > 0; o /= 2) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], o);
+    if (lane == 0)
+        for (int r = 0; r < rows; ++r) store(y + (size_t)pair * OUT + first + r, acc[r]);
 """
 _GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
 
@@ -835,8 +851,8 @@ _SHARED_BYTES = 48 * 1024  # a block's static shared memory
 def _gguf_rows_warps(codec, inp, itemsize, row_bytes):
     """Warps a block of the rows kernel (16, 8 or 4: the most whose staged x, tables and rows fit shared
     memory), or None where even 4 do not fit."""
-    tables = 256 * 8 * 4 + 128 if codec == "iq2_xxs" else 0
-    return next((warps for warps in (16, 8, 4) if inp * itemsize + tables + warps * row_bytes <= _SHARED_BYTES),
+    tables = 256 * 8 + 128 if codec == "iq2_xxs" else 0
+    return next((warps for warps in (16, 8, 4) if inp * itemsize + tables + 2 * warps * row_bytes <= _SHARED_BYTES),
                 None)
 
 
@@ -847,14 +863,14 @@ def _gguf_rows_cuda(x, w, indices, codec):
 
     (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
     warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
-    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables()
+    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
     inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns]
     return _gguf_rows_kernel()(
         inputs=inputs,
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])), ("WARPS", warps),
                   *_dtype_keys(inputs)],
-        grid=(pairs * -(-out // warps) * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
+        grid=(pairs * -(-out // (2 * warps)) * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(pairs, out)], output_dtypes=[x.dtype])[0]
 
 
