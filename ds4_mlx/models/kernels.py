@@ -763,7 +763,8 @@ _GGUF_ROWS_CUDA = """
     __shared__ __align__(16) word staged[BLOCK_ROWS][ROW_WORDS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int pair = blockIdx.x / BLOCKS_A_PAIR, first = (blockIdx.x % BLOCKS_A_PAIR) * BLOCK_ROWS + warp * 2;
-    const int rows = OUT - first < 2 ? OUT - first : 2;  // this warp's rows: two, or fewer at the end
+    // this warp's rows: two, or at the end one (decoded twice, stored once) or none
+    const int rows = OUT - first < 2 ? OUT - first : 2;
     for (int r = 0; r < rows; ++r) {
         const word* source = reinterpret_cast<const word*>(w + ((size_t)indices[pair] * OUT + first + r) * (ROW_WORDS * WORD));
         for (int i = lane; i < ROW_WORDS; i += 32) staged[warp * 2 + r][i] = source[i];
@@ -783,14 +784,16 @@ _GGUF_ROWS_CUDA = """
     __syncthreads();
     if (rows <= 0) return;
     const auto* xs = reinterpret_cast<decltype(&x[0])>(x_bytes);
+    const uint8_t* row_bytes[2] = {reinterpret_cast<const uint8_t*>(staged[warp * 2]),
+                                   reinterpret_cast<const uint8_t*>(staged[warp * 2 + rows - 1])};
     float acc[2] = {0.0f, 0.0f};
     if (CODEC == 0) {
         const int byte = (lane % 16) * 4, half = byte / 32, l = byte % 32;
         for (int b = lane / 16; b < IN / 256; b += 2) {
             float e[4][4];  // the 16 values of x this lane takes in block b: both rows' codes meet them
             for (int i = 0; i < 4; ++i) aligned_floats<4>(xs + b * 256 + half * 128 + i * 32 + l, e[i]);
-            for (int r = 0; r < rows; ++r) {
-                const uint8_t* blk = reinterpret_cast<const uint8_t*>(staged[warp * 2 + r]) + b * BLOCK;
+            for (int r = 0; r < 2; ++r) {
+                const uint8_t* blk = row_bytes[r] + b * BLOCK;
                 const uint32_t q = *reinterpret_cast<const uint32_t*>(blk + 16 + byte);
                 const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
                 const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
@@ -808,8 +811,8 @@ _GGUF_ROWS_CUDA = """
         for (int b = 0; b < IN / 256; ++b) {
             float e[8];  // the 8 values of x this lane takes in block b
             aligned_floats<8>(xs + b * 256 + lane * 8, e);
-            for (int r = 0; r < rows; ++r) {
-                const uint8_t* blk = reinterpret_cast<const uint8_t*>(staged[warp * 2 + r]) + b * BLOCK;
+            for (int r = 0; r < 2; ++r) {
+                const uint8_t* blk = row_bytes[r] + b * BLOCK;
                 const uint16_t* sb = reinterpret_cast<const uint16_t*>(blk + 2 + sub * 8);
                 const uint32_t aux = sb[2] | ((uint32_t)sb[3] << 16);
                 const float db = __half2float(*reinterpret_cast<const __half*>(blk)) * (0.5f + small_int<0>(aux >> 28)) * 0.25f;
