@@ -518,3 +518,18 @@ def test_few_rows_and_routed_experts_are_named_by_their_dtypes(monkeypatch):
         wide = [(m[0], m[1].astype(scale_dtype), m[2].astype(scale_dtype), *m[3:]) for m in (gate, up, down)]
         kernels._routed_experts_cuda(x, chosen, weights, *wide, limit)
     assert experts[0] != experts[2] and experts[1] != experts[3]  # gate/up, then down, at each dtype
+
+
+@pytest.mark.parametrize("variant", ["flash", "pro"])
+def test_gguf_rows_kernel_fits_every_real_width(variant):
+    """The expert rows kernel stages x and each warp's rows in a block's shared memory: at V4 Flash's and
+    V4 PRO's widths, in every compute dtype, some block size fits (else decode takes the slow path)."""
+    from ds4_mlx.models import gguf_blocks
+    from ds4_mlx.models.args import ModelArgs
+    from ds4_mlx.models.variants import pro_args
+
+    args = pro_args() if variant == "pro" else ModelArgs()
+    H, inner = args.hidden_size, args.moe_intermediate_size
+    for codec, inp in (("iq2_xxs", H), ("q2_k", inner)):
+        for itemsize in (2, 4):
+            assert kernels._gguf_rows_warps(codec, inp, itemsize, gguf_blocks.row_bytes(codec, inp)) is not None
