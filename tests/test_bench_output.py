@@ -1,6 +1,7 @@
 """`ds4-mlx bench`: a table without --json, one JSON object alone on stdout with it (progress on stderr),
 defaults in --help, and the tiny preset by default on a CPU."""
 
+import argparse
 import json
 
 import pytest
@@ -125,6 +126,30 @@ def test_cuda_benches_say_what_they_need_on_a_cpu(name):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and done.stdout == ""
     assert "needs MLX's CUDA build" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("flag,value,says", [("--pairs", "4", "multiple of 6"), ("--pairs", "66", "at most"),
+                                             ("--pairs", "6,x", "multiple of 6"), ("--launches", "0", "positive"),
+                                             ("--repeats", "0", "positive")])
+def test_gguf_rows_bench_refuses_what_it_cannot_time(capsys, flag, value, says):
+    """A token's six pairs share a row of x, and past GGUF_ROWS_MAX_PAIRS the kernel does not apply: the
+    options say so before anything runs, on any machine."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "gguf-rows", flag, value])
+    assert done.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_gguf_rows_bench_says_when_the_kernel_is_off(monkeypatch):
+    """With kernels off the launches would be None, and an evaluation of nothing would pass for a fast
+    kernel: the bench stops instead."""
+    from ds4_mlx.models import kernels
+    from ds4_mlx.tools import bench_kernels
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "_enabled", False)
+    a = argparse.Namespace(pairs=[6], dtype="bfloat16", launches=1, repeats=1)
+    with pytest.raises(SystemExit, match="kernel is off"):
+        bench_kernels.bench_gguf_rows(a)
 
 
 @pytest.mark.parametrize("name", list(QUICK))

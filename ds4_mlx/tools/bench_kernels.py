@@ -4,6 +4,7 @@ For each shape (a decoded token, a verify of k rows, a batched step of B streams
 share (building and encoding the graph) and records the GPU's kernels with PyTorch's profiler:
 CUPTI sees every kernel of the process, MLX's included. The table groups kernels by kind, per step."""
 
+import argparse
 import importlib.util
 import re
 import statistics
@@ -188,15 +189,19 @@ def bench_gguf_rows(a):
     from ds4_mlx.models import gguf_blocks, kernels
     from ds4_mlx.tools.random_model import real_args
 
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+    if kernels.backend() != "cuda":
         raise SystemExit("bench gguf-rows needs MLX's CUDA build on an NVIDIA GPU")
+    for codec in kernels.GGUF_ROWS:  # else every launch is None, and evaluating nothing looks fast
+        if kernels.GGUF_ROWS[codec].backend() is None:
+            raise SystemExit(f"bench gguf-rows: the {codec} rows kernel is off here (--no-kernels, "
+                             "DS4_MLX_KERNELS=0, or it failed its self-check: see the warning above)")
     args, dtype = real_args(1), getattr(mx, a.dtype)
     H, inner, experts = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
     results = []
     for name, codec, out, inp in (("gate or up", "iq2_xxs", inner, H), ("down", "q2_k", H, inner)):
         w = gguf_blocks.random_blocks(codec, (experts, out, gguf_blocks.row_bytes(codec, inp)), seed=1)
         mx.eval(w)
-        for pairs in (int(p) for p in a.pairs.split(",")):
+        for pairs in a.pairs:
             x = mx.random.normal((pairs // 6, inp)).astype(dtype)
             draws = [mx.random.randint(0, experts, (a.launches, pairs), key=mx.random.key(r)).astype(mx.uint32)
                      for r in range(a.repeats + 1)]
@@ -221,8 +226,30 @@ def bench_gguf_rows(a):
     return {"dtype": a.dtype, "results": results}
 
 
+def _pair_counts(text):
+    """--pairs: comma-separated multiples of 6 (a token's experts share its row of x), as far as the kernel
+    applies."""
+    from ds4_mlx.models.kernels import GGUF_ROWS_MAX_PAIRS
+
+    counts = [int(p) if p.strip().isdigit() else 0 for p in text.split(",")]
+    if any(p <= 0 or p % 6 for p in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each count a positive multiple of 6 (six pairs a token)")
+    if max(counts) > GGUF_ROWS_MAX_PAIRS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {GGUF_ROWS_MAX_PAIRS} pairs (past that decode "
+                                         "takes another path)")
+    return counts
+
+
+def _positive(text):
+    if not text.strip().isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive whole number")
+    return int(text)
+
+
 def gguf_rows_options(q):
-    q.add_argument("--pairs", default="6,12,36,48", help="(token, expert) pairs a launch, multiples of 6")
+    q.add_argument("--pairs", type=_pair_counts, default="6,12,36,48",
+                   help="(token, expert) pairs a launch, comma-separated multiples of 6")
     q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="x's dtype")
-    q.add_argument("--launches", type=int, default=43, help="launches an evaluation (one a layer of a forward)")
-    q.add_argument("--repeats", type=int, default=7, help="timed evaluations a shape (their median is reported)")
+    q.add_argument("--launches", type=_positive, default=43, help="launches an evaluation (one a layer of a forward)")
+    q.add_argument("--repeats", type=_positive, default=7,
+                   help="timed evaluations a shape (their median is reported)")
