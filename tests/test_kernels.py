@@ -354,16 +354,20 @@ def test_no_kernels_flag(monkeypatch, tmp_path, capsys):
     assert not kernels._enabled and os.environ["DS4_MLX_KERNELS"] == "0"
 
 
+GGUF_ROWS_SHAPES = [(6, 1, 2048, 4096, 0), (12, 12, 4096, 2048, 0), (36, 6, 2048, 4096, 0), (3, 3, 8, 256, 0),
+                    (6, 2, 41, 512, 1)]
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
-@pytest.mark.parametrize("pairs,rows,out,inp,offset", [(6, 1, 2048, 4096, 0), (12, 12, 4096, 2048, 0),
-                                                       (36, 6, 2048, 4096, 0), (3, 3, 8, 256, 0), (6, 2, 40, 512, 1)])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("pairs,rows,out,inp,offset,dtype",
+                         [(*shape, dtype) for shape in GGUF_ROWS_SHAPES for dtype in (mx.float32, mx.bfloat16)]
+                         + [(*shape, mx.float16) for shape in GGUF_ROWS_SHAPES[3:]])
 def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, offset, dtype):
     """The kernel for routed experts kept in GGUF blocks against the `gguf` package's dequantization: each
     pair's row of x (consecutive pairs share one: a token's experts), x and the result in x's dtype. Rows
-    a block takes need not divide the output rows; x may be a view that starts `offset` values into its
-    array, off a wide word."""
+    a block takes need not divide the output rows, and an odd count leaves a warp one row; x may be a view
+    that starts `offset` values into its array, off a wide word."""
     import numpy as np
     import gguf.quants
     from gguf import GGMLQuantizationType as T
@@ -378,7 +382,7 @@ def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, offset, dty
     xs = np.repeat(np.array(x.astype(mx.float32), np.float64), pairs // rows, axis=0)
     want = np.einsum("pi,poi->po", xs, values[np.array(indices)].astype(np.float64))
     assert got.shape == (pairs, out) and got.dtype == dtype
-    tolerance = 1e-5 if dtype == mx.float32 else 1e-2  # the result rounded to bfloat16
+    tolerance = 1e-5 if dtype == mx.float32 else 1e-2  # the result rounded to 16 bits
     assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tolerance * np.abs(want).max()
 
 
