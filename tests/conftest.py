@@ -9,6 +9,10 @@ import mlx.core as mx
 import pytest
 
 mx.set_default_device(mx.cpu)
+# MLX's CPU allocator keeps few freed buffers for reuse by default: the tests at the real cache geometry
+# free far larger temporaries every step, and each new one is a fresh mapping whose pages fault in one by
+# one. A larger cache (the GPU backends keep one) spares that time.
+mx.set_cache_limit(2**30)
 
 # seeds of `ds4_mlx.tools.testing.tiny_args`: 0 is the fixed tiny shape, the others draw other shapes
 TINY_SEEDS = [0, 2, 4]
