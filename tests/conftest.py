@@ -2,6 +2,7 @@
 the demo model served for a test module. Helpers that are not fixtures (a server of given options, a
 served process, waiting for /health, cold-prefill logits) are in `ds4_mlx.tools.testing`."""
 
+import gc
 import os
 import sys
 
@@ -16,6 +17,15 @@ mx.set_cache_limit(2**30)
 
 # seeds of `ds4_mlx.tools.testing.tiny_args`: 0 is the fixed tiny shape, the others draw other shapes
 TINY_SEEDS = [0, 2, 4]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """What lives as a test module starts (the imported libraries, session fixtures) kept out of the
+    garbage collector's sweeps: a full collection walks every tracked object, torch's and transformers'
+    included, and each server that stops runs two."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
