@@ -2,6 +2,7 @@
 the demo model served for a test module. Helpers that are not fixtures (a server of given options, a
 served process, waiting for /health, cold-prefill logits) are in `ds4_mlx.tools.testing`."""
 
+import gc
 import os
 import sys
 
@@ -9,9 +10,22 @@ import mlx.core as mx
 import pytest
 
 mx.set_default_device(mx.cpu)
+# MLX's CPU allocator keeps few freed buffers for reuse by default: the tests at the real cache geometry
+# free far larger temporaries every step, and each new one is a fresh mapping whose pages fault in one by
+# one. A larger cache (the GPU backends keep one) spares that time.
+mx.set_cache_limit(2**30)
 
 # seeds of `ds4_mlx.tools.testing.tiny_args`: 0 is the fixed tiny shape, the others draw other shapes
 TINY_SEEDS = [0, 2, 4]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """What lives as a test module starts (the imported libraries, session fixtures) kept out of the
+    garbage collector's sweeps: a full collection walks every tracked object, torch's and transformers'
+    included, and each server that stops runs two."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

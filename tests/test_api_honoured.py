@@ -44,13 +44,14 @@ class FollowScript:
         def sampler(logits):
             text = tokenizer.decode(written)
             rest = script[len(text):] if script.startswith(text) else ""
-            allowed = np.flatnonzero(np.array(logits.astype(mx.float32)) > -np.inf)
+            row = np.array(logits.astype(mx.float32))
             token = tokenizer.encode(rest)[0] if rest else tokenizer.eos_id
-            if token not in set(allowed.tolist()):
+            if row[token] == -np.inf:  # not allowed
+                allowed = np.flatnonzero(row > -np.inf)
                 pieces = {t: tokenizer.decode([t]) for t in allowed.tolist()}
                 going_on = [t for t, piece in pieces.items() if piece and rest.startswith(piece)]
                 token = max(going_on, key=lambda t: len(pieces[t])) if going_on else \
-                    int(allowed[np.argmax(np.array(logits.astype(mx.float32))[allowed])])
+                    int(allowed[np.argmax(row[allowed])])
             written.append(token)
             return token
 

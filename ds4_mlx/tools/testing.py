@@ -360,14 +360,28 @@ def write_tiny_gguf(path, args: ModelArgs, seed=0):
 DEMO_MODEL_ID = "deepseek-v4-flash"
 
 
-def demo_server(**options):
-    """`build_server` on the demo model (loaded afresh by the server); `options` override the model id,
-    a 4,096-token context, one session and a 4 GiB cache budget."""
+_demo_tokenizers = []  # the first demo server's tokenizer, which the later ones of this process share
+
+
+def _demo_model():
+    """(model, tokenizer): the demo model loaded afresh, and one tokenizer for every demo server of the
+    process, so that what the server builds once per tokenizer (llguidance's view of it, the ids of its
+    added tokens) is built once, not once a test."""
     from ds4_mlx.demo import load_for_cli
+
+    model, tokenizer = load_for_cli(None)[:2]
+    if not _demo_tokenizers:
+        _demo_tokenizers.append(tokenizer)
+    return model, _demo_tokenizers[0]
+
+
+def demo_server(**options):
+    """`build_server` on the demo model (loaded afresh by the server, its tokenizer shared); `options`
+    override the model id, a 4,096-token context, one session and a 4 GiB cache budget."""
     from ds4_mlx.server.build import build_server
 
     settings = {"model_id": DEMO_MODEL_ID, "ctx": 4096, "sessions": 1, "budget_bytes": 2**32, **options}
-    return build_server(lambda: load_for_cli(None)[:2], **settings)
+    return build_server(_demo_model, **settings)
 
 
 @contextlib.contextmanager
