@@ -120,12 +120,8 @@ def test_caches_of_other_sizes_are_not_pooled():
 def test_a_long_session_beside_short_ones_is_not_pooled(monkeypatch):
     """Each pooled buffer has the longest session's rows: a long session would multiply the short ones'."""
     monkeypatch.setattr(pool_module, "PADDING_ROWS", 256)
-    model = random_model(tiny_args(0), seed=0)
-    rng = np.random.default_rng(2)
-    short = [Session(model) for _ in range(3)]
-    for s in short:
-        s.sync(rng.integers(0, 512, 10).tolist())
-    long = Session(model)
+    short, rng = _synced((10, 10, 10), 2)
+    long = Session(short[0].model)
     long.sync(rng.integers(0, 512, 4000).tolist())  # 1,000 compressed rows of the ratio-4 layers
     assert Pool.of([s.cache for s in short]) is not None
     assert Pool.of([s.cache for s in short + [long]]) is None
@@ -136,11 +132,7 @@ def test_a_pool_is_copied_only_when_built():
     sessions alone, a trim, and a step that brings a session's rows back. A verify copies the verifying
     session's rows alone (they leave the pool), never the others'. With a long rewind slack the raw rings
     dominate, so a copy of any pooled array shows in the peak memory."""
-    model = random_model(tiny_args(0), seed=0)
-    rng = np.random.default_rng(3)
-    sessions = [Session(model, rewind_slack=20_000) for _ in range(4)]
-    for s, n in zip(sessions, (30, 41, 52, 63)):
-        s.sync(rng.integers(0, 512, n).tolist())
+    sessions, rng = _synced((30, 41, 52, 63), 3, rewind_slack=20_000)
 
     def together(group=sessions):
         step_together(group, mx.array(rng.integers(0, 512, len(group)), mx.int32))
@@ -165,14 +157,21 @@ def test_a_pool_is_copied_only_when_built():
     assert all(s.cache[0].pool() is pool for s in sessions)
 
 
+def _synced(lengths, seed, **options):
+    """(sessions of the tiny model, one a length, each synced on that many random tokens; the generator that
+    drew them, for what a test draws next)."""
+    model = random_model(tiny_args(0), seed=0)
+    rng = np.random.default_rng(seed)
+    sessions = [Session(model, **options) for _ in lengths]
+    for s, n in zip(sessions, lengths):
+        s.sync(rng.integers(0, 512, n).tolist())
+    return sessions, rng
+
+
 def _pooled(n, seed, **options):
     """n sessions of the tiny model with long raw rings (a copy of a session's rows shows in the memory),
     synced and decoded together twice: their rows live in a pool."""
-    model = random_model(tiny_args(0), seed=0)
-    rng = np.random.default_rng(seed)
-    sessions = [Session(model, rewind_slack=20_000, **options) for _ in range(n)]
-    for s in sessions:
-        s.sync(rng.integers(0, 512, 30).tolist())
+    sessions, rng = _synced((30,) * n, seed, rewind_slack=20_000, **options)
     for _ in range(2):
         _together(sessions, rng)
     assert all(s.cache[0].pool() is sessions[0].cache[0].pool() is not None for s in sessions)
@@ -215,11 +214,7 @@ def test_a_pooled_session_grown_long_does_not_pad_the_others(monkeypatch):
     """A session of a pool that prefills a long prompt on its own rows, then decodes beside the short ones,
     would grow every session's row of the pool's buffers to its length: it decodes alone (`Pool.fit`)."""
     monkeypatch.setattr(pool_module, "PADDING_ROWS", 256)
-    model = random_model(tiny_args(0), seed=0)
-    rng = np.random.default_rng(6)
-    sessions = [Session(model) for _ in range(4)]
-    for s in sessions:
-        s.sync(rng.integers(0, 512, 10).tolist())
+    sessions, rng = _synced((10, 10, 10, 10), 6)
     _together(sessions, rng)
 
     def rows():
@@ -236,11 +231,7 @@ def test_a_session_decoding_on_beside_idle_ones_does_not_pad_theirs(monkeypatch)
     would grow every session's row of the pool's buffers to its length."""
     monkeypatch.setattr(RowBuffer, "step", 16)  # compressed rows in buckets of 16: a short run outgrows them
     monkeypatch.setattr(pool_module, "PADDING_ROWS", 0)
-    model = random_model(tiny_args(0), seed=0)
-    rng = np.random.default_rng(8)
-    sessions = [Session(model) for _ in range(3)]
-    for s, n in zip(sessions, (1, 1, 200)):
-        s.sync(rng.integers(0, 512, n).tolist())
+    sessions, rng = _synced((1, 1, 200), 8)
     _together(sessions, rng)
     short = [c.rows.rows.shape[0] for c in sessions[0].cache if c.ratio]
     for _ in range(64):  # one bucket more of the ratio-4 layers' rows
