@@ -851,6 +851,7 @@ def _word(row_bytes):
 _SHARED_BYTES = 48 * 1024  # a block's static shared memory
 
 
+@lru_cache(maxsize=None)
 def _gguf_rows_warps(codec, inp, itemsize, row_bytes):
     """Warps a block of the rows kernel (16, 8 or 4: the most whose staged x, tables and rows fit shared
     memory), or None where even 4 do not fit."""
