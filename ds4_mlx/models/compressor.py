@@ -43,11 +43,12 @@ class Compressor(nn.Module):
         if not slots.pooled:
             return ring, None
         blocks = counting(slots.pooled)
-        tokens = slots.pool_offset + blocks[:, None] * m + counting(m)[None, :]  # [rows, m] in `source`
+        span = 2 * m if self.overlap else m  # with overlap, each block comes after the one before it
+        tokens = slots.pool_offset + blocks[:, None] * m + counting(span)[None, :] - (span - m)  # in `source`
         if not self.overlap:
             return ring, self.pool(source[tokens])
         prev_valid = (slots.first_row + blocks >= 1)[:, None, None]  # the very first block has none before it
-        return ring, self.pool(source[tokens], source[mx.maximum(tokens - m, 0)], prev_valid)
+        return ring, self.pool(source[mx.maximum(tokens, 0)], prev_valid)
 
     def step_each(self, fresh, ring, write, block, in_blocks, open_row):
         """`step` for one token of each of B sessions whose rings are rows of `ring` [S, capacity, 2 * width]:
@@ -62,21 +63,19 @@ class Compressor(nn.Module):
         own = (counting(n)[None, :] == (n - m + in_blocks)[:, None])[..., None]  # each token's own row
         logged = mx.where(own, fresh[:, None, :], logged)
         ring = write_rows(flat, write, fresh).reshape(ring.shape)
-        if not self.overlap:
-            return ring, self.pool(logged)
-        return ring, self.pool(logged[:, m:], logged[:, :m], (open_row >= 1)[:, None, None])
+        return ring, self.pool(logged, (open_row >= 1)[:, None, None] if self.overlap else None)
 
-    def pool(self, logged, prev=None, prev_valid=None):
-        """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap,
-        `prev` holds the blocks before them (their scores count only where `prev_valid`)."""
+    def pool(self, logged, prev_valid=None):
+        """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap, each
+        block comes after the one before it ([n, 2 * ratio, ...]), whose scores count only where `prev_valid`."""
         W, d = self.width, self.head_dim
         kv, score = logged[..., :W], logged[..., W:]
         if self.overlap:
-            prev_score = prev[..., W : W + d]
-            if prev_valid is not None:
-                prev_score = mx.where(prev_valid, prev_score, -mx.inf)
-            kv = mx.concatenate([prev[..., :d], kv[..., d:]], axis=1)
-            score = mx.concatenate([prev_score, score[..., d:]], axis=1)
+            # the block before gives the first half of the channels and the block itself the second: a select
+            # by row, which fuses, where concatenating the halves would copy each
+            before = (counting(logged.shape[1]) < self.ratio)[None, :, None]
+            kv = mx.where(before, kv[..., :d], kv[..., d:])
+            score = mx.where(before, mx.where(prev_valid, score[..., :d], -mx.inf), score[..., d:])
         weights = mx.softmax(score.astype(mx.float32), axis=1)
         return (weights * kv).sum(axis=1)
 
