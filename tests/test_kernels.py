@@ -13,30 +13,34 @@ from ds4_mlx.models import kernels
 HAS_GPU = mx.metal.is_available() or mx.cuda.is_available()
 
 
-def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0, dtype=mx.float32):
+def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0, dtype=mx.float32, normed=False):
     key = mx.random.key(seed)
-    k1, k2, k3, k4 = mx.random.split(key, 4)
+    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
     mix = 3 * mx.random.normal((T, (2 + hc) * hc), key=k1)
     scale = mx.random.uniform(0.5, 2.0, (3,), key=k2)
     base = mx.random.normal(((2 + hc) * hc,), key=k3)
     streams = mx.random.normal((T, hc, H), key=k4)
+    norm = (mx.random.uniform(0.5, 2.0, (H,), key=k5).astype(dtype), 1e-6) if normed else ()
     with mx.stream(mx.gpu):
         previous = mx.default_device()
         mx.set_default_device(mx.gpu)
         try:
             assert kernels.backend() in ("metal", "cuda")
-            got = kernels.hc_mix(mix, scale, base, streams, iters, eps, dtype)
-            want = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps)  # x in float32
+            got = kernels.hc_mix(mix, scale, base, streams, iters, eps, dtype, *norm)
+            # x in float32, or normed from x rounded to `dtype` as the kernel's
+            want = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps, *((dtype,) + norm if normed else ()))
             mx.eval(got, want)
         finally:
             mx.set_default_device(previous)
     assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == mx.float32
-    # x is the float32 mix rounded once to `dtype`: within its rounding of the float32 definition's
-    x_tolerance = 1e-5 if dtype == mx.float32 else mx.finfo(dtype).eps
+    # x is the float32 mix rounded once to `dtype`: within its rounding of the float32 definition's (normed,
+    # within the roundings of the norm's product and of its weight's)
+    x_tolerance = 1e-5 if dtype == mx.float32 else mx.finfo(dtype).eps * (2 if normed else 1)
     for name, g, w, tolerance in zip(("x", "post", "comb"), got, want, (x_tolerance, 1e-5, 1e-5)):
         assert g.shape == w.shape, name
-        err = float(mx.abs(g.astype(mx.float32) - w).max())
-        assert err <= tolerance * max(1.0, float(mx.abs(w).max())), f"{name}: max |diff| {err:.2e} (T={T}, H={H})"
+        err = float(mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max())
+        assert err <= tolerance * max(1.0, float(mx.abs(w.astype(mx.float32)).max())), \
+            f"{name}: max |diff| {err:.2e} (T={T}, H={H})"
     # the comb matrix is doubly stochastic after Sinkhorn: columns sum to 1 (to within eps)
     assert float(mx.abs(got[2].sum(axis=-2) - 1).max()) < 1e-4
 
@@ -44,8 +48,9 @@ def check_hc_mix(T, H, hc=4, iters=20, eps=1e-6, seed=0, dtype=mx.float32):
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("T,H,dtype", [(1, 4096, mx.float32), (3, 64, mx.float32), (517, 4096, mx.float32),
                                        (1, 4096, mx.bfloat16), (3, 64, mx.float16)])
-def test_hc_mix_kernel_matches_reference(T, H, dtype):
-    check_hc_mix(T, H, dtype=dtype)
+@pytest.mark.parametrize("normed", [False, True], ids=["mix", "mix-and-norm"])
+def test_hc_mix_kernel_matches_reference(T, H, dtype, normed):
+    check_hc_mix(T, H, dtype=dtype, normed=normed)
 
 
 def on_cuda(kernel, *args):
@@ -293,8 +298,8 @@ def test_a_wrong_kernel_turns_itself_off(fake_backend, capsys):
     from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.tools.testing import tiny_args
 
-    def wrong(mix, scale, base, streams, iters, eps, dtype=mx.float32):
-        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
+    def wrong(*args):
+        x, post, comb = kernels.hc_mix_reference(*args)
         return x + 1.0, post, comb
 
     fake_backend(wrong)
@@ -314,9 +319,9 @@ def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):
     from ds4_mlx.tools.random_model import random_model
     from ds4_mlx.tools.testing import tiny_args
 
-    def wrong_when_wide(mix, scale, base, streams, iters, eps, dtype=mx.float32):
-        x, post, comb = kernels.hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
-        return (x + 1.0 if streams.shape[-1] > 64 else x), post, comb
+    def wrong_when_wide(*args):
+        x, post, comb = kernels.hc_mix_reference(*args)
+        return (x + 1.0 if x.shape[-1] > 64 else x), post, comb
 
     fake_backend(wrong_when_wide)
     args = tiny_args(0, hidden_size=128)
@@ -481,9 +486,9 @@ def test_kernels_name_the_dtypes_they_are_launched_at(monkeypatch):
     """A kernel launched at other dtypes differs in its template arguments: MLX's CUDA backend would
     otherwise run the code it compiled for the first dtypes (reading bfloat16 values as float32)."""
     seen = _recorded_launches(monkeypatch, "_hc_kernel", "_attend_kernel")
-    mix, scale, base, streams, iters, eps = kernels._hc_mix_sample()
+    mix, scale, base, streams, iters, eps, _, weight, norm_eps = kernels._hc_mix_sample()
     for dtype in (mx.float32, mx.bfloat16):
-        kernels._hc_mix_kernel("cuda", mix, scale, base, streams, iters, eps, dtype)
+        kernels._hc_mix_kernel("cuda", mix, scale, base, streams, iters, eps, dtype, weight, norm_eps)
     q, ring, fresh, rows, selected, pos, sinks, window, ratio, *rest = kernels._decode_attention_sample()
     for q_dtype, row_dtype in ((mx.float32, mx.float32), (mx.bfloat16, mx.float32), (mx.float32, mx.float16)):
         kernels._decode_attention_cuda(q.astype(q_dtype), ring.astype(row_dtype), fresh, rows, selected, pos, sinks,

@@ -71,16 +71,15 @@ class DecoderLayer(nn.Module):
         return self._leave(out, positions, streams, post, comb, ids), written
 
     def _enter(self, streams, positions, in_blocks, selecting, quant_sim):
-        """Up to the cache: HC pre, the norm, `Attention.project`."""
-        x, post, comb = self.hc_attn.pre(streams, self.attn_norm.weight.dtype)
-        x = self.attn_norm(x)
+        """Up to the cache: HC pre with the norm, `Attention.project`."""
+        x, post, comb = self.hc_attn.pre(streams, self.attn_norm)
         return post, comb, self.attn.project(x, positions, in_blocks, selecting, quant_sim)
 
     def _leave(self, out, positions, streams, post, comb, ids):
         """From the attention outputs on: the output projection, HC post, the MoE, HC post."""
         streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams, self.ffn_norm.weight.dtype)
-        out = self.ffn(self.ffn_norm(x), ids)
+        x, post, comb = self.hc_ffn.pre(streams, self.ffn_norm)
+        out = self.ffn(x, ids)
         return HyperConnection.post(out, streams, post, comb)
 
     _compiled_step = compiled(_step)

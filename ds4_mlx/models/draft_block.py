@@ -48,8 +48,7 @@ class DraftBlock(DecoderLayer):
 
     def attn_input(self, streams):
         """streams [T, hc, H] -> (the normed attention input [T, H], post, comb)."""
-        x, post, comb = self.hc_attn.pre(streams)
-        return self.attn_norm(x.astype(self.attn_norm.weight.dtype)), post, comb
+        return self.hc_attn.pre(streams, self.attn_norm)
 
     def run(self, streams, start, context, mask=None):
         """The block on streams [T, hc, H] at positions start, ...; queries read `context` rows [S, hd]
@@ -63,8 +62,8 @@ class DraftBlock(DecoderLayer):
         keys = mx.broadcast_to(keys.astype(f32)[None], (T,) + keys.shape)
         out = attend(q.astype(f32), keys, mask, attn.sinks.astype(f32), attn.head_dim ** -0.5)
         streams = HyperConnection.post(attn._project_out(out, start), streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams)
-        out = self.ffn(self.ffn_norm(x.astype(self.ffn_norm.weight.dtype)), None)
+        x, post, comb = self.hc_ffn.pre(streams, self.ffn_norm)
+        out = self.ffn(x, None)
         return HyperConnection.post(out, streams, post, comb), kv
 
 

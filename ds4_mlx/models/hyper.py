@@ -19,12 +19,14 @@ class HyperConnection(nn.Module):
         self.scale = mx.ones((3,))
         self.hc, self.iters, self.eps, self.norm_eps = hc, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
 
-    def pre(self, streams, dtype=mx.float32):
-        """streams [T, hc, H] -> (sub-layer input [T, H] in `dtype` (the mix in float32, rounded once),
-        post [T, hc], comb [T, hc, hc], float32)."""
+    def pre(self, streams, norm):
+        """streams [T, hc, H] -> (sub-layer input [T, H]: the mix in float32, rounded once to the dtype of
+        `norm` (the sub-layer's RMSNorm) and normed by it, in one launch; post [T, hc], comb [T, hc, hc],
+        float32)."""
         T, hc, H = streams.shape
         mix = hc_project(streams.reshape(T, hc * H), self.fn, self.norm_eps)
-        return hc_mix(mix, self.scale, self.base, streams, self.iters, self.eps, dtype)
+        return hc_mix(mix, self.scale, self.base, streams, self.iters, self.eps, norm.weight.dtype, norm.weight,
+                      norm.eps)
 
     @staticmethod
     @mx.compile

@@ -106,9 +106,9 @@ def _random(*shape, seed=0):
 # of the streams into one sub-layer input. As plain MLX this is ~230 tiny ops a call; fused, one launch.
 
 
-def hc_mix_reference(mix, scale, base, streams, iters, eps, dtype=mx.float32):
-    """mix [T, (2+hc)*hc] float32, streams [T, hc, H] -> (x [T, H] rounded once to `dtype`, post [T, hc],
-    comb [T, hc, hc])."""
+def hc_mix_reference(mix, scale, base, streams, iters, eps, dtype=mx.float32, weight=None, norm_eps=0.0):
+    """mix [T, (2+hc)*hc] float32, streams [T, hc, H] -> (x [T, H] rounded once to `dtype`, then normed by an
+    RMS norm of `weight` [H] where given (the sub-layer's own norm), post [T, hc], comb [T, hc, hc])."""
     T, hc, H = streams.shape
     pre = mx.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * mx.sigmoid(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
@@ -119,6 +119,8 @@ def hc_mix_reference(mix, scale, base, streams, iters, eps, dtype=mx.float32):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
         comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
     x = (pre[:, :, None] * streams).sum(axis=1).astype(dtype)
+    if weight is not None:
+        x = mx.fast.rms_norm(x, weight.astype(dtype), norm_eps)
     return x, post, comb
 
 
@@ -157,52 +159,76 @@ _HC_BODY = """
         if (mine) { for (int i = 0; i < HC; ++i) s += c[i * HC + k]; v /= s + EPS; }
     }
     if (mine) comb[t * HC * HC + tid] = v;
+    float squares = 0.0f;
     for (int h = tid; h < H; h += GROUP) {
         float acc = 0.0f;
         for (int i = 0; i < HC; ++i) acc += shared_pre[i] * streams[(t * HC + i) * H + h];
-        x[t * H + h] = acc;
+        const X_TYPE rounded = static_cast<X_TYPE>(acc);
+        x[t * H + h] = rounded;
+        squares += static_cast<float>(rounded) * static_cast<float>(rounded);
     }
+#ifdef NORM_EPS
+    // the sub-layer's RMS norm of the rounded x, rounded as MLX's: x times the normalizer to X_TYPE, then
+    // times the weight in X_TYPE
+    total[tid] = squares;
+    for (int half = GROUP / 2; half > 0; half /= 2) {
+        BARRIER;
+        if (tid < half) total[tid] += total[tid + half];
+    }
+    BARRIER;
+    const float normalizer = RSQRT(total[0] / H + NORM_EPS);
+    for (int h = tid; h < H; h += GROUP) {
+        const X_TYPE normed = static_cast<X_TYPE>(static_cast<float>(x[t * H + h]) * normalizer);
+        x[t * H + h] = weight[h] * normed;
+    }
+#endif
 """
 _GROUP = 256
 _HEADS = {
     "metal": "const int t = threadgroup_position_in_grid.x, tid = thread_position_in_threadgroup.x;\n"
-             "threadgroup float shared_pre[HC], c[HC * HC];\n#define BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)\n",
+             "threadgroup float shared_pre[HC], c[HC * HC], total[GROUP];\n"
+             "#define BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)\n#define RSQRT metal::rsqrt\n",
     "cuda": "const int t = blockIdx.x, tid = threadIdx.x;\n"
-            "__shared__ float shared_pre[HC], c[HC * HC];\n#define BARRIER __syncthreads()\n",
+            "__shared__ float shared_pre[HC], c[HC * HC], total[GROUP];\n#define BARRIER __syncthreads()\n"
+            "#define RSQRT rsqrtf\n",
 }
 
 
 def _hc_mix_sample():
     T, hc, H = 3, 4, 64
     return (_random(T, (2 + hc) * hc), 1 + 0.1 * _random(3), 0.1 * _random((2 + hc) * hc), _random(T, hc, H),
-            20, 1e-6)
+            20, 1e-6, mx.float32, 1 + 0.1 * _random(H), 1e-6)
 
 
 HC_MIX = Kernel("hc_mix", hc_mix_reference, _hc_mix_sample, 1e-4)
 
 
 @lru_cache(maxsize=None)
-def _hc_kernel(kind, eps):
-    source = _HEADS[kind] + f"#define EPS {float(eps)!r}f\n#define GROUP {_GROUP}\n" + _HC_BODY
+def _hc_kernel(kind, eps, norm_eps):
+    defines = f"#define EPS {float(eps)!r}f\n#define GROUP {_GROUP}\n"
+    if norm_eps is not None:
+        defines += f"#define NORM_EPS {float(norm_eps)!r}f\n"
     make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
-    return make(name=f"ds4_hc_mix_{abs(hash(eps))}", input_names=["mix", "scale", "base", "streams"],
-                output_names=["x", "post", "comb"], source=source)
+    return make(name=f"ds4_hc_mix_{abs(hash((eps, norm_eps)))}",
+                input_names=["mix", "scale", "base", "streams"] + ([] if norm_eps is None else ["weight"]),
+                output_names=["x", "post", "comb"], source=defines + _HEADS[kind] + _HC_BODY)
 
 
-def hc_mix(mix, scale, base, streams, iters, eps, dtype=mx.float32):
+def hc_mix(mix, scale, base, streams, iters, eps, dtype=mx.float32, weight=None, norm_eps=0.0):
     """`hc_mix_reference`, fused into one kernel on Metal and CUDA (float32 throughout; x is written in
-    `dtype`, the sub-layer's compute dtype, so no cast of its own runs before the norm that reads it)."""
+    `dtype`, the sub-layer's compute dtype, normed in the same launch where `weight` is given)."""
     kind = HC_MIX.backend()
     if kind is None:
-        return hc_mix_reference(mix, scale, base, streams, iters, eps, dtype)
-    return HC_MIX.launches[kind](mix, scale, base, streams, iters, eps, dtype)
+        return hc_mix_reference(mix, scale, base, streams, iters, eps, dtype, weight, norm_eps)
+    return HC_MIX.launches[kind](mix, scale, base, streams, iters, eps, dtype, weight, norm_eps)
 
 
-def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps, dtype=mx.float32):
+def _hc_mix_kernel(kind, mix, scale, base, streams, iters, eps, dtype=mx.float32, weight=None, norm_eps=0.0):
     T, hc, H = streams.shape
     f32 = mx.float32
-    return _hc_kernel(kind, eps)(
-        inputs=[mix.astype(f32), scale.astype(f32), base.astype(f32), streams.astype(f32)],
+    inputs = [mix.astype(f32), scale.astype(f32), base.astype(f32), streams.astype(f32)]
+    return _hc_kernel(kind, eps, None if weight is None else norm_eps)(
+        inputs=inputs + ([] if weight is None else [weight.astype(dtype)]),
         template=[("HC", hc), ("ITERS", iters), ("H", H), ("X_TYPE", dtype)],
         grid=(T * _GROUP, 1, 1), threadgroup=(_GROUP, 1, 1),
         output_shapes=[(T, H), (T, hc), (T, hc, hc)], output_dtypes=[dtype, f32, f32])
