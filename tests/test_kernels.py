@@ -391,6 +391,36 @@ def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, offset, dty
     assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tolerance * np.abs(want).max()
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("codec", ["iq2_xxs", "q2_k"])
+@pytest.mark.parametrize("pairs,rows,out", [(6, 1, 2048), (36, 6, 2048), (6, 1, 41)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gguf_rows_glu_kernel_matches_gguf(codec, pairs, rows, out, dtype):
+    """The rows kernel's GLU form (a token's gate and up experts and the clamped SwiGLU in one launch)
+    against float64 over the `gguf` package's dequantization; an odd output count leaves a block's last
+    warps no row."""
+    import numpy as np
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    from ds4_mlx.models import gguf_blocks
+
+    inp, limit = 4096, 2.0
+    gate, up = (gguf_blocks.random_blocks(codec, (16, out, gguf_blocks.row_bytes(codec, inp)), seed=seed)
+                for seed in (pairs, pairs + 1))
+    x = mx.random.normal((rows, inp), key=mx.random.key(out)).astype(dtype)
+    indices = mx.random.randint(0, 16, (pairs,), key=mx.random.key(inp)).astype(mx.uint32)
+    got = on_cuda(kernels.gguf_rows_glu, x, gate, up, indices, codec, limit)
+    xs = np.repeat(np.array(x.astype(mx.float32), np.float64), pairs // rows, axis=0)
+    g, u = (np.einsum("pi,poi->po", xs, gguf.quants.dequantize(np.array(m), T[codec.upper()])[np.array(indices)]
+                      .astype(np.float64)) for m in (gate, up))
+    g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    want = g / (1 + np.exp(-g)) * u
+    assert got.shape == (pairs, out) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == mx.float32 else 1e-2
+    assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tolerance * np.abs(want).max()
+
+
 def test_gguf_rows_definition_matches_gguf():
     """The kernel's definition, on any device, against the `gguf` package (the CUDA test's oracle too)."""
     import numpy as np
@@ -423,8 +453,8 @@ def test_gguf_dequantize_kernel_matches_gguf(codec):
     assert np.abs(np.array(got) - want).max() <= 1e-6 * np.abs(want).max()  # a fused multiply-add at most
 
 
-def _few_rows_case(rows, groups, out, inp, dtype):
-    w, scales, biases = mx.quantize(0.02 * mx.random.normal((groups, out, inp), key=mx.random.key(out)),
+def _few_rows_case(rows, groups, out, inp, dtype, seed=None):
+    w, scales, biases = mx.quantize(0.02 * mx.random.normal((groups, out, inp), key=mx.random.key(seed or out)),
                                     group_size=32, bits=8)
     x = mx.random.normal((rows, groups, inp), key=mx.random.key(rows)).astype(dtype)
     return x, w, scales.astype(mx.float16), biases.astype(mx.float16)
@@ -451,6 +481,44 @@ def test_few_rows_kernel_matches_dequantized_product(groups, out, inp, dtype):
             first = np.array(got.astype(mx.float32))
         else:
             assert (np.array(got[:1].astype(mx.float32)) == first).all()
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_few_rows_glu_and_add_match_float64(dtype):
+    """The shared expert's two fused forms at real widths: gate and up with the clamped SwiGLU (4096 -> 2048),
+    and down plus the routed experts' sum (2048 -> 4096), against float64 over MLX's dequantization; each
+    row the same bits whatever the number of rows beside it."""
+    import numpy as np
+
+    def float64(w, scales, biases):
+        with mx.stream(mx.cpu):
+            return np.array(mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), 32, 8)[0],
+                            np.float64)
+
+    limit = 2.0
+    x, *gate = _few_rows_case(16, 1, 2048, 4096, dtype)
+    up = _few_rows_case(1, 1, 2048, 4096, dtype, seed=1)[1:]
+    h, *down = _few_rows_case(16, 1, 4096, 2048, dtype)
+    addend = mx.random.normal((16, 1, 4096), key=mx.random.key(3)).astype(dtype)
+    xs = np.array(x.astype(mx.float32), np.float64)[:, 0]
+    g, u = xs @ float64(*gate).T, xs @ float64(*up).T
+    g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    want_glu = g / (1 + np.exp(-g)) * u
+    want_add = np.array(addend.astype(mx.float32), np.float64)[:, 0] + np.array(
+        h.astype(mx.float32), np.float64)[:, 0] @ float64(*down).T
+    tolerance = 1e-5 if dtype == mx.float32 else 1e-2
+    for rows in (1, 6, 16):
+        glu = on_cuda(kernels.few_rows_glu, x[:rows], (*gate, 32, 8, "affine"), (*up, 32, 8, "affine"), limit)
+        added = on_cuda(lambda *a: kernels.few_rows(*a, addend=addend[:rows]), h[:rows], *down, 32, 8, "affine")
+        for got, want in ((glu, want_glu), (added, want_add)):
+            assert got.shape == (rows, 1, want.shape[-1]) and got.dtype == dtype
+            assert np.abs(np.array(got.astype(mx.float32))[:, 0] - want[:rows]).max() <= tolerance * np.abs(want).max()
+        if rows == 1:
+            first = [np.array(glu.astype(mx.float32)), np.array(added.astype(mx.float32))]
+        else:
+            assert (np.array(glu[:1].astype(mx.float32)) == first[0]).all()
+            assert (np.array(added[:1].astype(mx.float32)) == first[1]).all()
 
 
 def test_few_rows_definition_matches_quantized_matmul():
@@ -511,8 +579,8 @@ def test_few_rows_and_routed_experts_are_named_by_their_dtypes(monkeypatch):
     seen = _recorded_launches(monkeypatch, "_few_rows_kernel")
     x, w, scales, biases, group_size = kernels._few_rows_sample()
     for x_dtype, scale_dtype in ((mx.float32, mx.float16), (mx.bfloat16, mx.float16), (mx.float32, mx.float32)):
-        kernels._few_rows_cuda(x.astype(x_dtype), w, scales.astype(scale_dtype), biases.astype(scale_dtype),
-                               group_size)
+        kernels.FEW_ROWS.launches["cuda"](x.astype(x_dtype), w, scales.astype(scale_dtype),
+                                          biases.astype(scale_dtype), group_size)
     assert len(set(seen)) == 3
 
     experts = []

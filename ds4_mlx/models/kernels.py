@@ -726,6 +726,9 @@ __device__ inline void load_floats(const T* p, float* v) {
 template <typename T>
 __device__ inline void store(T* p, float v) { *p = static_cast<T>(v); }
 
+template <typename T>
+__device__ inline float rounded_as(const T*, float v) { return static_cast<float>(static_cast<T>(v)); }  // v as T holds it
+
 // Byte j of `bytes` as a float, exactly and without an integer conversion: the byte set as the low bits of
 // 2^23's mantissa, then 2^23 taken away.
 template <int J>
@@ -781,18 +784,23 @@ __device__ inline void iq2xxs_unit(const uint8_t* blk, int unit, const float* la
 # values, each group of 4 contiguous in x); an IQ2_XXS lane takes 8 values of one sub-block.
 _GGUF_ROWS_CUDA = """
     typedef typename Word<WORD>::type word;
-    constexpr int ROW_WORDS = IN / 256 * BLOCK / WORD, BLOCK_ROWS = WARPS * 2;
-    constexpr int BLOCKS_A_PAIR = (OUT + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    constexpr int ROW_WORDS = IN / 256 * BLOCK / WORD, BLOCK_ROWS = WARPS * 2, WARP_OUTS = GLU ? 1 : 2;
+    constexpr int BLOCKS_A_PAIR = (OUT + WARPS * WARP_OUTS - 1) / (WARPS * WARP_OUTS);
     __shared__ __align__(16) uint8_t x_bytes[IN * sizeof(x[0])];
     __shared__ uint2 grid_bytes[CODEC == 1 ? 256 : 1];
     __shared__ uint8_t sign_bytes[128];
     __shared__ __align__(16) word staged[BLOCK_ROWS][ROW_WORDS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int pair = blockIdx.x / BLOCKS_A_PAIR, first = (blockIdx.x % BLOCKS_A_PAIR) * BLOCK_ROWS + warp * 2;
-    // this warp's rows: two, or at the end one (decoded twice, stored once) or none
-    const int rows = OUT - first < 2 ? OUT - first : 2;
+    const int pair = blockIdx.x / BLOCKS_A_PAIR;
+    const int first = (blockIdx.x % BLOCKS_A_PAIR) * WARPS * WARP_OUTS + warp * WARP_OUTS;
+    // this warp's rows: two, or at the end one (decoded twice, stored once) or none; GLU: row `first` of the
+    // gate matrix and of the up one, or none
+    const int outs = OUT - first < WARP_OUTS ? OUT - first : WARP_OUTS;
+    const int rows = GLU ? (outs > 0 ? 2 : 0) : outs;
     for (int r = 0; r < rows; ++r) {
-        const word* source = reinterpret_cast<const word*>(w + ((size_t)indices[pair] * OUT + first + r) * (ROW_WORDS * WORD));
+        const uint8_t* matrix = GLU && r == 1 ? up_w : w;
+        const size_t row = (size_t)indices[pair] * OUT + first + (GLU ? 0 : r);
+        const word* source = reinterpret_cast<const word*>(matrix + row * (ROW_WORDS * WORD));
         for (int i = lane; i < ROW_WORDS; i += 32) staged[warp * 2 + r][i] = source[i];
     }
     const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
@@ -856,16 +864,24 @@ _GGUF_ROWS_CUDA = """
     }
     for (int r = 0; r < 2; ++r)
         for (int o = 16; o > 0; o /= 2) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], o);
-    if (lane == 0)
+    if (lane == 0 && GLU) {
+        const float gate = fminf(acc[0], LIMIT), up = fminf(fmaxf(acc[1], -LIMIT), LIMIT);
+        store(y + (size_t)pair * OUT + first, gate / (1.0f + expf(-gate)) * up);
+    } else if (lane == 0) {
         for (int r = 0; r < rows; ++r) store(y + (size_t)pair * OUT + first + r, acc[r]);
+    }
 """
 _GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
 
 
 @lru_cache(maxsize=None)
-def _gguf_rows_kernel():
-    return mx.fast.cuda_kernel(name="ds4_gguf_expert_rows", input_names=["x", "w", "indices", "lattice", "ksigns"],
-                               output_names=["y"], source=_GGUF_ROWS_CUDA, header=_LOADS)
+def _gguf_rows_kernel(limit=None):
+    """The rows kernel; with `limit`, its GLU form (gate and up matrices, the clamped SwiGLU of the two)."""
+    glu = limit is not None
+    defines = f"#define GLU {int(glu)}\n#define LIMIT {float(limit or 0)!r}f\n" + ("" if glu else "#define up_w w\n")
+    return mx.fast.cuda_kernel(name="ds4_gguf_expert_rows" + (f"_glu_{abs(hash(limit))}" if glu else ""),
+                               input_names=["x", "w", "indices", "lattice", "ksigns"] + (["up_w"] if glu else []),
+                               output_names=["y"], source=defines + _GGUF_ROWS_CUDA, header=_LOADS)
 
 
 def _word(row_bytes):
@@ -886,21 +902,23 @@ def _gguf_rows_warps(codec, inp, itemsize, row_bytes):
                 None)
 
 
-def _gguf_rows_cuda(x, w, indices, codec):
+def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None):
     """x [X, in] (X divides P), w uint8 [E, out, row bytes], indices [P] -> [P, out] in x's dtype: pair p's
-    row of x (row p // (P / X)) through expert indices[p]."""
+    row of x (row p // (P / X)) through expert indices[p]; with `up` (w's shape) and `limit`, the clamped
+    SwiGLU of that (the gate) and the same through `up`."""
     from ds4_mlx.models import gguf_blocks
 
     (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
     warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
-    inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns]
-    return _gguf_rows_kernel()(
+    inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns] + ([] if up is None else [up])
+    outs_a_block = warps * (2 if up is None else 1)
+    return _gguf_rows_kernel(limit)(
         inputs=inputs,
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])), ("WARPS", warps),
                   *_dtype_keys(inputs)],
-        grid=(pairs * -(-out // (2 * warps)) * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
+        grid=(pairs * -(-out // outs_a_block) * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(pairs, out)], output_dtypes=[x.dtype])[0]
 
 
@@ -928,14 +946,47 @@ for _kernel in GGUF_ROWS.values():
 GGUF_ROWS_MAX_PAIRS = 64  # past this a prefill chunk's dequantize-then-product reads each expert once
 
 
+def gguf_rows_glu_reference(x, gate, up, indices, codec, limit):
+    """clamped_swiglu of `gguf_rows_reference`'s products through two matrices, in float32."""
+    return clamped_swiglu(gguf_rows_reference(x.astype(mx.float32), gate, indices, codec),
+                          gguf_rows_reference(x.astype(mx.float32), up, indices, codec), limit)
+
+
+def _gguf_rows_glu_sample(codec):
+    from ds4_mlx.models import gguf_blocks
+
+    x, gate, indices, codec = _gguf_rows_sample(codec)
+    return x, gate, gguf_blocks.random_blocks(codec, gate.shape, seed=6), indices, codec, 2.0
+
+
+GGUF_ROWS_GLU = {codec: Kernel(f"gguf_rows_glu_{codec}", gguf_rows_glu_reference,
+                               partial(_gguf_rows_glu_sample, codec), 1e-4) for codec in _GGUF_CODECS}
+for _kernel in GGUF_ROWS_GLU.values():
+    _kernel.launches["cuda"] = lambda x, gate, up, indices, codec, limit: _gguf_rows_cuda(x, gate, indices, codec,
+                                                                                           up, limit)
+
+
+def _gguf_rows_apply(kernel, x, w, indices, codec):
+    return not (kernel is None or indices.size > GGUF_ROWS_MAX_PAIRS or indices.size % x.shape[0] or x.shape[1] % 256
+                or _gguf_rows_warps(codec, x.shape[1], x.itemsize, w.shape[-1]) is None or kernel.backend() is None)
+
+
 def gguf_rows(x, w, indices, codec):
     """`gguf_rows_reference`, one kernel on CUDA for up to GGUF_ROWS_MAX_PAIRS pairs; None where the kernel
     does not apply (the caller then runs its own path)."""
     kernel = GGUF_ROWS.get(codec)
-    if (kernel is None or indices.size > GGUF_ROWS_MAX_PAIRS or indices.size % x.shape[0] or x.shape[1] % 256
-            or _gguf_rows_warps(codec, x.shape[1], x.itemsize, w.shape[-1]) is None or kernel.backend() is None):
+    if not _gguf_rows_apply(kernel, x, w, indices, codec):
         return None
     return kernel.launches[kernel.backend()](x, w, indices, codec)
+
+
+def gguf_rows_glu(x, gate, up, indices, codec, limit):
+    """`gguf_rows_glu_reference` in x's dtype, one kernel on CUDA (`gguf_rows`'s, reading both matrices); None
+    where it does not apply."""
+    kernel = GGUF_ROWS_GLU.get(codec)
+    if gate.shape != up.shape or not _gguf_rows_apply(kernel, x, gate, indices, codec):
+        return None
+    return kernel.launches[kernel.backend()](x, gate, up, indices, codec, limit)
 
 
 # Whole experts of a prefill chunk dequantized in one launch (one thread a byte of Q2_K codes, or a group
@@ -1014,22 +1065,27 @@ def gguf_dequantize(w, codec):
 # row's sums follow the chunks a thread takes (a function of K alone), then a fixed warp and block
 # reduction: its bits do not depend on the rows beside it. `G` groups: output row n reads x's group
 # n / (N / G) (the grouped map). The result is stored in x's dtype.
+# Two variants save a launch each: GLU reads a second map (the shared expert's up beside its gate; a block's
+# last R / 2 rows are the up map's) and writes the clamped SwiGLU of the two products; ADD writes
+# `addend` plus the product rounded to the output dtype, as the plain sum of the two rounds.
 _FEW_ROWS_CUDA = """
-    constexpr int NG = N / G, CHUNKS = K / 16;
+    constexpr int NG = N / G, CHUNKS = K / 16, OUT_R = GLU ? R / 2 : R;
     __shared__ float partial[WARPS][R * M];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, row0 = blockIdx.x * R;
-    const int g = row0 / NG;  // R divides NG: the block's rows share a group
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, out0 = blockIdx.x * OUT_R;
+    const int g = out0 / NG;  // OUT_R divides NG: the block's rows share a group
     float acc[R][M];
     for (int r = 0; r < R; ++r) for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
     for (int c = threadIdx.x; c < CHUNKS; c += 32 * WARPS) {
         const int k0 = c * 16;
         float wf[R][16], scale[R], bias[R];
         for (int r = 0; r < R; ++r) {
-            const uint4 codes = reinterpret_cast<const uint4*>(w + (size_t)(row0 + r) * (K / 4))[c];
+            const bool second = GLU && r >= OUT_R;
+            const size_t row = out0 + (second ? r - OUT_R : r);
+            const uint4 codes = reinterpret_cast<const uint4*>((second ? UP_W : w) + row * (K / 4))[c];
             const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
             for (int j = 0; j < 16; ++j) wf[r][j] = (float)((words[j / 4] >> (8 * (j % 4))) & 0xFF);
-            scale[r] = static_cast<float>(scales[(size_t)(row0 + r) * (K / GS) + k0 / GS]);
-            bias[r] = static_cast<float>(biases[(size_t)(row0 + r) * (K / GS) + k0 / GS]);
+            scale[r] = static_cast<float>((second ? UP_SCALES : scales)[row * (K / GS) + k0 / GS]);
+            bias[r] = static_cast<float>((second ? UP_BIASES : biases)[row * (K / GS) + k0 / GS]);
         }
         for (int m = 0; m < M; ++m) {
             float xv[16], total = 0.0f;
@@ -1049,19 +1105,40 @@ _FEW_ROWS_CUDA = """
             if (lane == 0) partial[warp][r * M + m] = v;
         }
     __syncthreads();
-    for (int i = threadIdx.x; i < R * M; i += 32 * WARPS) {
+    for (int i = threadIdx.x; i < OUT_R * M; i += 32 * WARPS) {
+        const size_t at = (size_t)(i % M) * N + out0 + i / M;
         float v = 0.0f;
         for (int k = 0; k < WARPS; ++k) v += partial[k][i];
-        store(y + (size_t)(i % M) * N + row0 + i / M, v);
+        if (GLU) {
+            float u = 0.0f;
+            for (int k = 0; k < WARPS; ++k) u += partial[k][OUT_R * M + i];
+            const float gate = fminf(v, LIMIT), up = fminf(fmaxf(u, -LIMIT), LIMIT);
+            v = gate / (1.0f + expf(-gate)) * up;
+        }
+        if (ADD) v = static_cast<float>(addend[at]) + rounded_as(y, v);
+        store(y + at, v);
     }
 """
 FEW_ROWS_MAX = 16
+_FEW_ROWS_VARIANTS = {  # variant -> (extra inputs, defines)
+    "plain": ([], "#define GLU 0\n#define ADD 0\n"),
+    "glu": (["up_w", "up_scales", "up_biases"], "#define GLU 1\n#define ADD 0\n"),
+    "add": (["addend"], "#define GLU 0\n#define ADD 1\n"),
+}
 
 
 @lru_cache(maxsize=None)
-def _few_rows_kernel():
-    return mx.fast.cuda_kernel(name="ds4_few_rows_q8", input_names=["x", "w", "scales", "biases"],
-                               output_names=["y"], source=_FEW_ROWS_CUDA, header=_LOADS)
+def _few_rows_kernel(variant="plain", limit=0.0):
+    extra, defines = _FEW_ROWS_VARIANTS[variant]
+    up = "up_" if variant == "glu" else ""  # the second map's arrays: the first's, where there is none
+    defines += f"#define UP_W {up}w\n#define UP_SCALES {up}scales\n#define UP_BIASES {up}biases\n"
+    if variant != "add":
+        defines += "#define addend y\n"
+    name = "ds4_few_rows_q8" + ("" if variant == "plain" else f"_{variant}") + (
+        f"_{abs(hash(limit))}" if variant == "glu" else "")
+    return mx.fast.cuda_kernel(name=name, input_names=["x", "w", "scales", "biases"] + extra, output_names=["y"],
+                               source=defines + f"#define LIMIT {float(limit)!r}f\n" + _FEW_ROWS_CUDA,
+                               header=_LOADS)
 
 
 def few_rows_reference(x, w, scales, biases, group_size):
@@ -1070,34 +1147,86 @@ def few_rows_reference(x, w, scales, biases, group_size):
     return (x.astype(mx.float32).swapaxes(0, 1) @ weights.swapaxes(-1, -2)).swapaxes(0, 1)
 
 
-def _few_rows_cuda(x, w, scales, biases, group_size):
+def _few_rows_launch(variant, x, w, scales, biases, group_size, extra=(), limit=0.0):
     (M, G, K), N = x.shape, w.shape[0] * w.shape[1]
-    rows = 2 if M > 8 or w.shape[1] % 4 else 4  # output rows a block takes: more share x's loads, until
-    # the registers of M rows run out
+    out_rows = 2 if M > 8 or w.shape[1] % 4 else 4  # output rows a block takes: more share x's loads, until
+    # the registers of M rows run out (a GLU block reads two maps' rows for each)
+    rows = out_rows
+    if variant == "glu":
+        out_rows //= 2
     warps = min(8, max(1, K // 16 // 64))  # a thread takes a few chunks: a function of K alone (see above)
-    inputs = [x, w, scales, biases]
-    return _few_rows_kernel()(
+    inputs = [x, w, scales, biases, *extra]
+    return _few_rows_kernel(variant, limit)(
         inputs=inputs,
         template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps),
                   *_dtype_keys(inputs)],
-        grid=(N // rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+        grid=(N // out_rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(M, G, N // G)], output_dtypes=[x.dtype])[0]
 
 
+def _quantized(seed, groups, out, inp):
+    w, scales, biases = mx.quantize(0.05 * _random(groups, out, inp, seed=seed), group_size=32, bits=8)
+    return w, scales.astype(mx.float16), biases.astype(mx.float16)
+
+
 def _few_rows_sample():
-    w, scales, biases = mx.quantize(0.05 * _random(2, 6, 256, seed=7), group_size=32, bits=8)
-    return _random(3, 2, 256, seed=8), w, scales.astype(mx.float16), biases.astype(mx.float16), 32
+    return _random(3, 2, 256, seed=8), *_quantized(7, 2, 6, 256), 32
 
 
 FEW_ROWS = Kernel("few_rows_q8", few_rows_reference, _few_rows_sample, 1e-4)
-FEW_ROWS.launches["cuda"] = _few_rows_cuda
+FEW_ROWS.launches["cuda"] = partial(_few_rows_launch, "plain")
 
 
-def few_rows(x, w, scales, biases, group_size, bits, mode):
-    """`few_rows_reference` (in x's dtype), one kernel on CUDA for up to FEW_ROWS_MAX rows of 8-bit affine
-    maps; None where the kernel does not apply (the caller then runs its own path)."""
+def few_rows_glu_reference(x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases, group_size, limit):
+    """clamped_swiglu of x's products with two maps (`few_rows_reference`'s) -> [M, 1, out] float32."""
+    return clamped_swiglu(few_rows_reference(x, gate_w, gate_scales, gate_biases, group_size),
+                          few_rows_reference(x, up_w, up_scales, up_biases, group_size), limit)
+
+
+def _few_rows_glu_cuda(x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases, group_size, limit):
+    return _few_rows_launch("glu", x, gate_w, gate_scales, gate_biases, group_size, (up_w, up_scales, up_biases),
+                            limit)
+
+
+FEW_ROWS_GLU = Kernel("few_rows_q8_glu", few_rows_glu_reference,
+                      lambda: (_random(3, 1, 256, seed=8), *_quantized(7, 1, 8, 256), *_quantized(9, 1, 8, 256), 32, 2.0),
+                      1e-4)
+FEW_ROWS_GLU.launches["cuda"] = _few_rows_glu_cuda
+
+
+def few_rows_add_reference(x, w, scales, biases, group_size, addend):
+    """addend [M, groups, out] plus `few_rows_reference`'s product, float32."""
+    return addend.astype(mx.float32) + few_rows_reference(x, w, scales, biases, group_size)
+
+
+FEW_ROWS_ADD = Kernel("few_rows_q8_add", few_rows_add_reference,
+                      lambda: (*_few_rows_sample(), _random(3, 2, 6, seed=10)), 1e-4)
+FEW_ROWS_ADD.launches["cuda"] = lambda x, w, scales, biases, group_size, addend: _few_rows_launch(
+    "add", x, w, scales, biases, group_size, (addend,))
+
+
+def _few_rows_apply(kernel, x, w, scales, biases, group_size, bits, mode):
+    """Whether a few-row kernel takes this product on this backend."""
     M, _, K = x.shape
-    if (bits != 8 or mode != "affine" or biases is None or M > FEW_ROWS_MAX or K % 16 or group_size % 16
-            or w.shape[1] % 2 or FEW_ROWS.backend() is None):
+    return not (bits != 8 or mode != "affine" or biases is None or M > FEW_ROWS_MAX or K % 16 or group_size % 16
+                or w.shape[1] % 2 or kernel.backend() is None)
+
+
+def few_rows(x, w, scales, biases, group_size, bits, mode, addend=None):
+    """`few_rows_reference` (in x's dtype), one kernel on CUDA for up to FEW_ROWS_MAX rows of 8-bit affine
+    maps; with `addend` (x's dtype), `addend` plus that, rounded as the plain sum is. None where the kernel
+    does not apply (the caller then runs its own path)."""
+    kernel = FEW_ROWS if addend is None else FEW_ROWS_ADD
+    if not _few_rows_apply(kernel, x, w, scales, biases, group_size, bits, mode):
         return None
-    return FEW_ROWS.launches["cuda"](x, w, scales, biases, group_size)
+    return kernel.launches["cuda"](x, w, scales, biases, group_size, *(() if addend is None else (addend,)))
+
+
+def few_rows_glu(x, gate, up, limit):
+    """`few_rows_glu_reference` (in x's dtype) in one kernel on CUDA, x [M, 1, K]; `gate`, `up`: (w, scales,
+    biases, group_size, bits, mode) of two maps of one shape. None where the kernel does not apply."""
+    if (gate[0].shape != up[0].shape or [a.dtype for a in gate[1:3]] != [a.dtype for a in up[1:3]] or gate[3:] != up[3:]
+            or x.shape[1] != 1
+            or not _few_rows_apply(FEW_ROWS_GLU, x, *gate)):
+        return None
+    return FEW_ROWS_GLU.launches["cuda"](x, *gate[:4], *up[:3], limit)

@@ -77,6 +77,41 @@ class QuantizedLinear(nn.QuantizedLinear):
         return super().__call__(x)
 
 
+def _one_map(layer):
+    """A quantized layer's arrays as the few-row kernels take them: one map [1, out, in]."""
+    biases = layer.get("biases")
+    return (layer.weight[None], layer.scales[None], None if biases is None else biases[None], layer.group_size,
+            layer.bits, layer.mode)
+
+
+def _few_rows_of(x, *layers):
+    """x's rows as [rows, 1, in] where the few-row kernels may take the products of these layers, else None."""
+    rows = x.size // x.shape[-1]
+    if rows > kernels.FEW_ROWS_MAX or dequantizes(rows):
+        return None
+    if not all(isinstance(m, QuantizedLinear) and "bias" not in m for m in layers):
+        return None
+    return x.reshape(rows, 1, -1)
+
+
+def swiglu_product(gate, up, x, limit):
+    """clamped_swiglu(gate(x), up(x)); one launch for a few rows of two 8-bit layers."""
+    rows = _few_rows_of(x, gate, up)
+    y = None if rows is None else kernels.few_rows_glu(rows, _one_map(gate), _one_map(up), limit)
+    if y is not None:
+        return y.reshape(*x.shape[:-1], -1)
+    return kernels.clamped_swiglu(gate(x), up(x), limit)
+
+
+def plus_product(layer, x, addend):
+    """addend + layer(x); one launch for a few rows of an 8-bit layer, rounded as the plain sum is."""
+    rows = _few_rows_of(x, layer) if addend.dtype == x.dtype else None
+    y = None if rows is None else kernels.few_rows(rows, *_one_map(layer), addend=addend.reshape(rows.shape[0], 1, -1))
+    if y is not None:
+        return y.reshape(addend.shape)
+    return addend + layer(x)
+
+
 def grouped_product(x, w):
     """x [T, groups, in] with w [groups, out, in] -> [T, groups, out], row j of every token through map j."""
     return (x.swapaxes(0, 1) @ w.swapaxes(-1, -2)).swapaxes(0, 1)
@@ -238,6 +273,19 @@ def gguf_gather_product(x, w, indices, codec, sorted_indices):
         if y is not None:
             return y.reshape(*lead, 1, -1)
     return x @ gguf_dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
+
+
+def switch_swiglu(gate, up, x, indices, sorted_indices, limit):
+    """clamped_swiglu(gate(x, indices), up(x, indices)) of two expert stacks; for one row a pair of GGUF
+    experts, one launch of the rows kernel reading both."""
+    if (isinstance(gate, GGUFSwitchLinear) and isinstance(up, GGUFSwitchLinear) and gate.gguf_type == up.gguf_type
+            and x.shape[-2] == 1 and not (gguf_blocks.path() == "kquant" and x.dtype != mx.float32)):
+        lead = tuple(indices.shape)
+        y = kernels.gguf_rows_glu(_pair_rows(x, lead), gate.weight, up.weight, indices.reshape(-1), gate.gguf_type,
+                                  limit)
+        if y is not None:
+            return y.reshape(*lead, 1, -1)
+    return kernels.clamped_swiglu(gate(x, indices, sorted_indices), up(x, indices, sorted_indices), limit)
 
 
 class GGUFSwitchLinear(nn.Module):

@@ -9,7 +9,8 @@ import mlx.nn as nn
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.kernels import backend, clamped_swiglu, routed_experts
-from ds4_mlx.models.linear import Linear, QuantizedSwitchLinear, SwitchLinear
+from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, plus_product, swiglu_product,
+                                  switch_swiglu)
 
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
@@ -79,7 +80,7 @@ class MoE(nn.Module):
             routed = self._experts(x, chosen)
             y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
         s = self.shared
-        return y + s["down"](clamped_swiglu(s["gate"](x), s["up"](x), args.swiglu_limit))
+        return plus_product(s["down"], swiglu_product(s["gate"], s["up"], x, args.swiglu_limit), y)
 
     _compiled_forward = compiled(_forward)
 
@@ -110,8 +111,8 @@ class MoE(nn.Module):
         return y[mx.argsort(order)].reshape(T, k, -1)
 
     def _glu(self, xs, idx, sorted_):
-        e, limit = self.experts, self.args.swiglu_limit
-        h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
+        e = self.experts
+        h = switch_swiglu(e["gate"], e["up"], xs, idx, sorted_, self.args.swiglu_limit)
         return e["down"](h, idx, sorted_)
 
     def _expert_loop(self, xs, idx):
