@@ -1229,4 +1229,4 @@ def few_rows_glu(x, gate, up, limit):
             or x.shape[1] != 1
             or not _few_rows_apply(FEW_ROWS_GLU, x, *gate)):
         return None
-    return FEW_ROWS_GLU.launches["cuda"](x, *gate[:4], *up[:3], limit)
+    return FEW_ROWS_GLU.launches["cuda"](x, *gate[:3], *up[:3], gate[3], limit)
