@@ -534,6 +534,30 @@ def test_few_rows_definition_matches_quantized_matmul():
     assert kernels.few_rows(x, w, scales, biases, 32, 8, "affine") is None
 
 
+
+def test_shared_expert_without_biases_takes_the_plain_path():
+    """Shared-expert maps quantized without biases (mxfp4: no affine offsets) are not the few-row kernels';
+    the fused SwiGLU and the sum take the plain products (a crash on the missing biases before)."""
+    from ds4_mlx.models.linear import Linear, plus_product, swiglu_product
+
+    k = mx.random.split(mx.random.key(4), 4)
+    gate, up, down = (Linear(64, 32), Linear(64, 32), Linear(32, 64))
+    gate, up, down = (m.to_quantized(group_size=32, bits=4, mode="mxfp4") for m in (gate, up, down))
+    for m, key in zip((gate, up, down), k):
+        m.update({"weight": mx.random.randint(0, 2 ** 32, m.weight.shape, mx.uint32, key=key),
+                  "scales": mx.full(m.scales.shape, 127, mx.uint8)})  # codes times 2^0
+    x, addend = mx.random.normal((2, 64), key=k[3]), mx.ones((2, 64))
+
+    def product(m, v):
+        return mx.quantized_matmul(v, m.weight, m.scales, None, transpose=True, group_size=32, bits=4, mode="mxfp4")
+
+    g, u = mx.minimum(product(gate, x), 7.0), mx.clip(product(up, x), -7.0, 7.0)
+    want = g * mx.sigmoid(g) * u
+    got = swiglu_product(gate, up, x, 7.0)
+    assert mx.allclose(got, want, rtol=1e-5, atol=0) and float(mx.abs(want).max()) > 1
+    assert mx.allclose(plus_product(down, got, addend), addend + product(down, got), rtol=1e-5, atol=0)
+
+
 def _recorded_launches(monkeypatch, *factories):
     """Replace the named kernel factories with one whose launches record their template arguments (and
     return zeros): what MLX's CUDA backend keys a compiled custom kernel by, with its name."""

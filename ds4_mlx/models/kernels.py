@@ -1225,7 +1225,8 @@ def few_rows(x, w, scales, biases, group_size, bits, mode, addend=None):
 def few_rows_glu(x, gate, up, limit):
     """`few_rows_glu_reference` (in x's dtype) in one kernel on CUDA, x [M, 1, K]; `gate`, `up`: (w, scales,
     biases, group_size, bits, mode) of two maps of one shape. None where the kernel does not apply."""
-    if (gate[0].shape != up[0].shape or [a.dtype for a in gate[1:3]] != [a.dtype for a in up[1:3]] or gate[3:] != up[3:]
+    if (gate[2] is None or up[2] is None  # no biases (mxfp4, nvfp4): not the kernel's, nor dtypes to compare
+            or gate[0].shape != up[0].shape or [a.dtype for a in gate[1:3]] != [a.dtype for a in up[1:3]] or gate[3:] != up[3:]
             or x.shape[1] != 1
             or not _few_rows_apply(FEW_ROWS_GLU, x, *gate)):
         return None
