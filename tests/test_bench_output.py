@@ -108,7 +108,25 @@ QUICK = {
     "parity": ["--tokens", "16", "--decode", "2", "--modes", "exact"],
     "batch": ["--streams", "1", "--context", "32", "--decode", "1"],
     "speculative": ["--context", "32", "--decode", "4", "--repeats", "1"],
+    "graph": ["--context", "32", "--streams", "1,2"],
 }
+
+
+def test_graph_counts_a_fused_op_or_kernel_as_one_node():
+    """`bench graph`'s count: on the CUDA path a fused op of MLX's (here an RMS norm, which the CPU would
+    build from several ops) is one node, its placeholders not counted; views and element-wise ops are
+    their own nodes."""
+    import mlx.core as mx
+
+    from ds4_mlx.tools.bench_graph import STAND_IN, count_nodes, cuda_path
+
+    x, w = mx.ones((2, 8)), mx.ones((8,))
+    mx.eval(x, w)
+    with cuda_path():
+        y = mx.fast.rms_norm(x.reshape(4, 4).reshape(2, 8), w, 1e-6) * 2
+    assert count_nodes([y]) == {STAND_IN: 1, "Reshape": 2, "Multiply": 1, "Broadcast": 1}
+    plain = count_nodes([mx.fast.rms_norm(x, w, 1e-6)])
+    assert STAND_IN not in plain and sum(plain.values()) > 1  # outside, the CPU's own ops
 
 
 def test_every_bench_is_listed():

@@ -14,8 +14,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.tools import (bench_distributed, bench_kernels, bench_load, bench_memory, bench_parity, bench_speculative,
-                           bench_speed)
+from ds4_mlx.tools import (bench_distributed, bench_graph, bench_kernels, bench_load, bench_memory, bench_parity,
+                           bench_speculative, bench_speed)
 from ds4_mlx.tools.random_model import expert_bits, like_option, model_from_flags
 
 
@@ -304,6 +304,7 @@ BENCHES = [
     ("batch", bench_batch, _bench_batch_options),
     ("kernels", bench_kernels.bench_kernels, lambda q: (_model_options(q), bench_kernels.options(q))),
     ("gguf-rows", bench_kernels.bench_gguf_rows, bench_kernels.gguf_rows_options),
+    ("graph", bench_graph.bench_graph, bench_graph.options),
     ("distributed", bench_distributed.bench_distributed, bench_distributed.options),
     ("speculative", bench_speculative.bench_speculative, lambda q: (_model_options(q), bench_speculative.options(q))),
 ]

@@ -1,0 +1,150 @@
+"""`ds4-mlx bench graph`: the nodes of one decoded token's graph as MLX's CUDA build runs it, counted on
+any machine. A decoded token is bound by the host's time, which grows with every node (a kernel's
+encoding, or a view's bookkeeping), so this count is what the kernel work cuts; a GPU is needed only to
+time it (`bench kernels`).
+
+The step takes the CUDA path: the backend's choices, and every custom kernel of `models/kernels.py` and
+every fused op of MLX's that runs as one kernel on a GPU (RMS norm, RoPE, softmax, SDPA) as a stand-in
+node of its outputs' shapes. Nothing past the prefill that sets up the context is evaluated; the graph is
+read back through `mx.export_to_dot`. MLX's compiled element-wise graphs are one node each, as on the
+GPU."""
+
+import contextlib
+import os
+import re
+import tempfile
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+
+VIEWS = {"Reshape", "Slice", "Transpose", "ExpandDims", "Squeeze", "Broadcast", "Flatten", "Unflatten", "AsStrided"}
+STAND_IN = "kernel (ours or MLX's fused op)"
+
+
+@contextlib.contextmanager
+def cuda_path():
+    """The model's CUDA choices, each custom kernel launch and fused op a stand-in: `mx.depends` of
+    placeholders (zeros of its outputs' shapes) on the op's inputs."""
+    from ds4_mlx.models import kernels, linear, moe
+
+    def stand_in(inputs, shapes, dtypes):
+        placeholders = [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+        return mx.depends(placeholders, [a for a in inputs if isinstance(a, mx.array)])
+
+    def cuda_kernel(**_):
+        return lambda inputs, output_shapes, output_dtypes, **__: stand_in(inputs, output_shapes, output_dtypes)
+
+    def like_first(*args, **kwargs):
+        return stand_in(list(args) + list(kwargs.values()), [args[0].shape], [args[0].dtype])[0]
+
+    def attention(q, k, v, **kwargs):
+        return stand_in([q, k, v] + list(kwargs.values()), [q.shape[:-1] + v.shape[-1:]], [q.dtype])[0]
+
+    patches = [(kernels, "backend", lambda: "cuda"), (linear, "backend", lambda: "cuda"),
+               (moe, "backend", lambda: "cuda"), (mx.fast, "cuda_kernel", cuda_kernel),
+               (mx.fast, "rms_norm", like_first), (mx.fast, "rope", like_first), (mx, "softmax", like_first),
+               (mx.fast, "scaled_dot_product_attention", attention)]
+    checked = [k for k in vars(kernels).values() if isinstance(k, kernels.Kernel)]
+    checked += [k for table in vars(kernels).values() if isinstance(table, dict)
+                for k in table.values() if isinstance(k, kernels.Kernel)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    verdicts = [(k, dict(k.verdicts)) for k in checked]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        for k in checked:
+            k.verdicts["cuda"] = True
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        for k, v in verdicts:
+            k.verdicts = v
+
+
+def count_nodes(outputs):
+    """Nodes of the graph that computes `outputs`, by primitive: the stand-ins under STAND_IN, the
+    placeholders they are made of not counted."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "graph.dot")
+        mx.export_to_dot(path, outputs)
+        text = open(path).read()
+    labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', text))
+    inputs, producer, outputs = {}, {}, Counter()
+    for source, target in re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', text, re.M):
+        if source in labels:  # a node's output array
+            producer[target] = source
+            outputs[source] += 1
+        else:  # in the order of the node's inputs
+            inputs.setdefault(target, []).append(source)
+    made_up = set()  # the stand-ins' placeholders: a Depends' first inputs (as many as its outputs), and
+    # all that makes them (zeros of a shape: a few nodes on a scalar)
+    stack = [producer.get(a) for node, label in labels.items() if label == "Depends"
+             for a in inputs.get(node, [])[: outputs[node]]]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in made_up:
+            made_up.add(node)
+            stack += [producer.get(a) for a in inputs.get(node, [])]
+    counts = Counter(label for node, label in labels.items() if node not in made_up)
+    if "Depends" in counts:
+        counts[STAND_IN] = counts.pop("Depends")
+    return counts
+
+
+def _step_graph(model, sessions):
+    """The lazy graph of one decoded token of each session (one: its own step; several: the pool's)."""
+    from ds4_mlx.cache.pool import Pool
+
+    caches = [s.cache for s in sessions]
+    ids = mx.array([[s.tokens[-1]] for s in sessions], dtype=mx.int32)
+    if len(sessions) == 1:
+        return model.forward(ids, [[c.view(1) for c in caches[0]]], last_only=True)
+    pool = Pool(caches)
+    mx.eval(pool.arrays)  # built before the step, as a server's pool is
+    return model.forward(ids, pool.views(caches), last_only=True)
+
+
+def bench_graph(a):
+    """Nodes of a decoded token's graph (and of a pooled step of B streams) on the CUDA path, by kind, for a
+    model of every layer kind at widths that hold the q2 layout's blocks (`--like q2`, native experts)."""
+    from ds4_mlx.session import Session
+    from ds4_mlx.tools.random_model import published_model
+    from ds4_mlx.tools.testing import tiny_args
+
+    args = tiny_args(hidden_size=256, moe_intermediate_size=256)
+    model = published_model(args, "q2", native=True)
+    model.cast(mx.bfloat16)
+    rng = np.random.default_rng(0)
+    first = Session(model)
+    first.sync(rng.integers(0, args.vocab_size, a.context).tolist())
+    results = []
+    for streams in [int(n) for n in a.streams.split(",")]:
+        sessions = [first]
+        for b in range(1, streams):  # forks a few tokens shorter: blocks close at different steps
+            s = Session(model)
+            s.restore(first.snapshot())
+            s.trim(len(first.tokens) - 1 - b % 4)
+            sessions.append(s)
+        with cuda_path():
+            counts = count_nodes(list(_step_graph(model, sessions)))
+        views = sum(v for k, v in counts.items() if k in VIEWS)
+        kernels = sum(counts.values()) - views
+        results.append({"streams": streams, "nodes": sum(counts.values()), "kernels": kernels, "views": views,
+                        "per_layer": round(sum(counts.values()) / args.num_hidden_layers, 1),
+                        "most": ", ".join(f"{k} {n}" for k, n in counts.most_common(6))})
+        print(f"{streams} stream(s): {sum(counts.values())} nodes ({kernels} kernels, {views} views), "
+              f"{args.num_hidden_layers} layers", flush=True)
+        for kind, n in counts.most_common():
+            print(f"    {n:5d}  {kind}", flush=True)
+    kinds = Counter(args.layer_type(i) for i in range(args.num_hidden_layers))
+    return {"layers": args.num_hidden_layers, "layer_kinds": ", ".join(f"{k} {n}" for k, n in kinds.items()),
+            "context": a.context, "results": results}
+
+
+def options(q):
+    q.add_argument("--context", type=int, default=64, help="tokens the sessions hold (the tiny model's window is 8, "
+                   "its ratios 4 and 16)")
+    q.add_argument("--streams", default="1,8", help="stream counts, comma-separated: 1 is a session's own step, "
+                   "more a pool's")
