@@ -481,6 +481,9 @@ def test_few_rows_kernel_matches_dequantized_product(groups, out, inp, dtype):
             first = np.array(got.astype(mx.float32))
         else:
             assert (np.array(got[:1].astype(mx.float32)) == first).all()
+        if groups == 1:  # one map as a layer holds it, x as a decoded token's rows: the same bits, no views
+            flat = on_cuda(kernels.few_rows, x[:rows, 0], w[0], scales[0], biases[0], 32, 8, "affine")
+            assert flat.shape == (rows, out) and mx.array_equal(flat, got[:, 0]).item()
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")

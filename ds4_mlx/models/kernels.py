@@ -1148,8 +1148,11 @@ def few_rows_reference(x, w, scales, biases, group_size):
 
 
 def _few_rows_launch(variant, x, w, scales, biases, group_size, extra=(), limit=0.0):
-    (M, G, K), N = x.shape, w.shape[0] * w.shape[1]
-    out_rows = 2 if M > 8 or w.shape[1] % 4 else 4  # output rows a block takes: more share x's loads, until
+    """x [M, groups, K] with maps w [groups, out, K / 4] -> [M, groups, out]; or x [M, K] with one map w [out,
+    K / 4] -> [M, out] (no views of a layer's arrays: each would be a node of every step's graph)."""
+    M, K, G = x.shape[0], x.shape[-1], x.shape[1] if x.ndim == 3 else 1
+    N = w.size // w.shape[-1]
+    out_rows = 2 if M > 8 or w.shape[-2] % 4 else 4  # output rows a block takes: more share x's loads, until
     # the registers of M rows run out (a GLU block reads two maps' rows for each)
     rows = out_rows
     if variant == "glu":
@@ -1161,7 +1164,7 @@ def _few_rows_launch(variant, x, w, scales, biases, group_size, extra=(), limit=
         template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps),
                   *_dtype_keys(inputs)],
         grid=(N // out_rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(M, G, N // G)], output_dtypes=[x.dtype])[0]
+        output_shapes=[(M, G, N // G) if x.ndim == 3 else (M, N)], output_dtypes=[x.dtype])[0]
 
 
 def _quantized(seed, groups, out, inp):
@@ -1207,9 +1210,8 @@ FEW_ROWS_ADD.launches["cuda"] = lambda x, w, scales, biases, group_size, addend:
 
 def _few_rows_apply(kernel, x, w, scales, biases, group_size, bits, mode):
     """Whether a few-row kernel takes this product on this backend."""
-    M, _, K = x.shape
-    return not (bits != 8 or mode != "affine" or biases is None or M > FEW_ROWS_MAX or K % 16 or group_size % 16
-                or w.shape[1] % 2 or kernel.backend() is None)
+    return not (bits != 8 or mode != "affine" or biases is None or x.shape[0] > FEW_ROWS_MAX or x.shape[-1] % 16
+                or group_size % 16 or w.shape[-2] % 2 or kernel.backend() is None)
 
 
 def few_rows(x, w, scales, biases, group_size, bits, mode, addend=None):
@@ -1223,11 +1225,10 @@ def few_rows(x, w, scales, biases, group_size, bits, mode, addend=None):
 
 
 def few_rows_glu(x, gate, up, limit):
-    """`few_rows_glu_reference` (in x's dtype) in one kernel on CUDA, x [M, 1, K]; `gate`, `up`: (w, scales,
-    biases, group_size, bits, mode) of two maps of one shape. None where the kernel does not apply."""
+    """`few_rows_glu_reference` (in x's dtype) in one kernel on CUDA, x [M, 1, K] or [M, K]; `gate`, `up`: (w,
+    scales, biases, group_size, bits, mode) of two maps of one shape. None where the kernel does not apply."""
     if (gate[2] is None or up[2] is None  # no biases (mxfp4, nvfp4): not the kernel's, nor dtypes to compare
             or gate[0].shape != up[0].shape or [a.dtype for a in gate[1:3]] != [a.dtype for a in up[1:3]] or gate[3:] != up[3:]
-            or x.shape[1] != 1
-            or not _few_rows_apply(FEW_ROWS_GLU, x, *gate)):
+            or (x.ndim == 3 and x.shape[1] != 1) or not _few_rows_apply(FEW_ROWS_GLU, x, *gate)):
         return None
     return FEW_ROWS_GLU.launches["cuda"](x, *gate[:3], *up[:3], gate[3], limit)

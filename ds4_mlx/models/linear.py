@@ -67,31 +67,27 @@ class QuantizedLinear(nn.QuantizedLinear):
         rows = x.size // x.shape[-1]
         if dequantizes(rows):
             return x @ dequantized(self, x.dtype).T
-        if rows <= kernels.FEW_ROWS_MAX:  # else no views are made only for the kernel to refuse them
-            biases = self.get("biases")
-            y = kernels.few_rows(x.reshape(rows, 1, -1), self.weight[None], self.scales[None],
-                                 None if biases is None else biases[None], self.group_size, self.bits, self.mode)
-            if y is not None:
-                y = y.reshape(*x.shape[:-1], -1)
-                return y + self["bias"] if "bias" in self else y
+        flat = _few_rows_of(x, self)
+        y = None if flat is None else kernels.few_rows(flat, *_one_map(self))
+        if y is not None:
+            return y.reshape(*x.shape[:-1], -1)
         return super().__call__(x)
 
 
 def _one_map(layer):
-    """A quantized layer's arrays as the few-row kernels take them: one map [1, out, in]."""
-    biases = layer.get("biases")
-    return (layer.weight[None], layer.scales[None], None if biases is None else biases[None], layer.group_size,
-            layer.bits, layer.mode)
+    """A quantized layer's arrays as the few-row kernels take them (one map: [out, in] as they are)."""
+    return layer.weight, layer.scales, layer.get("biases"), layer.group_size, layer.bits, layer.mode
 
 
 def _few_rows_of(x, *layers):
-    """x's rows as [rows, 1, in] where the few-row kernels may take the products of these layers, else None."""
+    """x's rows [rows, in] where the few-row kernels may take the products of these layers (quantized, no
+    bias), else None. A decoded token's x is that already: no view."""
     rows = x.size // x.shape[-1]
     if rows > kernels.FEW_ROWS_MAX or dequantizes(rows):
         return None
     if not all(isinstance(m, QuantizedLinear) and "bias" not in m for m in layers):
         return None
-    return x.reshape(rows, 1, -1)
+    return x.reshape(rows, -1)
 
 
 def swiglu_product(gate, up, x, limit):
@@ -106,7 +102,7 @@ def swiglu_product(gate, up, x, limit):
 def plus_product(layer, x, addend):
     """addend + layer(x); one launch for a few rows of an 8-bit layer, rounded as the plain sum is."""
     rows = _few_rows_of(x, layer) if addend.dtype == x.dtype else None
-    y = None if rows is None else kernels.few_rows(rows, *_one_map(layer), addend=addend.reshape(rows.shape[0], 1, -1))
+    y = None if rows is None else kernels.few_rows(rows, *_one_map(layer), addend=addend.reshape(rows.shape[0], -1))
     if y is not None:
         return y.reshape(addend.shape)
     return addend + layer(x)
