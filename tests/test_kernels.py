@@ -421,6 +421,37 @@ def test_gguf_rows_glu_kernel_matches_gguf(codec, pairs, rows, out, dtype):
     assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= tolerance * np.abs(want).max()
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+def test_gguf_expert_rows_match_the_plain_experts():
+    """A few tokens' routed GGUF experts in the rows kernel's two launches (`linear.gguf_expert_rows`: gate,
+    up and SwiGLU; then down) against the plain path with the kernels off, token by token and expert by
+    expert (a hash layer may pick one expert twice)."""
+    from ds4_mlx.models import gguf_blocks
+    from ds4_mlx.models.linear import GGUFSwitchLinear, gguf_expert_rows
+
+    experts = {}
+    for name, codec, inp, out in (("gate", "iq2_xxs", 512, 256), ("up", "iq2_xxs", 512, 256), ("down", "q2_k", 256, 512)):
+        experts[name] = GGUFSwitchLinear(8, inp, out, codec)
+        experts[name].weight = gguf_blocks.random_blocks(codec, experts[name].weight.shape, seed=len(name))
+    x = mx.random.normal((3, 512), key=mx.random.key(4)).astype(mx.bfloat16)
+    chosen = mx.array([[0, 5], [7, 1], [3, 3]], mx.int32)
+    got = on_cuda(gguf_expert_rows, experts, x, chosen, 2.0)
+
+    def plain():
+        e, rows = experts, x[:, None, None, :]
+        h = kernels.clamped_swiglu(e["gate"](rows, chosen), e["up"](rows, chosen), 2.0)
+        return e["down"](h, chosen)[:, :, 0, :]
+
+    kernels.use_kernels(False)
+    try:
+        want = on_cuda(plain)
+    finally:
+        kernels.use_kernels(True)
+    assert got.shape == want.shape == (3, 2, 512) and got.dtype == mx.bfloat16
+    err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+    assert err <= 2e-2 * float(mx.abs(want.astype(mx.float32)).max())  # bfloat16 roundings of h and y
+
+
 def test_gguf_rows_definition_matches_gguf():
     """The kernel's definition, on any device, against the `gguf` package (the CUDA test's oracle too)."""
     import numpy as np

@@ -271,17 +271,18 @@ def gguf_gather_product(x, w, indices, codec, sorted_indices):
     return x @ gguf_dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
 
 
-def switch_swiglu(gate, up, x, indices, sorted_indices, limit):
-    """clamped_swiglu(gate(x, indices), up(x, indices)) of two expert stacks; for one row a pair of GGUF
-    experts, one launch of the rows kernel reading both."""
-    if (isinstance(gate, GGUFSwitchLinear) and isinstance(up, GGUFSwitchLinear) and gate.gguf_type == up.gguf_type
-            and x.shape[-2] == 1 and not (gguf_blocks.path() == "kquant" and x.dtype != mx.float32)):
-        lead = tuple(indices.shape)
-        y = kernels.gguf_rows_glu(_pair_rows(x, lead), gate.weight, up.weight, indices.reshape(-1), gate.gguf_type,
-                                  limit)
-        if y is not None:
-            return y.reshape(*lead, 1, -1)
-    return kernels.clamped_swiglu(gate(x, indices, sorted_indices), up(x, indices, sorted_indices), limit)
+def gguf_expert_rows(experts, x, chosen, limit):
+    """The routed experts of a few tokens, [T, k, out]: x [T, in] through the GGUF experts `chosen` [T, k] in
+    two launches of the rows kernel (gate, up and SwiGLU; then down) that read x and their results as they are.
+    None where the kernels do not take them (the caller's own path)."""
+    gate, up, down = experts["gate"], experts["up"], experts["down"]
+    if (not all(isinstance(m, GGUFSwitchLinear) for m in (gate, up, down)) or gate.gguf_type != up.gguf_type
+            or (gguf_blocks.path() == "kquant" and x.dtype != mx.float32)):
+        return None
+    pairs = chosen.reshape(-1)
+    h = kernels.gguf_rows_glu(x, gate.weight, up.weight, pairs, gate.gguf_type, limit)
+    y = None if h is None else kernels.gguf_rows(h, down.weight, pairs, down.gguf_type)
+    return None if y is None else y.reshape(*chosen.shape, -1)
 
 
 class GGUFSwitchLinear(nn.Module):

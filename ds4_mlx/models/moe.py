@@ -9,8 +9,8 @@ import mlx.nn as nn
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.kernels import backend, clamped_swiglu, routed_experts
-from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, plus_product, swiglu_product,
-                                  switch_swiglu)
+from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, gguf_expert_rows, plus_product,
+                                  swiglu_product)
 
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
@@ -99,7 +99,8 @@ class MoE(nn.Module):
         """[T, H] with chosen experts [T, k] -> [T, k, H]; rows sorted by expert for big batches."""
         T, k = chosen.shape
         if T * k < FEW_PAIRS:
-            return self._glu(x[:, None, None, :], chosen, False)[:, :, 0, :]
+            y = gguf_expert_rows(self.experts, x, chosen, self.args.swiglu_limit)
+            return self._glu(x[:, None, None, :], chosen, False)[:, :, 0, :] if y is None else y
         flat = chosen.flatten()
         order = mx.argsort(flat)
         xs, idx = x[order // k], flat[order]
@@ -111,8 +112,8 @@ class MoE(nn.Module):
         return y[mx.argsort(order)].reshape(T, k, -1)
 
     def _glu(self, xs, idx, sorted_):
-        e = self.experts
-        h = switch_swiglu(e["gate"], e["up"], xs, idx, sorted_, self.args.swiglu_limit)
+        e, limit = self.experts, self.args.swiglu_limit
+        h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
         return e["down"](h, idx, sorted_)
 
     def _expert_loop(self, xs, idx):
