@@ -129,6 +129,28 @@ def test_graph_counts_a_fused_op_or_kernel_as_one_node():
     assert STAND_IN not in plain and sum(plain.values()) > 1  # outside, the CPU's own ops
 
 
+def test_graph_stand_ins_do_not_outlive_the_count():
+    """Compiled graphs traced on `bench graph`'s CUDA path hold its stand-ins: once the count is done, a
+    model decodes as one that never took that path."""
+    import mlx.core as mx
+
+    from ds4_mlx.tools.bench_graph import cuda_path
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
+
+    ids = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5]], dtype=mx.int32)
+
+    def decode(model):
+        cache = model.make_cache()
+        model(ids[:, :8], cache=cache)
+        return model(ids[:, 8:], cache=cache)  # a decoded token: a compiled graph
+
+    counted = random_model(tiny_args(0))
+    with cuda_path():
+        decode(counted)  # its graphs traced with the stand-ins
+    assert mx.array_equal(decode(counted), decode(random_model(tiny_args(0)))).item()
+
+
 def test_every_bench_is_listed():
     from ds4_mlx.tools.bench import BENCHES
 

@@ -50,17 +50,27 @@ def cuda_path():
                 for k in table.values() if isinstance(k, kernels.Kernel)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     verdicts = [(k, dict(k.verdicts)) for k in checked]
+    factories = [f for f in vars(kernels).values() if hasattr(f, "cache_clear")]  # they keep what they made
+    was_on = kernels._enabled
+
+    def forget_traces_and_kernels(on):
+        kernels.use_kernels(on)  # a new generation: compiled graphs are traced anew
+        for f in factories:
+            f.cache_clear()
+
     try:
         for owner, name, value in patches:
             setattr(owner, name, value)
         for k in checked:
             k.verdicts["cuda"] = True
+        forget_traces_and_kernels(True)
         yield
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
         for k, v in verdicts:
             k.verdicts = v
+        forget_traces_and_kernels(was_on)  # nothing traced or made with the stand-ins outlives them
 
 
 def count_nodes(outputs):
