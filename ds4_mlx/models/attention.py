@@ -176,22 +176,24 @@ class Attention(nn.Module):
         """-> (q_a output [T, q_lora_rank], queries [T, nh, hd], kv rows [T, hd]) at `positions` [T]."""
         T = x.shape[0]
         qr = self.q_a_norm(self.q_a(x))
-        q = rms_norm(self.q_b(qr).reshape(T, self.n_heads, self.head_dim), None, self.args.rms_norm_eps)
-        return qr, self.rope(q, positions), self.rope(self.kv_norm(self.kv(x)), positions)
+        nh, hd = self.n_heads, self.head_dim
+        q = rms_norm(self.q_b(qr).reshape(T, nh, 1, hd), None, self.args.rms_norm_eps)  # RoPE's layout
+        return qr, self.rope(q, positions, shape=(T, nh, hd)), self.rope(self.kv_norm(self.kv(x)), positions)
 
     @compiled
     def _project_out(self, out, positions):
         """Attention output [T, nh, hd] (RoPE still on) -> [T, H], in the compute dtype."""
         T, G = out.shape[0], self.args.o_groups
-        out = self.rope(out, positions, inverse=True).astype(self.q_a_norm.weight.dtype)
-        low = self.o_a(out.reshape(T, G, -1))  # each head group has its own projection
+        out = self.rope(out, positions, inverse=True, shape=(T, G, -1)).astype(self.q_a_norm.weight.dtype)
+        low = self.o_a(out)  # each head group has its own projection
         return self.o_b(low.reshape(T, -1))
 
     def _index_query(self, qr, x, positions, quant_sim):
         """The indexer's queries [T, heads, dim] and head weights [T, heads] of tokens at `positions`."""
         idx = self.indexer
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, idx.head_dim), positions).astype(mx.float32)
+        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, 1, idx.head_dim), positions,  # RoPE's layout
+                       shape=(T, idx.n_heads, idx.head_dim)).astype(mx.float32)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
         return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5

@@ -50,19 +50,24 @@ class Rope:
             self._full[width] = full
         return self._full[width]
 
-    def __call__(self, x, start, step=1, inverse=False):
+    def __call__(self, x, start, step=1, inverse=False, shape=None):
         """x [T, ..., D] holds positions start, start + step, ... along its first axis; or, with `start`
-        an int array [T], row t is at position start[t] (tokens of several sessions decoded together)."""
-        D = x.shape[-1]
+        an int array [T], row t is at position start[t] (tokens of several sessions decoded together).
+        -> x rotated, in `shape` (default x's). Each reshape is a node of the graph: a caller that makes x
+        as [T, heads, 1, D] (the per-row layout) and names the shape it wants saves both of its views."""
+        T, D = x.shape[0], x.shape[-1]
+        shape = x.shape if shape is None else shape
         if isinstance(start, mx.array) and start.ndim == 1:
-            t = x.reshape(x.shape[0], -1, 1, D)  # one position per row: mx.fast.rope's per-batch offsets
+            # one position per row: mx.fast.rope's per-batch offsets (a shape spelled out, not with -1: a
+            # reshape to the shape x has is then no node)
+            t = x.reshape(T, x.size // (T * D) if T else 0, 1, D)
             t = mx.fast.rope(t, D, traditional=True, base=None, scale=-1.0 if inverse else 1.0, offset=start,
                              freqs=self.full_periods(D))
-            return t.reshape(x.shape)
+            return t.reshape(shape)
         t = x.reshape(x.shape[0], -1, D).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
         t = mx.fast.rope(t, D, traditional=True, base=None, scale=-step if inverse else step,
                          offset=start if step == 1 else start // step, freqs=self.full_periods(D))
-        return t.swapaxes(0, 1).reshape(x.shape)
+        return t.swapaxes(0, 1).reshape(shape)
 
 
 @lru_cache(maxsize=64)
