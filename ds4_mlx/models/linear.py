@@ -9,6 +9,7 @@ import mlx.nn as nn
 
 from ds4_mlx.models import gguf_blocks, kernels
 from ds4_mlx.models.kernels import backend
+from ds4_mlx.models.numerics import reshaped
 
 
 # quantized dense products (attention projections, grouped output projection, shared experts, LM head)
@@ -70,7 +71,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         flat = _few_rows_of(x, self)
         y = None if flat is None else kernels.few_rows(flat, *_one_map(self))
         if y is not None:
-            return y.reshape(*x.shape[:-1], -1)
+            return reshaped(y, *x.shape[:-1], -1)
         return super().__call__(x)
 
 
@@ -87,7 +88,7 @@ def _few_rows_of(x, *layers):
         return None
     if not all(isinstance(m, QuantizedLinear) and "bias" not in m for m in layers):
         return None
-    return x.reshape(rows, -1)
+    return reshaped(x, rows, -1)
 
 
 def swiglu_product(gate, up, x, limit):
@@ -95,14 +96,14 @@ def swiglu_product(gate, up, x, limit):
     rows = _few_rows_of(x, gate, up)
     y = None if rows is None else kernels.few_rows_glu(rows, _one_map(gate), _one_map(up), limit)
     if y is not None:
-        return y.reshape(*x.shape[:-1], -1)
+        return reshaped(y, *x.shape[:-1], -1)
     return kernels.clamped_swiglu(gate(x), up(x), limit)
 
 
 def plus_product(layer, x, addend):
     """addend + layer(x); one launch for a few rows of an 8-bit layer, rounded as the plain sum is."""
     rows = _few_rows_of(x, layer) if addend.dtype == x.dtype else None
-    y = None if rows is None else kernels.few_rows(rows, *_one_map(layer), addend=addend.reshape(rows.shape[0], -1))
+    y = None if rows is None else kernels.few_rows(rows, *_one_map(layer), addend=reshaped(addend, rows.shape[0], -1))
     if y is not None:
         return y.reshape(addend.shape)
     return addend + layer(x)
@@ -252,7 +253,7 @@ def _pair_rows(x, lead):
         kept -= 1
     if len(batch) != len(lead) or batch[:kept] != lead[:kept]:
         x = mx.broadcast_to(x, lead + x.shape[-2:])
-    return x.reshape(-1, x.shape[-1])
+    return reshaped(x, -1, x.shape[-1])
 
 
 def gguf_gather_product(x, w, indices, codec, sorted_indices):
@@ -265,9 +266,9 @@ def gguf_gather_product(x, w, indices, codec, sorted_indices):
                                                sorted_indices=sorted_indices)
     if x.shape[-2] == 1:
         lead = tuple(indices.shape)
-        y = kernels.gguf_rows(_pair_rows(x, lead), w, indices.reshape(-1), codec)
+        y = kernels.gguf_rows(_pair_rows(x, lead), w, reshaped(indices, -1), codec)
         if y is not None:
-            return y.reshape(*lead, 1, -1)
+            return reshaped(y, *lead, 1, -1)
     return x @ gguf_dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
 
 
@@ -279,10 +280,10 @@ def gguf_expert_rows(experts, x, chosen, limit):
     if (not all(isinstance(m, GGUFSwitchLinear) for m in (gate, up, down)) or gate.gguf_type != up.gguf_type
             or (gguf_blocks.path() == "kquant" and x.dtype != mx.float32)):
         return None
-    pairs = chosen.reshape(-1)
+    pairs = reshaped(chosen, -1)
     h = kernels.gguf_rows_glu(x, gate.weight, up.weight, pairs, gate.gguf_type, limit)
     y = None if h is None else kernels.gguf_rows(h, down.weight, pairs, down.gguf_type)
-    return None if y is None else y.reshape(*chosen.shape, -1)
+    return None if y is None else reshaped(y, *chosen.shape, -1)
 
 
 class GGUFSwitchLinear(nn.Module):

@@ -12,6 +12,16 @@ def rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
 
 
+def reshaped(x, *shape):
+    """`x.reshape(*shape)`, its -1 worked out first: MLX makes no graph node for a reshape to the shape x
+    already has only when that shape is spelled out (a decoded token's graph costs host time per node)."""
+    if -1 in shape:
+        known = math.prod(n for n in shape if n != -1)
+        if known:
+            shape = tuple(x.size // known if n == -1 else n for n in shape)
+    return x.reshape(shape)
+
+
 def yarn_inv_freq(dim, base, scaling):
     """Inverse frequencies of the rotary pairs; YaRN blends interpolated and original frequencies
     (magnitude scaling is cancelled, as in the official model)."""
