@@ -87,9 +87,8 @@ class Attention(nn.Module):
                 if slots.selecting:
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
         if slots.tokens == 1:  # a decoded token: the fused kernel reads its window from the ring in place
-            return decode_attention(rows["q"], ring[None], kv, None if compressed is None else compressed[None],
-                                    selected, slots.positions, self.sinks, slots.window, self.ratio,
-                                    slots.raw.read[:1], slots.visible), arrays
+            return decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
+                                    slots.window, self.ratio, slots.raw.read[:1], slots.visible), arrays
         window = mx.concatenate([ring[slots.raw.read], kv])  # the raw rows from start - (W - 1) on
         return self._attend_rows(rows["q"], window, compressed, selected, slots), arrays
 

@@ -14,6 +14,7 @@ import sys
 from functools import lru_cache, partial
 
 import mlx.core as mx
+import numpy as np
 
 from ds4_mlx.cache.geometry import ring_slot, rows_visible, window_reach
 from ds4_mlx.models.numerics import counting
@@ -308,18 +309,24 @@ def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, windo
                   q.shape[-1] ** -0.5)[0]
 
 
+def _own(rows):
+    """A session's own rows [n, hd]: `rows` itself, or the one row of a batch [1, n, hd]."""
+    return rows if rows.ndim == 2 else rows.reshape(rows.shape[1:])
+
+
 def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None,
                                     visible=None, picks=None, pool_rows=None):
     """`decode_attention_reference` for each of B tokens: q [B, nh, hd], fresh [B, hd], selected [B, k] or
     None, pos [B]; token b's ring and compressed rows are row `pool_rows[b]` (default b) of ring [S,
-    capacity, hd] and rows [S, n, hd] (or None); `picks` [B] bool: the tokens that read their `selected`
-    rows (None: all of them), the others read all their valid rows. `first`, `visible`: what the kernel is
-    handed ([B] int32, `decode_attention`), computed here from `pos`. -> [B, nh, hd]"""
+    capacity, hd] and rows [S, n, hd] (or None); one token's may be its session's own [capacity, hd] and
+    [n, hd]; `picks` [B] bool: the tokens that read their `selected` rows (None: all of them), the others
+    read all their valid rows. `first`, `visible`: what the kernel is handed ([B] int32,
+    `decode_attention`), computed here from `pos`. -> [B, nh, hd]"""
     out = []
     for b in range(q.shape[0]):
-        if pool_rows is None and q.shape[0] == 1:  # a session's own step: its ring by a reshape (read through
-            # an index, the compiled step copied the whole ring to write it: tests/test_session.py)
-            mine = (ring.reshape(ring.shape[1:]), None if rows is None else rows.reshape(rows.shape[1:]), None)
+        if pool_rows is None and q.shape[0] == 1:  # a session's own step: its ring as it is or by a reshape
+            # (read through an index, the compiled step copied the whole ring to write it: tests/test_session.py)
+            mine = (_own(ring), None if rows is None else _own(rows), None)
         elif pool_rows is None:  # the tokens' own rows: views, no copy
             mine = (ring[b], None if rows is None else rows[b], None)
         else:
@@ -398,7 +405,7 @@ def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, 
     """`decode_attention_rows_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
     warps' partial sums fill 32 KB of shared memory at 512). `first`, `visible`: the ring slot of each
     window's first row and each token's visible compressed rows ([B] int32, from the cache's slots), else
-    computed from `pos`."""
+    computed from `pos`. One token's ring and rows may be its session's own, unbatched (no view to make)."""
     hd = q.shape[-1]
     kind = DECODE_ATTENTION.backend()
     if kind is None or hd % 32 or hd > 512:
@@ -417,19 +424,25 @@ def _decode_attention_sample():
             mx.array([True, False]), mx.array([2, 0], mx.int32))
 
 
+@lru_cache(maxsize=64)
+def _all_picked(n):
+    """[n] int32 ones as data: no nodes in the step's graph (`mx.ones` is two)."""
+    return mx.array(np.ones(n, np.int32))
+
+
 def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None,
                            picks=None, pool_rows=None):
     B, nh, hd = q.shape
     i32 = mx.int32
     if first is None:
-        first = ring_slot(pos - window_reach(window), ring.shape[1])
+        first = ring_slot(pos - window_reach(window), ring.shape[-2])
     if visible is None:
         visible = rows_visible(pos, ratio) if ratio else mx.zeros_like(pos)
     first, visible = first.astype(i32).reshape(B), visible.astype(i32).reshape(B)
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
     if picks is None:
-        picks = mx.ones((B,), i32)
+        picks = _all_picked(B)
     if pool_rows is None:
         pool_rows = counting(B)
     inputs = [q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
@@ -437,7 +450,7 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
               pos.astype(i32).reshape(B), sinks.astype(mx.float32)]
     return _attend_kernel()(
         inputs=inputs,
-        template=[("HD", hd), ("NH", nh), ("W", window), ("CAP", ring.shape[1]), ("R", rows.shape[1]),
+        template=[("HD", hd), ("NH", nh), ("W", window), ("CAP", ring.shape[-2]), ("R", rows.shape[-2]),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[1]),
                   ("GROUP", _ATTEND_GROUP), *_dtype_keys(inputs)],
         grid=(nh * _ATTEND_GROUP, B, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
