@@ -165,7 +165,7 @@ class Model(nn.Module):
                 yield
         if taps is not None and "final" in taps:
             taps["final"] = streams
-        if last_only:
+        if last_only and T > 1:  # one token a row: its streams are the last already (no views)
             streams = streams.reshape(B, T, *streams.shape[1:])[:, -1]
         return self._logits(streams).reshape(B, -1, self.args.vocab_size), written
 
