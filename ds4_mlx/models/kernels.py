@@ -539,6 +539,15 @@ def clamped_swiglu(gate, up, limit):
     return gate * mx.sigmoid(gate) * up
 
 
+# `clamped_swiglu` in the kernels that end with it (the gate and up products of the experts' kernels)
+_CLAMPED_SWIGLU = """
+__device__ inline float clamped_swiglu(float gate, float up, float limit) {
+    gate = fminf(gate, limit);
+    return gate / (1.0f + expf(-gate)) * fminf(fmaxf(up, -limit), limit);
+}
+"""
+
+
 def routed_experts_reference(x, chosen, weights, gate, up, down, limit):
     """x [T, H]; chosen, weights [T, k]; gate, up, down: (packed weights, scales, biases, group size,
     bits) of affine-quantized expert stacks [E, out, in]. -> [T, H] float32, the weighted sum over j of
@@ -557,7 +566,7 @@ def routed_experts_reference(x, chosen, weights, gate, up, down, limit):
 # Each warp takes ROWS output rows of one token (and, for gate and up, one chosen expert). A lane reads
 # 16 bytes of every row at a time (64 values at 2 bits) with the matching float4s of the input, and
 # applies each word's scale and bias to the word's whole dot product.
-_EXPERTS_HEADER = """
+_EXPERTS_HEADER = _CLAMPED_SWIGLU + """
 template <int BITS, int GS, int IN, int N, typename W, typename S>
 __device__ void quantized_dots(const float* x, const W* w, const S* scales, const S* biases, int lane,
                                float* acc) {
@@ -609,8 +618,7 @@ _GATE_UP_CUDA = """
     quantized_dots<BITS, GS, IN, 2 * ROWS>(x + (tk / K) * IN, w, s, b, lane, acc);
     if (lane == 0) {
         for (int r = 0; r < ROWS; ++r) {
-            const float g = fminf(acc[r], LIMIT), u = fminf(fmaxf(acc[ROWS + r], -LIMIT), LIMIT);
-            h[tk * OUT + row + r] = g / (1.0f + expf(-g)) * u;
+            h[tk * OUT + row + r] = clamped_swiglu(acc[r], acc[ROWS + r], LIMIT);
         }
     }
 """
@@ -709,7 +717,7 @@ ROUTED_EXPERTS.launches["cuda"] = _routed_experts_cuda
 # Reads of x in any float dtype as 8- or 16-byte words, and stores in the output's dtype (an input's or
 # output's pointer type follows its array's dtype): a kernel takes the compute dtype's rows as they are,
 # where a cast to float32 before it and back after would each be a kernel.
-_LOADS = """
+_LOADS = _CLAMPED_SWIGLU + """
 template <int BYTES> struct Word;
 template <> struct Word<2> { using type = uint16_t; };
 template <> struct Word<4> { using type = uint32_t; };
@@ -878,8 +886,7 @@ _GGUF_ROWS_CUDA = """
     for (int r = 0; r < 2; ++r)
         for (int o = 16; o > 0; o /= 2) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], o);
     if (lane == 0 && GLU) {
-        const float gate = fminf(acc[0], LIMIT), up = fminf(fmaxf(acc[1], -LIMIT), LIMIT);
-        store(y + (size_t)pair * OUT + first, gate / (1.0f + expf(-gate)) * up);
+        store(y + (size_t)pair * OUT + first, clamped_swiglu(acc[0], acc[1], LIMIT));
     } else if (lane == 0) {
         for (int r = 0; r < rows; ++r) store(y + (size_t)pair * OUT + first + r, acc[r]);
     }
@@ -1125,8 +1132,7 @@ _FEW_ROWS_CUDA = """
         if (GLU) {
             float u = 0.0f;
             for (int k = 0; k < WARPS; ++k) u += partial[k][OUT_R * M + i];
-            const float gate = fminf(v, LIMIT), up = fminf(fmaxf(u, -LIMIT), LIMIT);
-            v = gate / (1.0f + expf(-gate)) * up;
+            v = clamped_swiglu(v, u, LIMIT);
         }
         if (ADD) v = static_cast<float>(addend[at]) + rounded_as(y, v);
         store(y + at, v);
