@@ -68,16 +68,14 @@ class Rope:
         T, D = x.shape[0], x.shape[-1]
         shape = x.shape if shape is None else shape
         if isinstance(start, mx.array) and start.ndim == 1:
-            # one position per row: mx.fast.rope's per-batch offsets (a shape spelled out, not with -1: a
-            # reshape to the shape x has is then no node)
-            t = x.reshape(T, x.size // (T * D) if T else 0, 1, D)
+            t = reshaped(x, T, -1, 1, D)  # one position per row: mx.fast.rope's per-batch offsets
             t = mx.fast.rope(t, D, traditional=True, base=None, scale=-1.0 if inverse else 1.0, offset=start,
                              freqs=self.full_periods(D))
-            return t.reshape(shape)
+            return reshaped(t, *shape)
         t = x.reshape(x.shape[0], -1, D).swapaxes(0, 1)  # mx.fast.rope wants [.., T, D]
         t = mx.fast.rope(t, D, traditional=True, base=None, scale=-step if inverse else step,
                          offset=start if step == 1 else start // step, freqs=self.full_periods(D))
-        return t.swapaxes(0, 1).reshape(shape)
+        return reshaped(t.swapaxes(0, 1), *shape)
 
 
 @lru_cache(maxsize=64)
