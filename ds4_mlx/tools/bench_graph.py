@@ -120,6 +120,7 @@ def bench_graph(a):
     """Nodes of a decoded token's graph (and of a pooled step of B streams) on the CUDA path, by kind, for a
     model of every layer kind at widths that hold the q2 layout's blocks (`--like q2`, native experts)."""
     from ds4_mlx.session import Session
+    from ds4_mlx.tools.bench_kernels import forks
     from ds4_mlx.tools.random_model import published_model
     from ds4_mlx.tools.testing import tiny_args
 
@@ -131,12 +132,7 @@ def bench_graph(a):
     first.sync(rng.integers(0, args.vocab_size, a.context).tolist())
     results = []
     for streams in [int(n) for n in a.streams.split(",")]:
-        sessions = [first]
-        for b in range(1, streams):  # forks a few tokens shorter: blocks close at different steps
-            s = Session(model)
-            s.restore(first.snapshot())
-            s.trim(len(first.tokens) - 1 - b % 4)
-            sessions.append(s)
+        sessions = forks(first, streams) if streams > 1 else [first]
         with cuda_path():
             counts = count_nodes(list(_step_graph(model, sessions)))
         views = sum(v for k, v in counts.items() if k in VIEWS)
