@@ -1,5 +1,5 @@
-"""`ds4-mlx bench graph`: the nodes of one decoded token's graph as MLX's CUDA build runs it, counted on
-any machine. A decoded token is bound by the host's time, which grows with every node (a kernel's
+"""`ds4-mlx bench graph`: the nodes of one decoded token's graph (or of a pooled step of B streams, or of
+a verify of K drafted rows) as MLX's CUDA build runs it, counted on any machine. A decoded token is bound by the host's time, which grows with every node (a kernel's
 encoding, or a view's bookkeeping), so this count is what the kernel work cuts; a GPU is needed only to
 time it (`bench kernels`).
 
@@ -103,11 +103,15 @@ def count_nodes(outputs):
     return counts
 
 
-def _step_graph(model, sessions):
-    """The lazy graph of one decoded token of each session (one: its own step; several: the pool's)."""
+def _step_graph(model, sessions, rows):
+    """The lazy graph of one step: each session's next token (one session: its own step; several: the
+    pool's), or `rows` drafted tokens verified on one session (logits at every row)."""
     from ds4_mlx.cache.pool import Pool
 
     caches = [s.cache for s in sessions]
+    if rows > 1:
+        ids = mx.array([sessions[0].tokens[-rows:]], dtype=mx.int32)
+        return model.forward(ids, [[c.view(rows) for c in caches[0]]])
     ids = mx.array([[s.tokens[-1]] for s in sessions], dtype=mx.int32)
     if len(sessions) == 1:
         return model.forward(ids, [[c.view(1) for c in caches[0]]], last_only=True)
@@ -117,8 +121,9 @@ def _step_graph(model, sessions):
 
 
 def bench_graph(a):
-    """Nodes of a decoded token's graph (and of a pooled step of B streams) on the CUDA path, by kind, for a
-    model of every layer kind at widths that hold the q2 layout's blocks (`--like q2`, native experts)."""
+    """Nodes of each step's graph (a decoded token, a pooled step of B streams, a verify of K rows) on the
+    CUDA path, by kind, for a model of every layer kind at widths that hold the q2 layout's blocks
+    (`--like q2`, native experts)."""
     from ds4_mlx.session import Session
     from ds4_mlx.tools.bench_kernels import forks
     from ds4_mlx.tools.random_model import published_model
@@ -131,16 +136,22 @@ def bench_graph(a):
     first = Session(model)
     first.sync(rng.integers(0, args.vocab_size, a.context).tolist())
     results = []
-    for streams in [int(n) for n in a.streams.split(",")]:
+    for spec in a.shapes.split(","):
+        kind, _, n = spec.partition(":")
+        n = int(n or 1)
+        if kind not in ("decode", "verify"):
+            raise ValueError(f"unknown shape {spec!r}: use decode, decode:B or verify:K")
+        streams, rows = (n, 1) if kind == "decode" else (1, n)
         sessions = forks(first, streams) if streams > 1 else [first]
         with cuda_path():
-            counts = count_nodes(list(_step_graph(model, sessions)))
+            counts = count_nodes(list(_step_graph(model, sessions, rows)))
         views = sum(v for k, v in counts.items() if k in VIEWS)
         kernels = sum(counts.values()) - views
-        results.append({"streams": streams, "nodes": sum(counts.values()), "kernels": kernels, "views": views,
+        results.append({"shape": spec, "streams": streams, "rows": rows, "nodes": sum(counts.values()),
+                        "kernels": kernels, "views": views,
                         "per_layer": round(sum(counts.values()) / args.num_hidden_layers, 1),
                         "most": ", ".join(f"{k} {n}" for k, n in counts.most_common(6))})
-        print(f"{streams} stream(s): {sum(counts.values())} nodes ({kernels} kernels, {views} views), "
+        print(f"{spec}: {sum(counts.values())} nodes ({kernels} kernels, {views} views), "
               f"{args.num_hidden_layers} layers", flush=True)
         for kind, n in counts.most_common():
             print(f"    {n:5d}  {kind}", flush=True)
@@ -152,5 +163,6 @@ def bench_graph(a):
 def options(q):
     q.add_argument("--context", type=int, default=64, help="tokens the sessions hold (the tiny model's window is 8, "
                    "its ratios 4 and 16)")
-    q.add_argument("--streams", default="1,8", help="stream counts, comma-separated: 1 is a session's own step, "
-                   "more a pool's")
+    q.add_argument("--shapes", default="decode,decode:8,verify:6",
+                   help="comma-separated: decode (one token), decode:B (B streams from a pool in one step), "
+                   "verify:K (K drafted rows on one session, logits at every row)")
