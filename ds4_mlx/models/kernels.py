@@ -160,17 +160,25 @@ _HC_BODY = """
         if (mine) { for (int i = 0; i < HC; ++i) s += c[i * HC + k]; v /= s + EPS; }
     }
     if (mine) comb[t * HC * HC + tid] = v;
-    float squares = 0.0f;
+#ifndef NORM_EPS
     for (int h = tid; h < H; h += GROUP) {
         float acc = 0.0f;
         for (int i = 0; i < HC; ++i) acc += shared_pre[i] * streams[(t * HC + i) * H + h];
-        const X_TYPE rounded = static_cast<X_TYPE>(acc);
-        x[t * H + h] = rounded;
-        squares += static_cast<float>(rounded) * static_cast<float>(rounded);
+        x[t * H + h] = acc;
     }
-#ifdef NORM_EPS
-    // the sub-layer's RMS norm of the rounded x, rounded as MLX's: x times the normalizer to X_TYPE, then
-    // times the weight in X_TYPE
+#else
+    // then the sub-layer's RMS norm of the rounded x, rounded as MLX's: x times the normalizer to X_TYPE,
+    // then times the weight in X_TYPE; the thread's values wait in registers
+    constexpr int MINE = (H + GROUP - 1) / GROUP;
+    float kept[MINE], squares = 0.0f;
+    for (int n = 0; n < MINE; ++n) {
+        const int h = tid + n * GROUP;
+        float acc = 0.0f;
+        if (h < H)
+            for (int i = 0; i < HC; ++i) acc += shared_pre[i] * streams[(t * HC + i) * H + h];
+        kept[n] = static_cast<float>(static_cast<X_TYPE>(acc));
+        squares += kept[n] * kept[n];
+    }
     total[tid] = squares;
     for (int half = GROUP / 2; half > 0; half /= 2) {
         BARRIER;
@@ -178,9 +186,9 @@ _HC_BODY = """
     }
     BARRIER;
     const float normalizer = RSQRT(total[0] / H + NORM_EPS);
-    for (int h = tid; h < H; h += GROUP) {
-        const X_TYPE normed = static_cast<X_TYPE>(static_cast<float>(x[t * H + h]) * normalizer);
-        x[t * H + h] = weight[h] * normed;
+    for (int n = 0; n < MINE; ++n) {
+        const int h = tid + n * GROUP;
+        if (h < H) x[t * H + h] = weight[h] * static_cast<X_TYPE>(kept[n] * normalizer);
     }
 #endif
 """
