@@ -758,6 +758,27 @@ __device__ inline void store(T* p, float v) { *p = static_cast<T>(v); }
 template <typename T>
 __device__ inline float rounded_as(const T*, float v) { return static_cast<float>(static_cast<T>(v)); }  // v as T holds it
 
+// A word copied from global to shared memory without waiting for it (cp.async, 16-byte words on sm_80 and
+// later): a thread's copies are all in flight at once, and `copies_done` waits for them. Otherwise each
+// copy is a load the following store waits on, a round trip at a time.
+template <typename W>
+__device__ inline void copy_word(W* shared, const W* global) {
+#if __CUDA_ARCH__ >= 800
+    if (sizeof(W) == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                     :: "r"((unsigned)__cvta_generic_to_shared(shared)), "l"(global));
+        return;
+    }
+#endif
+    *shared = *global;
+}
+
+__device__ inline void copies_done() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // Byte j of `bytes` as a float, exactly and without an integer conversion: the byte set as the low bits of
 // 2^23's mantissa, then 2^23 taken away.
 template <int J>
@@ -816,8 +837,8 @@ _GGUF_ROWS_CUDA = """
     constexpr int ROW_WORDS = IN / 256 * BLOCK / WORD, BLOCK_ROWS = WARPS * 2, WARP_OUTS = GLU ? 1 : 2;
     constexpr int BLOCKS_A_PAIR = (OUT + WARPS * WARP_OUTS - 1) / (WARPS * WARP_OUTS);
     __shared__ __align__(16) uint8_t x_bytes[IN * sizeof(x[0])];
-    __shared__ uint2 grid_bytes[CODEC == 1 ? 256 : 1];
-    __shared__ uint8_t sign_bytes[128];
+    __shared__ __align__(16) uint2 grid_bytes[CODEC == 1 ? 256 : 2];
+    __shared__ __align__(16) uint8_t sign_bytes[128];
     __shared__ __align__(16) word staged[BLOCK_ROWS][ROW_WORDS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int pair = blockIdx.x / BLOCKS_A_PAIR;
@@ -830,20 +851,23 @@ _GGUF_ROWS_CUDA = """
         const uint8_t* matrix = GLU && r == 1 ? up_w : w;
         const size_t row = (size_t)indices[pair] * OUT + first + (GLU ? 0 : r);
         const word* source = reinterpret_cast<const word*>(matrix + row * (ROW_WORDS * WORD));
-        for (int i = lane; i < ROW_WORDS; i += 32) staged[warp * 2 + r][i] = source[i];
+        for (int i = lane; i < ROW_WORDS; i += 32) copy_word(&staged[warp * 2 + r][i], source + i);
     }
     const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
     if (reinterpret_cast<unsigned long long>(xv) % 16 == 0) {
         for (int i = threadIdx.x; i < sizeof(x_bytes) / 16; i += WARPS * 32)
-            reinterpret_cast<uint4*>(x_bytes)[i] = reinterpret_cast<const uint4*>(xv)[i];
+            copy_word(reinterpret_cast<uint4*>(x_bytes) + i, reinterpret_cast<const uint4*>(xv) + i);
     } else {  // a row-contiguous view may start off a word
         for (int i = threadIdx.x; i < sizeof(x_bytes); i += WARPS * 32)
             x_bytes[i] = reinterpret_cast<const uint8_t*>(xv)[i];
     }
     if (CODEC == 1) {
-        for (int i = threadIdx.x; i < 256; i += WARPS * 32) grid_bytes[i] = reinterpret_cast<const uint2*>(lattice)[i];
-        for (int i = threadIdx.x; i < 128; i += WARPS * 32) sign_bytes[i] = ksigns[i];
+        for (int i = threadIdx.x; i < 256 * 8 / 16; i += WARPS * 32)
+            copy_word(reinterpret_cast<uint4*>(grid_bytes) + i, reinterpret_cast<const uint4*>(lattice) + i);
+        for (int i = threadIdx.x; i < 128 / 16; i += WARPS * 32)
+            copy_word(reinterpret_cast<uint4*>(sign_bytes) + i, reinterpret_cast<const uint4*>(ksigns) + i);
     }
+    copies_done();
     __syncthreads();
     if (rows <= 0) return;
     const auto* xs = reinterpret_cast<decltype(&x[0])>(x_bytes);
