@@ -877,19 +877,24 @@ _GGUF_ROWS_CUDA = """
     if (CODEC == 0) {
         const int byte = (lane % 16) * 4, half = byte / 32, l = byte % 32;
         for (int b = lane / 16; b < IN / 256; b += 2) {
-            float e[4][4];  // the 16 values of x this lane takes in block b: both rows' codes meet them
-            for (int i = 0; i < 4; ++i) aligned_floats<4>(xs + b * 256 + half * 128 + i * 32 + l, e[i]);
+            uint32_t q[2];
+            float d[2], dmin[2];
             for (int r = 0; r < 2; ++r) {
                 const uint8_t* blk = row_bytes[r] + b * BLOCK;
-                const uint32_t q = *reinterpret_cast<const uint32_t*>(blk + 16 + byte);
-                const float d = __half2float(*reinterpret_cast<const __half*>(blk + 80));
-                const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 82));
-                for (int i = 0; i < 4; ++i) {
-                    const uint32_t sc = blk[half * 8 + i * 2 + l / 16], codes = (q >> (2 * i)) & 0x03030303u;
-                    const float dot = small_int<0>(codes) * e[i][0] + small_int<1>(codes) * e[i][1]
-                                    + small_int<2>(codes) * e[i][2] + small_int<3>(codes) * e[i][3];
-                    const float sum = (e[i][0] + e[i][1]) + (e[i][2] + e[i][3]);
-                    acc[r] += d * small_int<0>(sc & 0xF) * dot - dmin * small_int<0>(sc >> 4) * sum;
+                q[r] = *reinterpret_cast<const uint32_t*>(blk + 16 + byte);
+                d[r] = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+                dmin[r] = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+            }
+            for (int i = 0; i < 4; ++i) {
+                float e[4];  // 4 values of x this lane takes in block b: both rows' codes meet them
+                aligned_floats<4>(xs + b * 256 + half * 128 + i * 32 + l, e);
+                const float sum = (e[0] + e[1]) + (e[2] + e[3]);
+                for (int r = 0; r < 2; ++r) {
+                    const uint32_t sc = row_bytes[r][b * BLOCK + half * 8 + i * 2 + l / 16];
+                    const uint32_t codes = (q[r] >> (2 * i)) & 0x03030303u;
+                    const float dot = small_int<0>(codes) * e[0] + small_int<1>(codes) * e[1]
+                                    + small_int<2>(codes) * e[2] + small_int<3>(codes) * e[3];
+                    acc[r] += d[r] * small_int<0>(sc & 0xF) * dot - dmin[r] * small_int<0>(sc >> 4) * sum;
                 }
             }
         }
