@@ -353,39 +353,58 @@ def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, 
 
 
 # One block a head of one token (grid: heads by tokens). Each warp runs an online softmax over every
-# NW-th key, its lanes holding dims lane, lane + 32, ... (coalesced row reads); the warps' partial sums
-# merge with the sink at the end. Token b's ring and compressed rows are row pool_rows[b] of theirs.
+# NW-th key, CHUNK keys at a time (their loads and sums independent, one update of the softmax for the
+# chunk: a key at a time was a chain of dependent round trips), its lanes holding E contiguous dims each
+# (read as wide words); the warps' partial sums merge with the sink at the end. Token b's ring and
+# compressed rows are row pool_rows[b] of theirs.
 _ATTEND_CUDA = """
-    constexpr int E = HD / 32, NW = GROUP / 32;
+    constexpr int E = HD / 32, NW = GROUP / 32, CHUNK = 4;
     const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const bool pick = SELECT && picks[b];
-    const int n_rows = pick ? K : visible[b];
+    const int n_rows = pick ? K : visible[b], keys = W + n_rows;
     const int before_zero = max(W - 1 - pos[b], 0);  // window rows at positions before 0
     const size_t head = ((size_t)b * NH + h) * HD, row = pool_rows[b];
-    const float scale = rsqrtf((float)HD);
+    const float scale = rsqrtf((float)HD), minus_infinity = -__int_as_float(0x7f800000);
     float qv[E], acc[E];
-    for (int e = 0; e < E; ++e) { qv[e] = static_cast<float>(q[head + e * 32 + lane]) * scale; acc[e] = 0.0f; }
-    float m = -__int_as_float(0x7f800000), l = 0.0f;  // -infinity
-    for (int j = warp; j < W + n_rows; j += NW) {
-        if (j < before_zero) continue;
-        decltype(ring) key;
-        if (j < W - 1) {  // the window's rows from its first slot on, wrapping once (W - 1 <= CAP)
-            const int slot = first[b] + j;
-            key = ring + (row * CAP + (slot < CAP ? slot : slot - CAP)) * HD;
+    load_floats<E>(q + head + lane * E, qv);
+    for (int e = 0; e < E; ++e) { qv[e] *= scale; acc[e] = 0.0f; }
+    float m = minus_infinity, l = 0.0f;
+    for (int j0 = warp * CHUNK; j0 < keys; j0 += NW * CHUNK) {
+        float k[CHUNK][E], s[CHUNK];
+        for (int u = 0; u < CHUNK; ++u) {
+            const int j = j0 + u;
+            s[u] = minus_infinity;
+            for (int e = 0; e < E; ++e) k[u][e] = 0.0f;
+            if (j < before_zero || j >= keys) continue;
+            decltype(ring) key;
+            if (j < W - 1) {  // the window's rows from its first slot on, wrapping once (W - 1 <= CAP)
+                const int slot = first[b] + j;
+                key = ring + (row * CAP + (slot < CAP ? slot : slot - CAP)) * HD;
+            }
+            else if (j == W - 1) key = fresh + (size_t)b * HD;
+            else key = rows + (row * R + (pick ? selected[(size_t)b * K + j - W] : j - W)) * HD;
+            load_floats<E>(key + lane * E, k[u]);
+            s[u] = 0.0f;
+            for (int e = 0; e < E; ++e) s[u] += qv[e] * k[u][e];
         }
-        else if (j == W - 1) key = fresh + (size_t)b * HD;
-        else key = rows + (row * R + (pick ? selected[(size_t)b * K + j - W] : j - W)) * HD;
-        float k[E], s = 0.0f;
-        for (int e = 0; e < E; ++e) { k[e] = static_cast<float>(key[e * 32 + lane]); s += qv[e] * k[e]; }
-        for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
-        const float top = fmaxf(m, s), c = expf(m - top), weight = expf(s - top);
-        l = l * c + weight;
-        for (int e = 0; e < E; ++e) acc[e] = acc[e] * c + weight * k[e];
+        for (int o = 16; o > 0; o /= 2)
+            for (int u = 0; u < CHUNK; ++u) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
+        float top = m;
+        for (int u = 0; u < CHUNK; ++u) top = fmaxf(top, s[u]);
+        if (top == minus_infinity) continue;  // no key of the chunk is visible, nor any before it
+        const float c = expf(m - top);
+        l *= c;
+        for (int e = 0; e < E; ++e) acc[e] *= c;
+        for (int u = 0; u < CHUNK; ++u) {
+            const float weight = expf(s[u] - top);
+            l += weight;
+            for (int e = 0; e < E; ++e) acc[e] += weight * k[u][e];
+        }
         m = top;
     }
     __shared__ float part_m[NW], part_l[NW], part_acc[NW * HD];
     if (lane == 0) { part_m[warp] = m; part_l[warp] = l; }
-    for (int e = 0; e < E; ++e) part_acc[warp * HD + e * 32 + lane] = acc[e];
+    for (int e = 0; e < E; ++e) part_acc[warp * HD + lane * E + e] = acc[e];
     __syncthreads();
     float top = sinks[h];
     for (int w = 0; w < NW; ++w) top = fmaxf(top, part_m[w]);
@@ -405,18 +424,18 @@ def _attend_kernel():
     return mx.fast.cuda_kernel(name="ds4_decode_attention",
                                input_names=["q", "ring", "fresh", "rows", "selected", "picks", "pool_rows", "first",
                                             "visible", "pos", "sinks"],
-                               output_names=["out"], source=_ATTEND_CUDA)
+                               output_names=["out"], source=_ATTEND_CUDA, header=_LOADS)
 
 
 def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None, picks=None,
                      pool_rows=None):
-    """`decode_attention_rows_reference`, one kernel on CUDA (head dims a multiple of 32, up to 512: the
-    warps' partial sums fill 32 KB of shared memory at 512). `first`, `visible`: the ring slot of each
+    """`decode_attention_rows_reference`, one kernel on CUDA (head dims of 32 times a power of two, up to 512:
+    the warps' partial sums fill 32 KB of shared memory at 512). `first`, `visible`: the ring slot of each
     window's first row and each token's visible compressed rows ([B] int32, from the cache's slots), else
     computed from `pos`. One token's ring and rows may be its session's own, unbatched (no view to make)."""
     hd = q.shape[-1]
     kind = DECODE_ATTENTION.backend()
-    if kind is None or hd % 32 or hd > 512:
+    if kind is None or hd % 32 or hd > 512 or (hd // 32) & (hd // 32 - 1):  # a lane's dims: a power of two
         return decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio,
                                                picks=picks, pool_rows=pool_rows)
     return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, first, visible,
