@@ -74,6 +74,7 @@ def on_cuda(kernel, *args):
     (512, 170, 9000, 128, 80, 0, mx.float16, mx.float32),     # HCA, a ring with rewind history
     (64, 135, 300, 0, 0, 0, mx.float32, mx.float32),          # sliding window only, float32 rows
     (512, 127, 8191, 4, 2100, 512, mx.float16, mx.bfloat16),  # queries in the bfloat16 compute dtype
+    (128, 127, 1000, 4, 300, 5, mx.bfloat16, mx.bfloat16),    # 8-byte words a lane, picks not a multiple of 4
 ])
 def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_rows, top_k, dtype, q_dtype):
     """Three tokens decoded together from rows 3, 0 and 2 of a pool of four sessions: one at `pos`, one in its
