@@ -354,11 +354,12 @@ def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, 
 
 # One block a head of one token (grid: heads by tokens). Each warp runs an online softmax over every
 # NW-th key, CHUNK keys at a time (their loads and sums independent, one update of the softmax for the
-# chunk: a key at a time was a chain of dependent round trips), its lanes holding E contiguous dims each
+# chunk: a key at a time was a chain of dependent round trips; two at head dim 512, whose four keys would
+# take every register a thread of 512 may have), its lanes holding E contiguous dims each
 # (read as wide words); the warps' partial sums merge with the sink at the end. Token b's ring and
 # compressed rows are row pool_rows[b] of theirs.
 _ATTEND_CUDA = """
-    constexpr int E = HD / 32, NW = GROUP / 32, CHUNK = 4;
+    constexpr int E = HD / 32, NW = GROUP / 32, CHUNK = E > 8 ? 2 : 4;  // a chunk's keys in registers: 32 at most
     const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const bool pick = SELECT && picks[b];
     const int n_rows = pick ? K : visible[b], keys = W + n_rows;
