@@ -53,6 +53,22 @@ def test_hc_mix_kernel_matches_reference(T, H, dtype, normed):
     check_hc_mix(T, H, dtype=dtype, normed=normed)
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,H,dtype", [(1, 4096, mx.bfloat16), (6, 4096, mx.float32), (517, 64, mx.bfloat16)])
+def test_hc_post_kernel_matches_float64(T, H, dtype):
+    """HC post (the sub-layer's output into each stream, plus the streams' 4 x 4 mix) against float64."""
+    import numpy as np
+
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(T), 4)
+    out = mx.random.normal((T, H), key=k1).astype(dtype)
+    streams, post, comb = (mx.random.normal(s, key=k) for s, k in (((T, 4, H), k2), ((T, 4), k3), ((T, 4, 4), k4)))
+    got = on_cuda(kernels.hc_post, out, streams, post, comb)
+    o, s, p, c = (np.array(a.astype(mx.float32), np.float64) for a in (out, streams, post, comb))
+    want = p[:, :, None] * o[:, None, :] + np.einsum("tji,tjh->tih", c, s)
+    assert got.shape == (T, 4, H) and got.dtype == mx.float32
+    assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def on_cuda(kernel, *args):
     """`kernel(*args)` evaluated on the GPU, or a skip where that is not CUDA."""
     previous = mx.default_device()

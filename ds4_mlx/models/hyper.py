@@ -5,7 +5,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ds4_mlx.models.args import ModelArgs
-from ds4_mlx.models.kernels import hc_mix, hc_project
+from ds4_mlx.models.kernels import hc_mix, hc_post, hc_project
 
 
 class HyperConnection(nn.Module):
@@ -29,14 +29,9 @@ class HyperConnection(nn.Module):
                       norm.eps)
 
     @staticmethod
-    @mx.compile
     def post(out, streams, post, comb):
-        # the 4 x 4 stream mix as element-wise terms: one fused kernel, exact in float32 (a matrix product
-        # here would run on TF32 tensor cores on CUDA); the terms read slices that keep their axes, which
-        # takes fewer view nodes than indexing and expanding (each is host time on every decoded layer)
-        into = comb.swapaxes(1, 2)  # [T, to, from]
-        mixed = sum(into[:, :, j : j + 1] * streams[:, j : j + 1] for j in range(streams.shape[1]))
-        return post[:, :, None] * out[:, None, :].astype(mx.float32) + mixed
+        """The sub-layer's output `out` [T, H] back into the streams [T, hc, H] (`kernels.hc_post`)."""
+        return hc_post(out, streams, post, comb)
 
 
 class HyperHead(nn.Module):

@@ -555,6 +555,65 @@ HC_PROJECT.launches["cuda"] = _hc_project_cuda
 
 
 # ---------------------------------------------------------------------------------------------
+# The hyper-connections' post: the sub-layer's output into each stream, plus the 4 x 4 mix of the streams.
+# As a compiled graph it is one kernel, but its terms read eight slices of `comb` and the streams, view
+# nodes that cost the host on every layer; here one thread a feature of a token, writing it in every stream.
+
+
+@mx.compile
+def hc_post_reference(out, streams, post, comb):
+    """out [T, H] (the sub-layer's, any dtype), streams [T, hc, H], post [T, hc], comb [T, hc, hc] float32 ->
+    post * out + comb's mix of the streams, [T, hc, H] float32. The mix as element-wise terms (a matrix
+    product would run on TF32 tensor cores on CUDA), in the order j = 0, 1, ...."""
+    into = comb.swapaxes(1, 2)  # [T, to, from]
+    mixed = sum(into[:, :, j : j + 1] * streams[:, j : j + 1] for j in range(streams.shape[1]))
+    return post[:, :, None] * out[:, None, :].astype(mx.float32) + mixed
+
+
+_HC_POST_CUDA = """
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)ROWS * H) return;
+    const size_t t = i / H, h = i % H;
+    float s[HC];
+    for (int j = 0; j < HC; ++j) s[j] = streams[(t * HC + j) * H + h];
+    const float o = static_cast<float>(out[t * H + h]);
+    for (int to = 0; to < HC; ++to) {
+        float mixed = comb[(t * HC) * HC + to] * s[0];
+        for (int j = 1; j < HC; ++j) mixed += comb[(t * HC + j) * HC + to] * s[j];
+        y[(t * HC + to) * H + h] = post[t * HC + to] * o + mixed;
+    }
+"""
+
+
+@lru_cache(maxsize=None)
+def _hc_post_kernel():
+    return mx.fast.cuda_kernel(name="ds4_hc_post", input_names=["out", "streams", "post", "comb"],
+                               output_names=["y"], source=_HC_POST_CUDA)
+
+
+def _hc_post_cuda(out, streams, post, comb):
+    T, hc, H = streams.shape
+    f32 = mx.float32
+    inputs = [out, streams.astype(f32), post.astype(f32), comb.astype(f32)]
+    return _hc_post_kernel()(
+        inputs=inputs, template=[("ROWS", T), ("HC", hc), ("H", H), *_dtype_keys(inputs)],
+        grid=(-(-T * H // 256) * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(T, hc, H)],
+        output_dtypes=[f32])[0]
+
+
+HC_POST = Kernel("hc_post", hc_post_reference,
+                 lambda: (_random(3, 64).astype(mx.bfloat16), _random(3, 4, 64), _random(3, 4), _random(3, 4, 4)), 1e-5)
+HC_POST.launches["cuda"] = _hc_post_cuda
+
+
+def hc_post(out, streams, post, comb):
+    """`hc_post_reference`, one kernel on CUDA (no view nodes)."""
+    kind = HC_POST.backend()
+    return hc_post_reference(out, streams, post, comb) if kind is None else HC_POST.launches[kind](out, streams, post,
+                                                                                                  comb)
+
+
+# ---------------------------------------------------------------------------------------------
 # Routed experts of a few tokens. MLX's gather_qmv reads a 2-bit expert matrix at ~0.45 TB/s on the
 # H200 (34 us for 6 experts' gate, up or down), and the SwiGLU, routing weights and sum are more
 # launches; here two kernels: gate and up with the clamped SwiGLU, then down summed with the weights.
