@@ -109,7 +109,7 @@ def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_r
                 .astype(mx.uint32) if top_k else None)  # argsort's
     picks = mx.array([True, False, True]) if top_k else None
     sinks = mx.random.normal((nh,), key=k[5])
-    got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, positions, sinks, window, ratio, None, None,
+    got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, positions, sinks, window, ratio, None,
                   picks, pool_rows)
     # the reference on the CPU: CUDA's float32 matrix products run on TF32 tensor cores
     with mx.stream(mx.cpu):
@@ -139,6 +139,57 @@ def test_decode_attention_rows_are_each_tokens_own():
     again = kernels.decode_attention_rows_reference(q, junk, fresh, rows, selected, positions, sinks, window, 4,
                                                     picks=mx.array([True, False]))
     assert float(mx.abs(again[1] - got[1]).max()) == 0.0
+
+
+def test_decode_attention_of_a_verify_is_each_row_decoded_in_turn():
+    """A verify's rows (`consecutive`: one session's positions p, p + 1, ..., their fresh rows not yet in
+    the ring) attend as if decoded one at a time, each after the rows before it were written into the ring;
+    with a window shorter than the rows, the later rows' windows are fresh rows only."""
+    nh, hd, capacity, n_rows, T = 4, 32, 24, 6, 6
+    k = mx.random.split(mx.random.key(1), 6)
+    q, ring = mx.random.normal((T, nh, hd), key=k[0]), mx.random.normal((capacity, hd), key=k[1])
+    fresh, rows = mx.random.normal((T, hd), key=k[2]), mx.random.normal((n_rows, hd), key=k[3])
+    selected, sinks = mx.random.randint(0, n_rows, (T, 3), key=k[4]).astype(mx.uint32), mx.random.normal((nh,), key=k[5])
+    for window, start in ((8, 21), (8, 2), (4, 30)):
+        positions = mx.arange(start, start + T, dtype=mx.int32)
+        got = kernels.decode_attention_rows_reference(q, ring, fresh, rows, selected, positions, sinks, window, 4,
+                                                      consecutive=True)
+        written = mx.array(ring)
+        for b in range(T):
+            want = kernels.decode_attention_reference(q[b], written, fresh[b : b + 1], rows, selected[b],
+                                                      positions[b], sinks, window, 4)
+            assert float(mx.abs(got[b] - want).max()) == 0.0, (window, start, b)
+            written[(start + b) % capacity] = fresh[b]
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("hd,start,ratio,top_k,window,dtype", [
+    (512, 8190, 4, 512, 128, mx.bfloat16),  # CSA past its first window: the indexer's picks, real widths
+    (512, 9000, 128, 0, 128, mx.bfloat16),  # HCA: every visible row
+    (512, 60, 4, 0, 128, mx.float32),       # the first window: rows before position 0 masked
+    (64, 300, 0, 0, 4, mx.float32),         # a window shorter than the rows: the last rows' are fresh only
+])
+def test_decode_attention_kernel_of_a_verify_matches_reference(hd, start, ratio, top_k, window, dtype):
+    """Six drafted rows of one session verified in one launch (`consecutive`), its own ring and rows."""
+    nh, T, capacity = 8, 6, 170
+    n_rows = (start + T) // ratio if ratio else 0
+    positions = mx.arange(start, start + T, dtype=mx.int32)
+    k = mx.random.split(mx.random.key(hd + start), 6)
+    q = mx.random.normal((T, nh, hd), key=k[0]).astype(mx.bfloat16)
+    ring = mx.random.normal((capacity, hd), key=k[1]).astype(dtype)
+    fresh = mx.random.normal((T, hd), key=k[2]).astype(dtype)
+    rows = mx.random.normal((n_rows, hd), key=k[3]).astype(dtype) if ratio else None
+    selected = (mx.stack([mx.random.permutation((start + 1) // ratio, key=key)[:top_k] for key in mx.random.split(k[4], T)])
+                .astype(mx.uint32) if top_k else None)
+    sinks = mx.random.normal((nh,), key=k[5])
+    got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, positions, sinks, window, ratio, None,
+                  None, None, True)
+    with mx.stream(mx.cpu):
+        want = kernels.decode_attention_rows_reference(q, ring, fresh, rows, selected, positions, sinks, window, ratio,
+                                                       consecutive=True)
+    assert got.shape == (T, nh, hd) and got.dtype == mx.float32
+    err = float(mx.abs(got - want).max())
+    assert err <= 1e-5 * max(1.0, float(mx.abs(want).max())), f"max |diff| {err:.2e}"
 
 
 @pytest.mark.parametrize("T,K", [(1, 700), (37, 19)])

@@ -172,7 +172,7 @@ class Pool:
         for session, b in zip(layer, rows):
             if not session.in_pool():
                 _come_back(named, session, b)
-        slots = make_batch_slots(tuple(x.pos for x in layer), rows, window=c.window, ratio=c.ratio,
+        slots = make_batch_slots(tuple(x.pos for x in layer), rows, ratio=c.ratio,
                                  raw_capacity=c.raw.capacity,
                                  frontier_capacity=c.frontier.capacity if c.ratio else 0,
                                  index_capacity=c.index_frontier.capacity if c.index_frontier else 0,

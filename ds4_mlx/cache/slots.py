@@ -87,7 +87,6 @@ class BatchSlots(NamedTuple):
     positions: mx.array  # [B] int32
     pool_rows: mx.array  # [B] the pool's row of each token's session
     raw_write: mx.array  # [B] the flattened raw ring's row each token's row goes to
-    window_first: mx.array  # [B] the raw ring's slot of the first of the W - 1 positions before each token
     in_blocks: Optional[mx.array]  # [B] offsets in their compressed blocks (None without compression)
     visible: Optional[mx.array]  # [B] compressed rows visible to each token
     open_row: Optional[mx.array]  # [B] the compressed row each token's block becomes
@@ -110,13 +109,12 @@ def _block_rows(positions, pool_rows, ratio, capacity):
 
 
 @lru_cache(maxsize=16)
-def make_batch_slots(positions, pool_rows, *, window, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
+def make_batch_slots(positions, pool_rows, *, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
                      index_topk=0, buffer_rows=0):
     """The `BatchSlots` of a layer of compression `ratio` for one token of each session at `positions`, whose
     arrays are rows `pool_rows` of the pool (tuples); `buffer_rows`: the rows of a pooled buffer's row."""
     p, r = np.array(positions), np.array(pool_rows)
-    raw = (_ints(p), _ints(r), _ints(r * raw_capacity + ring_slot(p, raw_capacity)),
-           _ints(ring_slot(p - window_reach(window), raw_capacity)))
+    raw = (_ints(p), _ints(r), _ints(r * raw_capacity + ring_slot(p, raw_capacity)))
     if not ratio:
         return BatchSlots(False, *raw, *([None] * 9))
     visible = rows_visible(p, ratio)

@@ -9,13 +9,16 @@ from ds4_mlx.cache.slots import BatchSlots, RingSlots, Slots
 from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
-from ds4_mlx.models.kernels import attend, decode_attention
+from ds4_mlx.models.kernels import attend, decode_attention, fused_decode_attention
 from ds4_mlx.models.linear import GroupedLinear, Linear
 from ds4_mlx.models.numerics import (Rope, counting, f16_round, fp8_e4m3_sim, hadamard_fp4_sim, index_rounding,
                                      rms_norm, write_rows)
 
 
 INDEXER_TILE_BYTES = 1 << 28
+# a step of this many tokens or fewer (a verify's drafts) attends in the decode kernel where it runs: each
+# token reads its own keys, where the plain path would gather every token's window and rows
+FUSED_ROWS = 16
 
 
 class Attention(nn.Module):
@@ -86,9 +89,10 @@ class Attention(nn.Module):
                                             index_rounding(quant_sim))
                 if slots.selecting:
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
-        if slots.tokens == 1:  # a decoded token: the fused kernel reads its window from the ring in place
+        if slots.tokens == 1 or slots.tokens <= FUSED_ROWS and fused_decode_attention(self.head_dim):
+            # a decoded token, or a verify's rows: the fused kernel reads the window from the ring in place
             return decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
-                                    slots.window, self.ratio, slots.raw.read[:1], slots.visible), arrays
+                                    slots.window, self.ratio, slots.visible, consecutive=slots.tokens > 1), arrays
         window = mx.concatenate([ring[slots.raw.read], kv])  # the raw rows from start - (W - 1) on
         return self._attend_rows(rows["q"], window, compressed, selected, slots), arrays
 
@@ -116,8 +120,7 @@ class Attention(nn.Module):
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows[slots.pool_rows],
                                               slots.visible[:, None])
         out = decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
-                               self.args.sliding_window, self.ratio, slots.window_first, slots.visible, slots.picks,
-                               slots.pool_rows)
+                               self.args.sliding_window, self.ratio, slots.visible, slots.picks, slots.pool_rows)
         return out, arrays
 
     _compiled_attend_batch = compiled(attend_batch)

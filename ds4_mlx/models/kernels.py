@@ -293,18 +293,20 @@ def _softmax_with_sinks(scores, sinks):
 
 
 def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, row=None):
-    """q [nh, hd]: one token at `pos` (an int array) over its window, the `window - 1` positions before
-    it from `ring` (position p in slot p % capacity; those before position 0 masked) then its own row
-    `fresh` [1, hd], and over compressed rows: rows[selected] where the indexer chose them, else the
-    (pos + 1) // ratio valid rows of `rows` (none for ratio 0); `attend` on those keys, float32. With `row`
-    (an int array), `ring` and `rows` are a pool's ([S, capacity, hd], [S, n, hd]) and the token's are
-    that row of them (read where needed: a ring's row is not copied whole). -> [nh, hd] float32"""
+    """q [nh, hd]: one token at `pos` (an int array) over its window: the positions before it from `ring`
+    (position p in slot p % capacity; those before position 0 masked), then the rows `fresh` [f, hd] of
+    the f positions up to its own (f = 1: its own row), and over compressed rows: rows[selected] where the
+    indexer chose them, else the (pos + 1) // ratio valid rows of `rows` (none for ratio 0); `attend` on
+    those keys, float32. With `row` (an int array), `ring` and `rows` are a pool's ([S, capacity, hd],
+    [S, n, hd]) and the token's are that row of them (read where needed: a ring's row is not copied whole).
+    -> [nh, hd] float32"""
     f32 = mx.float32
+    f = min(fresh.shape[0], window)
 
     def mine(array, index):
         return array[index] if row is None else array[row, index]
 
-    keys = [mine(ring, ring_slot(pos - window_reach(window) + counting(window - 1), ring.shape[-2])), fresh]
+    keys = [mine(ring, ring_slot(pos - window_reach(window) + counting(window - f), ring.shape[-2])), fresh[-f:]]
     mask = [pos - window_reach(window) + counting(window) >= 0]
     if selected is not None:
         keys.append(mine(rows, selected))
@@ -322,17 +324,21 @@ def _own(rows):
     return rows if rows.ndim == 2 else rows.reshape(rows.shape[1:])
 
 
-def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None,
-                                    visible=None, picks=None, pool_rows=None):
+def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, visible=None,
+                                    picks=None, pool_rows=None, consecutive=False):
     """`decode_attention_reference` for each of B tokens: q [B, nh, hd], fresh [B, hd], selected [B, k] or
     None, pos [B]; token b's ring and compressed rows are row `pool_rows[b]` (default b) of ring [S,
     capacity, hd] and rows [S, n, hd] (or None); one token's may be its session's own [capacity, hd] and
     [n, hd]; `picks` [B] bool: the tokens that read their `selected` rows (None: all of them), the others
-    read all their valid rows. `first`, `visible`: what the kernel is handed ([B] int32,
-    `decode_attention`), computed here from `pos`. -> [B, nh, hd]"""
+    read all their valid rows. `consecutive`: the tokens are one session's positions pos[0], pos[0] + 1,
+    ... (a verify's rows), its own ring and rows: the ring holds the positions before pos[0], and token b's
+    window ends in fresh[: b + 1]. `visible`: what the kernel is handed ([B] int32, `decode_attention`),
+    computed here from `pos`. -> [B, nh, hd]"""
     out = []
     for b in range(q.shape[0]):
-        if pool_rows is None and q.shape[0] == 1:  # a session's own step: its ring as it is or by a reshape
+        if consecutive:
+            mine = (_own(ring), None if rows is None else _own(rows), None)
+        elif pool_rows is None and q.shape[0] == 1:  # a session's own step: its ring as it is or by a reshape
             # (read through an index, the compiled step copied the whole ring to write it: tests/test_session.py)
             mine = (_own(ring), None if rows is None else _own(rows), None)
         elif pool_rows is None:  # the tokens' own rows: views, no copy
@@ -341,8 +347,8 @@ def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, 
             mine = (ring, rows, pool_rows[b])
 
         def one(chosen):
-            return decode_attention_reference(q[b], mine[0], fresh[b : b + 1], mine[1], chosen, pos[b], sinks,
-                                              window, ratio, row=mine[2])
+            return decode_attention_reference(q[b], mine[0], fresh[: b + 1] if consecutive else fresh[b : b + 1],
+                                              mine[1], chosen, pos[b], sinks, window, ratio, row=mine[2])
         if selected is None:
             out.append(one(None))
         elif picks is None:
@@ -364,7 +370,10 @@ _ATTEND_CUDA = """
     const bool pick = SELECT && picks[b];
     const int n_rows = pick ? K : visible[b], keys = W + n_rows;
     const int before_zero = max(W - 1 - pos[b], 0);  // window rows at positions before 0
-    const size_t head = ((size_t)b * NH + h) * HD, row = pool_rows[b];
+    // the window's rows in the ring; the rest are fresh rows, up to the token's own (CONSECUTIVE: a verify's
+    // rows, each reading the rows before it)
+    const int from_ring = W - 1 - (CONSECUTIVE ? min(b, W - 1) : 0);
+    const size_t head = ((size_t)b * NH + h) * HD, row = CONSECUTIVE ? 0 : pool_rows[b];
     const float scale = rsqrtf((float)HD), minus_infinity = -__int_as_float(0x7f800000);
     float qv[E], acc[E];
     load_floats<E>(q + head + lane * E, qv);
@@ -378,11 +387,8 @@ _ATTEND_CUDA = """
             for (int e = 0; e < E; ++e) k[u][e] = 0.0f;
             if (j < before_zero || j >= keys) continue;
             decltype(ring) key;
-            if (j < W - 1) {  // the window's rows from its first slot on, wrapping once (W - 1 <= CAP)
-                const int slot = first[b] + j;
-                key = ring + (row * CAP + (slot < CAP ? slot : slot - CAP)) * HD;
-            }
-            else if (j == W - 1) key = fresh + (size_t)b * HD;
+            if (j < from_ring) key = ring + (row * CAP + (pos[b] - (W - 1) + j) % CAP) * HD;  // a position >= 0
+            else if (j < W) key = fresh + (size_t)(b + j - (W - 1)) * HD;
             else key = rows + (row * R + (pick ? selected[(size_t)b * K + j - W] : j - W)) * HD;
             load_floats<E>(key + lane * E, k[u]);
             s[u] = 0.0f;
@@ -423,24 +429,28 @@ _ATTEND_GROUP = 512
 @lru_cache(maxsize=None)
 def _attend_kernel():
     return mx.fast.cuda_kernel(name="ds4_decode_attention",
-                               input_names=["q", "ring", "fresh", "rows", "selected", "picks", "pool_rows", "first",
-                                            "visible", "pos", "sinks"],
+                               input_names=["q", "ring", "fresh", "rows", "selected", "picks", "pool_rows", "visible",
+                                            "pos", "sinks"],
                                output_names=["out"], source=_ATTEND_CUDA, header=_LOADS)
 
 
-def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None, picks=None,
-                     pool_rows=None):
+def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, visible=None, picks=None,
+                     pool_rows=None, consecutive=False):
     """`decode_attention_rows_reference`, one kernel on CUDA (head dims of 32 times a power of two, up to 512:
-    the warps' partial sums fill 32 KB of shared memory at 512). `first`, `visible`: the ring slot of each
-    window's first row and each token's visible compressed rows ([B] int32, from the cache's slots), else
-    computed from `pos`. One token's ring and rows may be its session's own, unbatched (no view to make)."""
-    hd = q.shape[-1]
-    kind = DECODE_ATTENTION.backend()
-    if kind is None or hd % 32 or hd > 512 or (hd // 32) & (hd // 32 - 1):  # a lane's dims: a power of two
+    the warps' partial sums fill 32 KB of shared memory at 512). `visible`: each token's visible compressed
+    rows ([B] int32, from the cache's slots), else computed from `pos`. One token's ring and rows may be
+    its session's own, unbatched (no view to make)."""
+    if not fused_decode_attention(q.shape[-1]):
         return decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio,
-                                               picks=picks, pool_rows=pool_rows)
-    return DECODE_ATTENTION.launches[kind](q, ring, fresh, rows, selected, pos, sinks, window, ratio, first, visible,
-                                           picks, pool_rows)
+                                               picks=picks, pool_rows=pool_rows, consecutive=consecutive)
+    return DECODE_ATTENTION.launches[DECODE_ATTENTION.backend()](q, ring, fresh, rows, selected, pos, sinks, window,
+                                                                 ratio, visible, picks, pool_rows, consecutive)
+
+
+def fused_decode_attention(head_dim):
+    """Whether `decode_attention` runs as one kernel here, at this head dim (32 times a power of two)."""
+    lanes = head_dim // 32
+    return DECODE_ATTENTION.backend() is not None and head_dim % 32 == 0 and head_dim <= 512 and not lanes & (lanes - 1)
 
 
 def _decode_attention_sample():
@@ -448,7 +458,7 @@ def _decode_attention_sample():
     first window that reads all."""
     nh, hd, capacity, n_rows = 4, 64, 16, 8
     return (_random(2, nh, hd), _random(3, capacity, hd), _random(2, hd), _random(3, n_rows, hd),
-            mx.array([[0, 3, 5], [1, 2, 0]], mx.uint32), mx.array([21, 5], mx.int32), _random(nh), 8, 4, None, None,
+            mx.array([[0, 3, 5], [1, 2, 0]], mx.uint32), mx.array([21, 5], mx.int32), _random(nh), 8, 4, None,
             mx.array([True, False]), mx.array([2, 0], mx.int32))
 
 
@@ -458,15 +468,13 @@ def _all_picked(n):
     return mx.array(np.ones(n, np.int32))
 
 
-def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, first=None, visible=None,
-                           picks=None, pool_rows=None):
+def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, visible=None, picks=None,
+                           pool_rows=None, consecutive=False):
     B, nh, hd = q.shape
     i32 = mx.int32
-    if first is None:
-        first = ring_slot(pos - window_reach(window), ring.shape[-2])
     if visible is None:
         visible = rows_visible(pos, ratio) if ratio else mx.zeros_like(pos)
-    first, visible = first.astype(i32).reshape(B), visible.astype(i32).reshape(B)
+    visible = visible.astype(i32).reshape(B)
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
     if picks is None:
@@ -474,13 +482,13 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
     if pool_rows is None:
         pool_rows = counting(B)
     inputs = [q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
-              first if selected is None else selected, picks.astype(i32), pool_rows.astype(i32), first, visible,
+              visible if selected is None else selected, picks.astype(i32), pool_rows.astype(i32), visible,
               pos.astype(i32).reshape(B), sinks.astype(mx.float32)]
     return _attend_kernel()(
         inputs=inputs,
         template=[("HD", hd), ("NH", nh), ("W", window), ("CAP", ring.shape[-2]), ("R", rows.shape[-2]),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[1]),
-                  ("GROUP", _ATTEND_GROUP), *_dtype_keys(inputs)],
+                  ("CONSECUTIVE", consecutive), ("GROUP", _ATTEND_GROUP), *_dtype_keys(inputs)],
         grid=(nh * _ATTEND_GROUP, B, 1), threadgroup=(_ATTEND_GROUP, 1, 1),
         output_shapes=[(B, nh, hd)], output_dtypes=[mx.float32])[0]
 
