@@ -736,3 +736,26 @@ def test_gguf_rows_kernel_fits_every_real_width(variant):
     for codec, inp in (("iq2_xxs", H), ("q2_k", inner)):
         for itemsize in (2, 4):
             assert kernels._gguf_rows_warps(codec, inp, itemsize, gguf_blocks.row_bytes(codec, inp)) is not None
+
+
+def test_fused_verify_crossing_index_topk_matches_decoding_one_at_a_time(monkeypatch):
+    """A verify whose last rows' indexer picks but whose first rows see fewer rows than index_topk: through
+    the decode kernel's path (forced here: `decode_attention` runs its definition off CUDA) the first rows
+    read all their visible rows, as decoding them one at a time does, not the picks' rows past them."""
+    from ds4_mlx.models import attention
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
+
+    monkeypatch.setenv("DS4_MLX_COMPILE", "0")  # traces are cached per module
+    monkeypatch.setattr(attention, "fused_decode_attention", lambda head_dim: True)
+    args = tiny_args(0)
+    model = random_model(args, seed=0)
+    ids = mx.random.randint(0, args.vocab_size, (1, 28), key=mx.random.key(3))
+    start = 20  # positions 20 .. 27: rows visible 5, ..., 7 against index_topk 6
+    assert (start + 1) // 4 < args.index_topk < 28 // 4
+    verified, decoded = model.make_cache(), model.make_cache()
+    model(ids[:, :start], verified)
+    model(ids[:, :start], decoded)
+    got = model(ids[:, start:], verified)[0]
+    want = mx.concatenate([model(ids[:, p : p + 1], decoded)[0] for p in range(start, 28)])
+    assert float(mx.abs(got - want).max()) < 1e-5
