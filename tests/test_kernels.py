@@ -326,8 +326,11 @@ def test_kernels_pass_their_self_checks():
     mx.set_default_device(mx.gpu)
     try:
         kind = kernels.backend()
-        for kernel in (kernels.HC_MIX, kernels.DECODE_ATTENTION, kernels.HC_PROJECT, kernels.ROUTED_EXPERTS,
-                       *kernels.GGUF_ROWS.values(), *kernels.GGUF_DEQUANTIZE.values(), kernels.FEW_ROWS):
+        every = [k for k in vars(kernels).values() if isinstance(k, kernels.Kernel)]
+        every += [k for table in vars(kernels).values() if isinstance(table, dict) for k in table.values()
+                  if isinstance(k, kernels.Kernel)]
+        assert len(every) >= 10
+        for kernel in every:
             if kind in kernel.launches:
                 assert kernel.backend() == kind, kernel.name
     finally:
@@ -379,6 +382,26 @@ def test_a_wrong_kernel_turns_itself_off(fake_backend, capsys):
     assert mx.array_equal(got, _plain_logits(model)).item()
     _tiny_logits(model)
     assert capsys.readouterr().err == ""  # checked once a process and backend
+
+
+def test_a_kernel_wrong_in_one_of_its_forms_turns_itself_off(monkeypatch, capsys):
+    """A self-check of several samples (one a form the kernel takes: here decode attention's pooled tokens
+    and a verify's rows) passes only where every sample agrees."""
+    monkeypatch.setattr(kernels, "backend", lambda: "fake")
+    monkeypatch.setattr(kernels, "_enabled", True)
+    kernel = kernels.DECODE_ATTENTION
+    monkeypatch.setattr(kernel, "verdicts", {})
+
+    def wrong_on_a_verify(*args):
+        out = kernel.definition(*args)
+        return out + 1.0 if args[-1] is True else out
+
+    monkeypatch.setitem(kernel.launches, "fake", wrong_on_a_verify)
+    assert kernel.backend() is None and kernel.verdicts == {"fake": False}
+    assert "decode_attention disagrees" in capsys.readouterr().err
+    monkeypatch.setattr(kernel, "verdicts", {})
+    monkeypatch.setitem(kernel.launches, "fake", kernel.definition)
+    assert kernel.backend() == "fake"
 
 
 def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):

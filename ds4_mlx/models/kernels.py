@@ -59,7 +59,8 @@ def _dtype_keys(inputs):
 class Kernel:
     """A custom kernel beside its plain definition. `launches`: backend -> a function with the
     definition's signature; `sample()`: small random inputs for the self-check; `tolerance`: the largest
-    difference from the definition allowed there, relative to the definition's largest value."""
+    difference from the definition allowed there, relative to the definition's largest value. A sample
+    may be a list of input tuples, one for each form the kernel takes."""
 
     def __init__(self, name, definition, sample, tolerance):
         self.name, self.definition, self.sample, self.tolerance = name, definition, sample, tolerance
@@ -78,17 +79,20 @@ class Kernel:
 
     def _self_check(self, kind):
         try:
-            inputs = self.sample()
-            got = self.launches[kind](*inputs)
-            with mx.stream(mx.cpu):  # the definition in exact float32 (a GPU may use TF32 tensor cores)
-                want = self.definition(*inputs)
-            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
-            error = bound = 0.0
-            for g, w in zip(got, want):
-                w = w.astype(mx.float32)
-                error = max(error, mx.abs(g.astype(mx.float32) - w).max().item())
-                bound = max(bound, self.tolerance * mx.abs(w).max().item())
-            if error <= bound:  # False for NaN too
+            samples = self.sample()
+            for inputs in samples if isinstance(samples, list) else [samples]:
+                got = self.launches[kind](*inputs)
+                with mx.stream(mx.cpu):  # the definition in exact float32 (a GPU may use TF32 tensor cores)
+                    want = self.definition(*inputs)
+                got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+                error = bound = 0.0
+                for g, w in zip(got, want):
+                    w = w.astype(mx.float32)
+                    error = max(error, mx.abs(g.astype(mx.float32) - w).max().item())
+                    bound = max(bound, self.tolerance * mx.abs(w).max().item())
+                if not error <= bound:  # True for NaN too
+                    break
+            else:
                 return True
             detail = f"max difference {error:.3g}, allowed {bound:.3g}"
         except Exception as e:  # a kernel that does not compile or launch is off as well
@@ -455,11 +459,15 @@ def fused_decode_attention(head_dim):
 
 def _decode_attention_sample():
     """Two tokens of a pool of three sessions: one past its first window that picks its rows, one in its
-    first window that reads all."""
+    first window that reads all; and a verify's three rows on one session, the first reading all."""
     nh, hd, capacity, n_rows = 4, 64, 16, 8
-    return (_random(2, nh, hd), _random(3, capacity, hd), _random(2, hd), _random(3, n_rows, hd),
-            mx.array([[0, 3, 5], [1, 2, 0]], mx.uint32), mx.array([21, 5], mx.int32), _random(nh), 8, 4, None,
-            mx.array([True, False]), mx.array([2, 0], mx.int32))
+    pooled = (_random(2, nh, hd), _random(3, capacity, hd), _random(2, hd), _random(3, n_rows, hd),
+              mx.array([[0, 3, 5], [1, 2, 0]], mx.uint32), mx.array([21, 5], mx.int32), _random(nh), 8, 4, None,
+              mx.array([True, False]), mx.array([2, 0], mx.int32))
+    verify = (_random(3, nh, hd), _random(capacity, hd), _random(3, hd), _random(n_rows, hd),
+              mx.array([[0, 3, 5], [1, 2, 0], [4, 1, 2]], mx.uint32), mx.array([22, 23, 24], mx.int32), _random(nh),
+              8, 4, None, mx.array([False, True, True]), None, True)
+    return [pooled, verify]
 
 
 @lru_cache(maxsize=64)
