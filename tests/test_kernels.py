@@ -141,6 +141,33 @@ def test_decode_attention_rows_are_each_tokens_own():
     assert float(mx.abs(again[1] - got[1]).max()) == 0.0
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("use", ["queries", "kv", "output", "indexer", "float32"])
+def test_norm_rope_kernel_matches_reference(use):
+    """Real widths: a token's 64 query heads of 512 (normed, no weight), its kv row (normed with a
+    weight), the attention output's inverse rotation (float32 in, bfloat16 out), the indexer's 64 heads
+    of 128 (bfloat16 rounded, float32 out); against the MLX ops on the same GPU."""
+    from ds4_mlx.models.numerics import Rope
+
+    T, key = 3, mx.random.key(7)
+    positions = mx.array([0, 8191, 1_000_003], mx.int32)
+    rope = Rope(64, 160000.0)
+    bf = mx.bfloat16
+    weight = (1 + 0.1 * mx.random.normal((512,), key=key)).astype(bf)
+    x = mx.random.normal((T, 64 * 512), key=key)
+    args = {"queries": (x.astype(bf), rope, positions, 512, (None, 1e-6), False, (T, 64, 512)),
+            "kv": (x[:, :512].astype(bf), rope, positions, 512, (weight, 1e-6)),
+            "output": (x.reshape(T, 64, 512), rope, positions, 512, None, True, (T, 8, 4096), bf),
+            "indexer": (x[:, : 64 * 128].astype(bf), rope, positions, 128, None, False, (T, 64, 128), mx.float32),
+            "float32": (x[:, :512], rope, positions, 512, (weight.astype(mx.float32), 1e-6))}[use]
+    got = on_cuda(kernels.norm_rope, *args)
+    want = on_cuda(kernels.norm_rope_reference, *args)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err, top = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()), float(mx.abs(want).max())
+    # a bfloat16 result may round the other way where the two compute the norm or the angle a bit apart
+    assert err <= (1e-5 if use == "float32" else 2 ** -7) * top, f"max |diff| {err:.2e}"
+
+
 def test_decode_attention_of_a_verify_is_each_row_decoded_in_turn():
     """A verify's rows (`consecutive`: one session's positions p, p + 1, ..., their fresh rows not yet in
     the ring) attend as if decoded one at a time, each after the rows before it were written into the ring;
@@ -706,11 +733,19 @@ def test_kernels_name_the_dtypes_they_are_launched_at(monkeypatch):
     mix, scale, base, streams, iters, eps, _, weight, norm_eps = kernels._hc_mix_sample()
     for dtype in (mx.float32, mx.bfloat16):
         kernels._hc_mix_kernel("cuda", mix, scale, base, streams, iters, eps, dtype, weight, norm_eps)
-    q, ring, fresh, rows, selected, pos, sinks, window, ratio, *rest = kernels._decode_attention_sample()
+    q, ring, fresh, rows, selected, pos, sinks, window, ratio, *rest = kernels._decode_attention_sample()[0]
     for q_dtype, row_dtype in ((mx.float32, mx.float32), (mx.bfloat16, mx.float32), (mx.float32, mx.float16)):
         kernels._decode_attention_cuda(q.astype(q_dtype), ring.astype(row_dtype), fresh, rows, selected, pos, sinks,
                                        window, ratio, *rest)
     assert seen[0] != seen[1] and len(set(seen[2:])) == 3
+
+
+def test_norm_rope_is_named_by_its_dtypes(monkeypatch):
+    seen = _recorded_launches(monkeypatch, "_norm_rope_kernel")
+    x, rope, positions, width, norm, inverse, shape = kernels._norm_rope_sample()[0]
+    for dtype in (mx.float32, mx.bfloat16):
+        kernels._norm_rope_cuda(x.astype(dtype), rope, positions, width, norm, inverse, shape)
+    assert seen[0] != seen[1]
 
 
 def test_gguf_rows_are_named_by_their_input_dtype(monkeypatch):

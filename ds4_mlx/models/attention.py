@@ -9,10 +9,10 @@ from ds4_mlx.cache.slots import BatchSlots, RingSlots, Slots
 from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
-from ds4_mlx.models.kernels import attend, decode_attention, fused_decode_attention
+from ds4_mlx.models.kernels import attend, decode_attention, fused_decode_attention, norm_rope
 from ds4_mlx.models.linear import GroupedLinear, Linear
 from ds4_mlx.models.numerics import (Rope, counting, f16_round, fp8_e4m3_sim, hadamard_fp4_sim, index_rounding,
-                                     rms_norm, write_rows)
+                                     write_rows)
 
 
 INDEXER_TILE_BYTES = 1 << 28
@@ -134,9 +134,7 @@ class Attention(nn.Module):
         complete (so no graph depends on which sessions complete one). -> the pooled buffer [S, rows, width]."""
         arrays[ring], pooled = compressor.step_each(fresh, arrays[ring], write, block, slots.in_blocks,
                                                     slots.open_row)
-        m = compressor.ratio
-        finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
-        finished = rounding(self.rope(finished, slots.open_row * m))
+        finished = rounding(self._finish(compressor, pooled, slots.open_row * compressor.ratio))
         arrays[buffer] = _write_flat(arrays[buffer], slots.row_write, finished)
         return arrays[buffer]
 
@@ -165,11 +163,14 @@ class Attention(nn.Module):
         token's visible count on are not valid for it)."""
         arrays[ring], pooled = compressor.step(fresh, arrays[ring], at, slots)
         if pooled is not None:
-            m = compressor.ratio
-            finished = rms_norm(pooled, compressor.norm.weight.astype(pooled.dtype), compressor.norm.eps)
-            finished = rounding(self.rope(finished, (slots.first_row + counting(slots.pooled)) * m))
+            finished = rounding(self._finish(compressor, pooled, (slots.first_row + counting(slots.pooled)) * compressor.ratio))
             arrays[buffer] = write_rows(arrays[buffer], slots.first_row + counting(slots.pooled), finished)
         return arrays[buffer][: slots.rows]
+
+    def _finish(self, compressor, pooled, positions):
+        """Pooled rows [n, dim] normed and rotated to the positions [n] of their blocks' first tokens."""
+        norm = compressor.norm
+        return norm_rope(pooled, self.rope, positions, pooled.shape[-1], (norm.weight.astype(pooled.dtype), norm.eps))
 
     def _store_kv(self, kv, quant_sim):
         if not quant_sim:
@@ -182,14 +183,15 @@ class Attention(nn.Module):
         T = x.shape[0]
         qr = self.q_a_norm(self.q_a(x))
         nh, hd = self.n_heads, self.head_dim
-        q = rms_norm(self.q_b(qr).reshape(T, nh, 1, hd), None, self.args.rms_norm_eps)  # RoPE's layout
-        return qr, self.rope(q, positions, shape=(T, nh, hd)), self.rope(self.kv_norm(self.kv(x)), positions)
+        q = norm_rope(self.q_b(qr), self.rope, positions, hd, (None, self.args.rms_norm_eps), shape=(T, nh, hd))
+        return qr, q, norm_rope(self.kv(x), self.rope, positions, hd, (self.kv_norm.weight, self.kv_norm.eps))
 
     @compiled
     def _project_out(self, out, positions):
         """Attention output [T, nh, hd] (RoPE still on) -> [T, H], in the compute dtype."""
         T, G = out.shape[0], self.args.o_groups
-        out = self.rope(out, positions, inverse=True, shape=(T, G, -1)).astype(self.q_a_norm.weight.dtype)
+        out = norm_rope(out, self.rope, positions, self.head_dim, inverse=True, shape=(T, G, out.size // (T * G)),
+                        dtype=self.q_a_norm.weight.dtype)
         low = self.o_a(out)  # each head group has its own projection
         return self.o_b(low.reshape(T, -1))
 
@@ -197,8 +199,8 @@ class Attention(nn.Module):
         """The indexer's queries [T, heads, dim] and head weights [T, heads] of tokens at `positions`."""
         idx = self.indexer
         T = qr.shape[0]
-        qi = self.rope(idx.q_b(qr).reshape(T, idx.n_heads, 1, idx.head_dim), positions,  # RoPE's layout
-                       shape=(T, idx.n_heads, idx.head_dim)).astype(mx.float32)
+        qi = norm_rope(idx.q_b(qr), self.rope, positions, idx.head_dim, shape=(T, idx.n_heads, idx.head_dim),
+                       dtype=mx.float32)
         if quant_sim:
             qi = hadamard_fp4_sim(qi)
         return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5

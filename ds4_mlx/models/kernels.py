@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.cache.geometry import ring_slot, rows_visible, window_reach
-from ds4_mlx.models.numerics import counting
+from ds4_mlx.models.numerics import counting, reshaped
 
 _enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
 _generation = 0
@@ -503,6 +503,103 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
 
 DECODE_ATTENTION = Kernel("decode_attention", decode_attention_rows_reference, _decode_attention_sample, 1e-4)
 DECODE_ATTENTION.launches["cuda"] = _decode_attention_cuda
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE with the RMS norm before it and the cast after it, for a few tokens: the queries and kv rows, the
+# indexer's queries, the attention output's inverse rotation. As MLX ops each is a norm and a rotation
+# with a reshape to RoPE's per-row layout on each side, and a cast; here one launch of one warp a row.
+
+
+def norm_rope_reference(x, rope, positions, width, norm=None, inverse=False, shape=None, dtype=None):
+    """x [T, ...]: T tokens at `positions` [T] (int32), each rows of `width` features. `norm` = (weight or
+    None, eps): rms_norm of each row first; then `rope` (a `numerics.Rope`, forward or `inverse`) in RoPE's
+    per-row layout, returned in `shape` (default x's), cast to `dtype` (default x's)."""
+    t = reshaped(x, x.shape[0], -1, 1, width)
+    if norm is not None:
+        t = mx.fast.rms_norm(t, *norm)
+    y = rope(t, positions, inverse=inverse, shape=x.shape if shape is None else shape)
+    return y if dtype is None else y.astype(dtype)
+
+
+# A lane holds VALUES contiguous features (whole pairs) of its warp's row. Rounded as the MLX ops are:
+# the normed value to x's dtype, then times the weight in it; the rotation in float32 from those, to x's
+# dtype, then to the output's.
+_NORM_ROPE_CUDA = """
+    constexpr int VALUES = D < 64 ? 2 : D / 32, PAIRS = VALUES / 2, FIRST_ROTATED = (D - ROTATED) / 2;
+    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= ROWS) return;
+    const bool mine = lane * VALUES < D;  // narrow rows leave lanes idle
+    using XT = TYPE_0;
+    float v[VALUES] = {};
+    if (mine) load_floats<VALUES>(x + (size_t)row * D + lane * VALUES, v);
+    if (NORM) {
+        float squares = 0.0f;
+        for (int i = 0; i < VALUES; ++i) squares += v[i] * v[i];
+        for (int o = 16; o > 0; o /= 2) squares += __shfl_xor_sync(0xffffffff, squares, o);
+        const float normalizer = rsqrtf(squares / D + EPS);
+        for (int i = 0; i < VALUES && mine; ++i) {
+            v[i] = static_cast<float>(static_cast<XT>(v[i] * normalizer));
+            if (WEIGHTED) v[i] = static_cast<float>(static_cast<XT>(static_cast<float>(weight[lane * VALUES + i]) * v[i]));
+        }
+    }
+    const float position = (INVERSE ? -1.0f : 1.0f) * static_cast<float>(positions[row / HEADS]);
+    for (int p = 0; p < PAIRS; ++p) {
+        const int pair = lane * PAIRS + p;
+        float a = v[2 * p], b = v[2 * p + 1];
+        if (pair >= FIRST_ROTATED) {
+            const float theta = position * (1.0f / periods[pair - FIRST_ROTATED]);
+            const float c = cos(theta), s = sin(theta);
+            v[2 * p] = a * c - b * s;
+            v[2 * p + 1] = a * s + b * c;
+        }
+    }
+    if (mine)
+        for (int i = 0; i < VALUES; ++i) store(y + (size_t)row * D + lane * VALUES + i, static_cast<float>(static_cast<XT>(v[i])));
+"""
+_NORM_ROPE_WARPS = 4
+
+
+@lru_cache(maxsize=None)
+def _norm_rope_kernel(eps):
+    return mx.fast.cuda_kernel(name=f"ds4_norm_rope_{abs(hash(eps))}",
+                               input_names=["x", "weight", "periods", "positions"], output_names=["y"],
+                               source=f"#define EPS {float(eps)!r}f\n" + _NORM_ROPE_CUDA, header=_LOADS)
+
+
+def _norm_rope_cuda(x, rope, positions, width, norm=None, inverse=False, shape=None, dtype=None):
+    rows = x.size // width
+    weight, eps = norm if norm is not None else (None, 0.0)
+    inputs = [x, x if weight is None else weight.astype(x.dtype), rope.periods, positions.astype(mx.int32)]
+    return _norm_rope_kernel(eps)(
+        inputs=inputs,
+        template=[("D", width), ("ROTATED", rope.dim), ("ROWS", rows), ("HEADS", rows // x.shape[0]),
+                  ("NORM", norm is not None), ("WEIGHTED", weight is not None), ("INVERSE", inverse),
+                  ("WARPS", _NORM_ROPE_WARPS), *_dtype_keys(inputs)],
+        grid=(-(-rows // _NORM_ROPE_WARPS) * _NORM_ROPE_WARPS * 32, 1, 1), threadgroup=(_NORM_ROPE_WARPS * 32, 1, 1),
+        output_shapes=[x.shape if shape is None else shape], output_dtypes=[x.dtype if dtype is None else dtype])[0]
+
+
+def _norm_rope_sample():
+    from ds4_mlx.models.numerics import Rope
+
+    rope = Rope(16, 10000.0)
+    positions = mx.array([5, 900, 70000], mx.int32)
+    return [(_random(3, 256).astype(mx.bfloat16), rope, positions, 64, (None, 1e-6), False, (3, 4, 64)),
+            (_random(3, 64, seed=1), rope, positions, 64, (1 + 0.1 * _random(64), 1e-6)),
+            (_random(3, 2, 64, seed=2), rope, positions, 64, None, True, (3, 128), mx.bfloat16)]
+
+
+NORM_ROPE = Kernel("norm_rope", norm_rope_reference, _norm_rope_sample, 1e-2)
+NORM_ROPE.launches["cuda"] = _norm_rope_cuda
+
+
+def norm_rope(x, rope, positions, width, norm=None, inverse=False, shape=None, dtype=None):
+    """`norm_rope_reference` in one kernel on CUDA, for up to FEW_ROWS_MAX tokens and rows of 64 times a
+    whole number of features (or an even number under 64: a lane holds whole pairs)."""
+    if x.shape[0] > FEW_ROWS_MAX or width % (64 if width >= 64 else 2) or NORM_ROPE.backend() is None:
+        return norm_rope_reference(x, rope, positions, width, norm, inverse, shape, dtype)
+    return NORM_ROPE.launches["cuda"](x, rope, positions, width, norm, inverse, shape, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
