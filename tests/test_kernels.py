@@ -745,7 +745,17 @@ def test_norm_rope_is_named_by_its_dtypes(monkeypatch):
     x, rope, positions, width, norm, inverse, shape = kernels._norm_rope_sample()[0]
     for dtype in (mx.float32, mx.bfloat16):
         kernels._norm_rope_cuda(x.astype(dtype), rope, positions, width, norm, inverse, shape)
-    assert seen[0] != seen[1]
+    for out in (mx.float32, mx.bfloat16):  # the output's dtype too (the attention output's inverse rotation)
+        kernels._norm_rope_cuda(x, rope, positions, width, norm, inverse, shape, out)
+    assert seen[0] != seen[1] and seen[2] != seen[3]
+
+
+def test_norm_rope_takes_the_drafters_int_start(monkeypatch):
+    """The drafters pass `_project` an int start: the MLX ops, not the kernel's positions [T]."""
+    monkeypatch.setattr(kernels.NORM_ROPE, "backend", lambda: "cuda")
+    x, rope, _, width, norm, inverse, shape = kernels._norm_rope_sample()[0]
+    want = kernels.norm_rope_reference(x, rope, 7, width, norm, inverse, shape)
+    assert mx.array_equal(kernels.norm_rope(x, rope, 7, width, norm, inverse, shape), want).item()
 
 
 def test_gguf_rows_are_named_by_their_input_dtype(monkeypatch):

@@ -547,7 +547,7 @@ _NORM_ROPE_CUDA = """
     for (int p = 0; p < PAIRS; ++p) {
         const int pair = lane * PAIRS + p;
         float a = v[2 * p], b = v[2 * p + 1];
-        if (pair >= FIRST_ROTATED) {
+        if (mine && pair >= FIRST_ROTATED) {  // an idle lane's pair is past `periods`
             const float theta = position * (1.0f / periods[pair - FIRST_ROTATED]);
             const float c = cos(theta), s = sin(theta);
             v[2 * p] = a * c - b * s;
@@ -575,7 +575,7 @@ def _norm_rope_cuda(x, rope, positions, width, norm=None, inverse=False, shape=N
         inputs=inputs,
         template=[("D", width), ("ROTATED", rope.dim), ("ROWS", rows), ("HEADS", rows // x.shape[0]),
                   ("NORM", norm is not None), ("WEIGHTED", weight is not None), ("INVERSE", inverse),
-                  ("WARPS", _NORM_ROPE_WARPS), *_dtype_keys(inputs)],
+                  ("WARPS", _NORM_ROPE_WARPS), *_dtype_keys(inputs), ("Y_TYPE", x.dtype if dtype is None else dtype)],
         grid=(-(-rows // _NORM_ROPE_WARPS) * _NORM_ROPE_WARPS * 32, 1, 1), threadgroup=(_NORM_ROPE_WARPS * 32, 1, 1),
         output_shapes=[x.shape if shape is None else shape], output_dtypes=[x.dtype if dtype is None else dtype])[0]
 
@@ -594,10 +594,19 @@ NORM_ROPE = Kernel("norm_rope", norm_rope_reference, _norm_rope_sample, 1e-2)
 NORM_ROPE.launches["cuda"] = _norm_rope_cuda
 
 
+def _norm_rope_fits(x, positions, width):
+    """Whether the kernel takes these rows: a position each token (an int start, as the drafters pass, is
+    positions start, start + 1, ...), and a lane's features a whole number of pairs loaded in whole words
+    (an even number under 64, else a power of two times 64)."""
+    lanes_values = 2 if width < 64 else width // 32
+    return (isinstance(positions, mx.array) and positions.shape == (x.shape[0],) and x.shape[0] <= FEW_ROWS_MAX
+            and width % 2 == 0 and (width < 64 or width % 64 == 0 and lanes_values & (lanes_values - 1) == 0))
+
+
 def norm_rope(x, rope, positions, width, norm=None, inverse=False, shape=None, dtype=None):
-    """`norm_rope_reference` in one kernel on CUDA, for up to FEW_ROWS_MAX tokens and rows of 64 times a
-    whole number of features (or an even number under 64: a lane holds whole pairs)."""
-    if x.shape[0] > FEW_ROWS_MAX or width % (64 if width >= 64 else 2) or NORM_ROPE.backend() is None:
+    """`norm_rope_reference` in one kernel on CUDA, for up to FEW_ROWS_MAX tokens at positions [T] and rows
+    of an even number of features under 64 or a power of two times 64 (`_norm_rope_fits`)."""
+    if not _norm_rope_fits(x, positions, width) or NORM_ROPE.backend() is None:
         return norm_rope_reference(x, rope, positions, width, norm, inverse, shape, dtype)
     return NORM_ROPE.launches["cuda"](x, rope, positions, width, norm, inverse, shape, dtype)
 
