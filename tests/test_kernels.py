@@ -673,6 +673,29 @@ def test_few_rows_glu_and_add_match_float64(dtype):
             assert (np.array(added[:1].astype(mx.float32)) == first[1]).all()
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_few_rows_pair_is_each_product_alone(dtype):
+    """Two maps that read the same rows in one launch (the queries' first map, 4096 -> 1024, and the kv
+    rows', 4096 -> 512): each output the same bits as its own product, and that against float64."""
+    import numpy as np
+
+    x, *first = _few_rows_case(16, 1, 1024, 4096, dtype)
+    second = _few_rows_case(1, 1, 512, 4096, dtype, seed=1)[1:]
+    first, second = [a[0] for a in first], [a[0] for a in second]  # as a layer holds them: [out, in]
+    with mx.stream(mx.cpu):
+        weights = np.array(mx.dequantize(*first[:1], first[1].astype(mx.float32), first[2].astype(mx.float32), 32, 8),
+                           np.float64)
+    for rows in (1, 6, 16):
+        a, b = on_cuda(kernels.few_rows_pair, x[:rows, 0], (*first, 32, 8, "affine"), (*second, 32, 8, "affine"))
+        assert a.shape == (rows, 1024) and b.shape == (rows, 512) and a.dtype == b.dtype == dtype
+        assert mx.array_equal(a, on_cuda(kernels.few_rows, x[:rows, 0], *first, 32, 8, "affine")).item()
+        assert mx.array_equal(b, on_cuda(kernels.few_rows, x[:rows, 0], *second, 32, 8, "affine")).item()
+        want = np.array(x[:rows, 0].astype(mx.float32), np.float64) @ weights.T
+        tolerance = 1e-5 if dtype == mx.float32 else 1e-2
+        assert np.abs(np.array(a.astype(mx.float32)) - want).max() <= tolerance * np.abs(want).max()
+
+
 def test_few_rows_definition_matches_quantized_matmul():
     """The kernel's definition, on any device, against mx.quantized_matmul; no kernel on the CPU."""
     import numpy as np

@@ -10,7 +10,7 @@ from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
 from ds4_mlx.models.kernels import attend, decode_attention, fused_decode_attention, norm_rope
-from ds4_mlx.models.linear import GroupedLinear, Linear
+from ds4_mlx.models.linear import GroupedLinear, Linear, pair_product
 from ds4_mlx.models.numerics import (Rope, counting, f16_round, fp8_e4m3_sim, hadamard_fp4_sim, index_rounding,
                                      write_rows)
 
@@ -181,10 +181,11 @@ class Attention(nn.Module):
     def _project(self, x, positions):
         """-> (q_a output [T, q_lora_rank], queries [T, nh, hd], kv rows [T, hd]) at `positions` [T]."""
         T = x.shape[0]
-        qr = self.q_a_norm(self.q_a(x))
+        low, kv = pair_product(self.q_a, self.kv, x)
+        qr = self.q_a_norm(low)
         nh, hd = self.n_heads, self.head_dim
         q = norm_rope(self.q_b(qr), self.rope, positions, hd, (None, self.args.rms_norm_eps), shape=(T, nh, hd))
-        return qr, q, norm_rope(self.kv(x), self.rope, positions, hd, (self.kv_norm.weight, self.kv_norm.eps))
+        return qr, q, norm_rope(kv, self.rope, positions, hd, (self.kv_norm.weight, self.kv_norm.eps))
 
     @compiled
     def _project_out(self, out, positions):

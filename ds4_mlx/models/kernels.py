@@ -1329,16 +1329,18 @@ def gguf_dequantize(w, codec):
 _FEW_ROWS_CUDA = """
     constexpr int NG = N / G, CHUNKS = K / 16, OUT_R = GLU ? R / 2 : R;
     __shared__ float partial[WARPS][R * M];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, out0 = blockIdx.x * OUT_R;
-    const int g = out0 / NG;  // OUT_R divides NG: the block's rows share a group
+    // PAIR: the blocks past the first map's rows take the second map's (its own arrays and output)
+    const bool second_map = PAIR && blockIdx.x * OUT_R >= N;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, out0 = blockIdx.x * OUT_R - (second_map ? N : 0);
+    const int g = G == 1 ? 0 : out0 / NG;  // OUT_R divides NG: the block's rows share a group
     float acc[R][M];
     for (int r = 0; r < R; ++r) for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
     for (int c = threadIdx.x; c < CHUNKS; c += 32 * WARPS) {
         const int k0 = c * 16;
         float wf[R][16], scale[R], bias[R];
         for (int r = 0; r < R; ++r) {
-            const bool second = GLU && r >= OUT_R;
-            const size_t row = out0 + (second ? r - OUT_R : r);
+            const bool second = GLU && r >= OUT_R || second_map;
+            const size_t row = out0 + (GLU && r >= OUT_R ? r - OUT_R : r);
             const uint4 codes = reinterpret_cast<const uint4*>((second ? UP_W : w) + row * (K / 4))[c];
             const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
             for (int j = 0; j < 16; ++j) wf[r][j] = (float)((words[j / 4] >> (8 * (j % 4))) & 0xFF);
@@ -1364,7 +1366,7 @@ _FEW_ROWS_CUDA = """
         }
     __syncthreads();
     for (int i = threadIdx.x; i < OUT_R * M; i += 32 * WARPS) {
-        const size_t at = (size_t)(i % M) * N + out0 + i / M;
+        const size_t at = (size_t)(i % M) * (second_map ? N2 : N) + out0 + i / M;
         float v = 0.0f;
         for (int k = 0; k < WARPS; ++k) v += partial[k][i];
         if (GLU) {
@@ -1373,27 +1375,31 @@ _FEW_ROWS_CUDA = """
             v = clamped_swiglu(v, u, LIMIT);
         }
         if (ADD) v = static_cast<float>(addend[at]) + rounded_as(y, v);
-        store(y + at, v);
+        store((second_map ? y2 : y) + at, v);
     }
 """
 FEW_ROWS_MAX = 16
 _FEW_ROWS_VARIANTS = {  # variant -> (extra inputs, defines)
-    "plain": ([], "#define GLU 0\n#define ADD 0\n"),
-    "glu": (["up_w", "up_scales", "up_biases"], "#define GLU 1\n#define ADD 0\n"),
-    "add": (["addend"], "#define GLU 0\n#define ADD 1\n"),
+    "plain": ([], "#define GLU 0\n#define ADD 0\n#define PAIR 0\n"),
+    "glu": (["up_w", "up_scales", "up_biases"], "#define GLU 1\n#define ADD 0\n#define PAIR 0\n"),
+    "add": (["addend"], "#define GLU 0\n#define ADD 1\n#define PAIR 0\n"),
+    "pair": (["up_w", "up_scales", "up_biases"], "#define GLU 0\n#define ADD 0\n#define PAIR 1\n"),
 }
 
 
 @lru_cache(maxsize=None)
 def _few_rows_kernel(variant="plain", limit=0.0):
     extra, defines = _FEW_ROWS_VARIANTS[variant]
-    up = "up_" if variant == "glu" else ""  # the second map's arrays: the first's, where there is none
+    up = "up_" if variant in ("glu", "pair") else ""  # the second map's arrays: the first's, where there is none
     defines += f"#define UP_W {up}w\n#define UP_SCALES {up}scales\n#define UP_BIASES {up}biases\n"
     if variant != "add":
         defines += "#define addend y\n"
+    if variant != "pair":
+        defines += "#define y2 y\n#define N2 N\n"
     name = "ds4_few_rows_q8" + ("" if variant == "plain" else f"_{variant}") + (
         f"_{abs(hash(limit))}" if variant == "glu" else "")
-    return mx.fast.cuda_kernel(name=name, input_names=["x", "w", "scales", "biases"] + extra, output_names=["y"],
+    return mx.fast.cuda_kernel(name=name, input_names=["x", "w", "scales", "biases"] + extra,
+                               output_names=["y", "y2"] if variant == "pair" else ["y"],
                                source=defines + f"#define LIMIT {float(limit)!r}f\n" + _FEW_ROWS_CUDA,
                                header=_LOADS)
 
@@ -1406,22 +1412,26 @@ def few_rows_reference(x, w, scales, biases, group_size):
 
 def _few_rows_launch(variant, x, w, scales, biases, group_size, extra=(), limit=0.0):
     """x [M, groups, K] with maps w [groups, out, K / 4] -> [M, groups, out]; or x [M, K] with one map w [out,
-    K / 4] -> [M, out] (no views of a layer's arrays: each would be a node of every step's graph)."""
+    K / 4] -> [M, out] (no views of a layer's arrays: each would be a node of every step's graph). The pair
+    variant: x [M, K] through w and a second map [out2, K / 4] (`extra`) -> ([M, out], [M, out2])."""
     M, K, G = x.shape[0], x.shape[-1], x.shape[1] if x.ndim == 3 else 1
     N = w.size // w.shape[-1]
-    out_rows = 2 if M > 8 or w.shape[-2] % 4 else 4  # output rows a block takes: more share x's loads, until
-    # the registers of M rows run out (a GLU block reads two maps' rows for each)
+    N2 = extra[0].shape[0] if variant == "pair" else 0
+    out_rows = 2 if M > 8 or w.shape[-2] % 4 or N2 % 4 else 4  # output rows a block takes: more share x's
+    # loads, until the registers of M rows run out (a GLU block reads two maps' rows for each)
     rows = out_rows
     if variant == "glu":
         out_rows //= 2
     warps = min(8, max(1, K // 16 // 64))  # a thread takes a few chunks: a function of K alone (see above)
     inputs = [x, w, scales, biases, *extra]
-    return _few_rows_kernel(variant, limit)(
+    shapes = [(M, G, N // G) if x.ndim == 3 else (M, N)] + ([(M, N2)] if variant == "pair" else [])
+    y = _few_rows_kernel(variant, limit)(
         inputs=inputs,
         template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps),
-                  *_dtype_keys(inputs)],
-        grid=(N // out_rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(M, G, N // G) if x.ndim == 3 else (M, N)], output_dtypes=[x.dtype])[0]
+                  *([("N2", N2)] if variant == "pair" else []), *_dtype_keys(inputs)],
+        grid=((N + N2) // out_rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+        output_shapes=shapes, output_dtypes=[x.dtype] * len(shapes))
+    return tuple(y) if variant == "pair" else y[0]
 
 
 def _quantized(seed, groups, out, inp):
@@ -1454,6 +1464,22 @@ FEW_ROWS_GLU = Kernel("few_rows_q8_glu", few_rows_glu_reference,
 FEW_ROWS_GLU.launches["cuda"] = _few_rows_glu_cuda
 
 
+def few_rows_pair_reference(x, w, scales, biases, w2, scales2, biases2, group_size):
+    """x [M, K] through two maps (`few_rows_reference`'s) -> ([M, out], [M, out2]) float32."""
+    return tuple(few_rows_reference(x[:, None], *m, group_size)[:, 0] for m in ((w, scales, biases),
+                                                                              (w2, scales2, biases2)))
+
+
+def _few_rows_pair_cuda(x, w, scales, biases, w2, scales2, biases2, group_size):
+    return _few_rows_launch("pair", x, w, scales, biases, group_size, (w2, scales2, biases2))
+
+
+FEW_ROWS_PAIR = Kernel("few_rows_q8_pair", few_rows_pair_reference,
+                       lambda: (_random(3, 256, seed=8), *(a[0] for a in _quantized(7, 1, 8, 256)),
+                                *(a[0] for a in _quantized(9, 1, 12, 256)), 32), 1e-4)
+FEW_ROWS_PAIR.launches["cuda"] = _few_rows_pair_cuda
+
+
 def few_rows_add_reference(x, w, scales, biases, group_size, addend):
     """addend [M, groups, out] plus `few_rows_reference`'s product, float32."""
     return addend.astype(mx.float32) + few_rows_reference(x, w, scales, biases, group_size)
@@ -1479,6 +1505,18 @@ def few_rows(x, w, scales, biases, group_size, bits, mode, addend=None):
     if not _few_rows_apply(kernel, x, w, scales, biases, group_size, bits, mode):
         return None
     return kernel.launches["cuda"](x, w, scales, biases, group_size, *(() if addend is None else (addend,)))
+
+
+def few_rows_pair(x, first, second):
+    """`few_rows_pair_reference` (in x's dtype) in one kernel on CUDA, x [M, K]; `first`, `second`: (w, scales,
+    biases, group_size, bits, mode) of two maps of one input width and format. None where the kernel does
+    not apply."""
+    if (first[2] is None or second[2] is None or first[0].ndim != 2 or second[0].ndim != 2
+            or first[0].shape[1] != second[0].shape[1] or second[0].shape[0] % 2 or first[3:] != second[3:]
+            or [a.dtype for a in first[1:3]] != [a.dtype for a in second[1:3]] or x.ndim != 2
+            or not _few_rows_apply(FEW_ROWS_PAIR, x, *first)):
+        return None
+    return FEW_ROWS_PAIR.launches["cuda"](x, *first[:3], *second[:3], first[3])
 
 
 def few_rows_glu(x, gate, up, limit):

@@ -91,6 +91,16 @@ def _few_rows_of(x, *layers):
     return reshaped(x, rows, -1)
 
 
+def pair_product(first, second, x):
+    """(first(x), second(x)) of two layers that read the same x; one launch for a few rows of two 8-bit
+    layers."""
+    rows = _few_rows_of(x, first, second)
+    ys = None if rows is None else kernels.few_rows_pair(rows, _one_map(first), _one_map(second))
+    if ys is not None:
+        return tuple(reshaped(y, *x.shape[:-1], -1) for y in ys)
+    return first(x), second(x)
+
+
 def swiglu_product(gate, up, x, limit):
     """clamped_swiglu(gate(x), up(x)); one launch for a few rows of two 8-bit layers."""
     rows = _few_rows_of(x, gate, up)
