@@ -22,7 +22,7 @@ class RingSlots(NamedTuple):
     """A token ring's part of a step: the slots of the positions before the step that it reads (in
     position order), and the slots its last rows go to (at most the ring's capacity of them)."""
     read: mx.array
-    write: mx.array
+    write: mx.array  # [k, 1]: a write's index as `numerics.write_rows` takes it
 
 
 class Slots(NamedTuple):
@@ -46,11 +46,17 @@ def _ints(values):
     return mx.array(values, dtype=mx.int32)
 
 
+def _write_index(values):
+    """Rows to write, [k, 1] as `numerics.write_rows` takes them: made here as data, not in each step's
+    graph (an expanded index is a node of it)."""
+    return mx.array(np.asarray(values, np.int32).reshape(-1, 1))
+
+
 def ring_slots(start, tokens, back, capacity):
     """`RingSlots` of a ring of `capacity` rows for T tokens from `start` reading `back` positions before."""
     first_written = start + tokens - min(tokens, capacity)
     return RingSlots(_ints([ring_slot(p, capacity) for p in range(start - back, start)]),
-                     _ints([ring_slot(p, capacity) for p in range(first_written, start + tokens)]))
+                     _write_index([ring_slot(p, capacity) for p in range(first_written, start + tokens)]))
 
 
 @lru_cache(maxsize=64)  # the layers of one kind share a step's slots: made once a step, not once a layer
@@ -86,15 +92,15 @@ class BatchSlots(NamedTuple):
     selecting: bool  # some session's indexer picks its rows
     positions: mx.array  # [B] int32
     pool_rows: mx.array  # [B] the pool's row of each token's session
-    raw_write: mx.array  # [B] the flattened raw ring's row each token's row goes to
+    raw_write: mx.array  # [B, 1] the flattened raw ring's row each token's row goes to
     in_blocks: Optional[mx.array]  # [B] offsets in their compressed blocks (None without compression)
     visible: Optional[mx.array]  # [B] compressed rows visible to each token
     open_row: Optional[mx.array]  # [B] the compressed row each token's block becomes
-    row_write: Optional[mx.array]  # [B] where that row goes in the flattened buffer
-    frontier_write: Optional[mx.array]  # [B] the flattened compressor ring's row each token's row goes to
+    row_write: Optional[mx.array]  # [B, 1] where that row goes in the flattened buffer
+    frontier_write: Optional[mx.array]  # [B, 1] the flattened compressor ring's row each token's row goes to
     frontier_block: Optional[mx.array]  # [B, m] its rows of each token's block, with overlap [B, 2m] (the
     # block before it first; positions before 0 read position 0, which weighs nothing)
-    index_write: Optional[mx.array]  # [B] the same for the indexer compressor's ring
+    index_write: Optional[mx.array]  # [B, 1] the same for the indexer compressor's ring
     index_block: Optional[mx.array]  # [B, 2m]
     picks: Optional[mx.array]  # [B] bool: whose indexer picks its rows (None: all of them, or none)
 
@@ -114,15 +120,15 @@ def make_batch_slots(positions, pool_rows, *, ratio, raw_capacity, frontier_capa
     """The `BatchSlots` of a layer of compression `ratio` for one token of each session at `positions`, whose
     arrays are rows `pool_rows` of the pool (tuples); `buffer_rows`: the rows of a pooled buffer's row."""
     p, r = np.array(positions), np.array(pool_rows)
-    raw = (_ints(p), _ints(r), _ints(r * raw_capacity + ring_slot(p, raw_capacity)))
+    raw = (_ints(p), _ints(r), _write_index(r * raw_capacity + ring_slot(p, raw_capacity)))
     if not ratio:
         return BatchSlots(False, *raw, *([None] * 9))
     visible = rows_visible(p, ratio)
     picks = visible > index_topk if index_capacity else np.zeros(len(p), bool)
-    index = ((_ints(r * index_capacity + ring_slot(p, index_capacity)), _block_rows(p, r, ratio, index_capacity))
+    index = ((_write_index(r * index_capacity + ring_slot(p, index_capacity)), _block_rows(p, r, ratio, index_capacity))
              if index_capacity else (None, None))
     return BatchSlots(bool(picks.any()), *raw, _ints(in_block(p, ratio)), _ints(visible), _ints(rows_done(p, ratio)),
-                      _ints(r * buffer_rows + rows_done(p, ratio)),
-                      _ints(r * frontier_capacity + ring_slot(p, frontier_capacity)),
+                      _write_index(r * buffer_rows + rows_done(p, ratio)),
+                      _write_index(r * frontier_capacity + ring_slot(p, frontier_capacity)),
                       _block_rows(p, r, ratio, frontier_capacity), *index,
                       mx.array(picks) if picks.any() and not picks.all() else None)

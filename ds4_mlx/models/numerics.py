@@ -145,8 +145,8 @@ def index_rounding(quant_sim):
 
 
 def write_rows(rows, at, values):
-    """`rows` [n, width] with `values` [k, width] at rows `at` [k] (int32: ring slots, buffer rows). A
-    scatter, which MLX runs in place when nothing else holds `rows` (one launch; a slice update at a
-    computed index is two on CUDA, and a kernel writing a copy is slower: the rings hold the rewind
-    history)."""
-    return mx.put_along_axis(rows, mx.broadcast_to(at[:, None], values.shape), values.astype(rows.dtype), axis=0)
+    """`rows` [n, width] with `values` [k, width] at rows `at` [k] or [k, 1] (int32: ring slots, buffer rows;
+    the cache's slots are [k, 1], which takes no view to expand). A scatter, which MLX runs in place when
+    nothing else holds `rows` (one launch; a slice update at a computed index is two on CUDA, and a kernel
+    writing a copy is slower: the rings hold the rewind history)."""
+    return mx.put_along_axis(rows, at if at.ndim == 2 else at[:, None], values.astype(rows.dtype), axis=0)
