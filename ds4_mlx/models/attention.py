@@ -163,8 +163,9 @@ class Attention(nn.Module):
         token's visible count on are not valid for it)."""
         arrays[ring], pooled = compressor.step(fresh, arrays[ring], at, slots)
         if pooled is not None:
-            finished = rounding(self._finish(compressor, pooled, (slots.first_row + counting(slots.pooled)) * compressor.ratio))
-            arrays[buffer] = write_rows(arrays[buffer], slots.first_row + counting(slots.pooled), finished)
+            rows = slots.first_row + counting(slots.pooled)
+            finished = rounding(self._finish(compressor, pooled, rows * compressor.ratio))
+            arrays[buffer] = write_rows(arrays[buffer], rows, finished)
         return arrays[buffer][: slots.rows]
 
     def _finish(self, compressor, pooled, positions):

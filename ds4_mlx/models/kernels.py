@@ -530,7 +530,6 @@ _NORM_ROPE_CUDA = """
     const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= ROWS) return;
     const bool mine = lane * VALUES < D;  // narrow rows leave lanes idle
-    using XT = TYPE_0;
     float v[VALUES] = {};
     if (mine) load_floats<VALUES>(x + (size_t)row * D + lane * VALUES, v);
     if (NORM) {
@@ -539,8 +538,8 @@ _NORM_ROPE_CUDA = """
         for (int o = 16; o > 0; o /= 2) squares += __shfl_xor_sync(0xffffffff, squares, o);
         const float normalizer = rsqrtf(squares / D + EPS);
         for (int i = 0; i < VALUES && mine; ++i) {
-            v[i] = static_cast<float>(static_cast<XT>(v[i] * normalizer));
-            if (WEIGHTED) v[i] = static_cast<float>(static_cast<XT>(static_cast<float>(weight[lane * VALUES + i]) * v[i]));
+            v[i] = rounded_as(x, v[i] * normalizer);
+            if (WEIGHTED) v[i] = rounded_as(x, static_cast<float>(weight[lane * VALUES + i]) * v[i]);
         }
     }
     const float position = (INVERSE ? -1.0f : 1.0f) * static_cast<float>(positions[row / HEADS]);
@@ -555,7 +554,7 @@ _NORM_ROPE_CUDA = """
         }
     }
     if (mine)
-        for (int i = 0; i < VALUES; ++i) store(y + (size_t)row * D + lane * VALUES + i, static_cast<float>(static_cast<XT>(v[i])));
+        for (int i = 0; i < VALUES; ++i) store(y + (size_t)row * D + lane * VALUES + i, rounded_as(x, v[i]));
 """
 _NORM_ROPE_WARPS = 4
 
