@@ -40,6 +40,9 @@ class Slots(NamedTuple):
     raw: RingSlots
     frontier: Optional[RingSlots]  # the compressor's ring
     index_frontier: Optional[RingSlots]  # the indexer compressor's ring
+    # [T] bool: the tokens whose indexer picks their rows, where only some do (a step that crosses
+    # index_topk: its first tokens read all their rows); None: all of them, or none
+    picks: Optional[mx.array] = None
 
 
 def _ints(values):
@@ -76,11 +79,11 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     frontier = ring_slots(start, tokens, pool_back, frontier_capacity)
     index = ring_slots(start, tokens, pool_back, index_capacity) if index_capacity else None
     visible = [rows_visible(p, ratio) for p in range(start, end)]
-    selecting = bool(index_capacity) and visible[-1] > index_topk
+    picks = np.array(visible) > index_topk if index_capacity else np.zeros(tokens, bool)
     rows = -(-last // row_bucket) * row_bucket
-    return Slots(tokens, window, last - first, first * ratio - lo, selecting, rows, positions,
+    return Slots(tokens, window, last - first, first * ratio - lo, bool(picks[-1]), rows, positions,
                  _ints([in_block(p, ratio) for p in range(start, end)]), _ints(visible), mx.array(first, mx.int32),
-                 raw, frontier, index)
+                 raw, frontier, index, mx.array(picks) if picks[-1] and not picks.all() else None)
 
 
 class BatchSlots(NamedTuple):

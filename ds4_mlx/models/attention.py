@@ -90,11 +90,9 @@ class Attention(nn.Module):
                 if slots.selecting:
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
         if slots.tokens == 1 or slots.tokens <= FUSED_ROWS and fused_decode_attention(self.head_dim):
-            # a decoded token, or a verify's rows: the fused kernel reads the window from the ring in place. A
-            # step's first rows may see no more rows than the indexer picks (its last picks): those read them all
-            picks = slots.visible > self.args.index_topk if selected is not None and slots.tokens > 1 else None
+            # a decoded token, or a verify's rows: the fused kernel reads the window from the ring in place
             return decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
-                                    slots.window, self.ratio, slots.visible, picks,
+                                    slots.window, self.ratio, slots.visible, slots.picks,
                                     consecutive=slots.tokens > 1), arrays
         window = mx.concatenate([ring[slots.raw.read], kv])  # the raw rows from start - (W - 1) on
         return self._attend_rows(rows["q"], window, compressed, selected, slots), arrays
