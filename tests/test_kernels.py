@@ -70,7 +70,8 @@ def test_hc_post_kernel_matches_float64(T, H, dtype):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("T,H,m,dtype", [(1, 4096, 24, mx.bfloat16), (8, 4096, 24, mx.float32), (3, 64, 4, mx.bfloat16)])
+@pytest.mark.parametrize("T,H,m,dtype", [(1, 4096, 24, mx.bfloat16), (8, 4096, 24, mx.float32),
+                                         (3, 64, 4, mx.bfloat16)])
 def test_hc_post_project_kernel_matches_float64(T, H, m, dtype):
     """HC post with the next projection of the streams it writes (RMS-normed, times fn) against float64."""
     import numpy as np

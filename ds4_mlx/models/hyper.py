@@ -32,8 +32,8 @@ class HyperConnection(nn.Module):
     @staticmethod
     def post(out, streams, post, comb, then=None):
         """The sub-layer's output `out` [T, H] back into the streams [T, hc, H] (`kernels.hc_post`). With
-        `then`, the connection or head that reads the streams next: (streams, its projection of them, for
-        its `pre` or call), in one launch for a few tokens (`kernels.hc_post_project`)."""
+        `then`, the `HyperConnection` that reads the streams next: (streams, its projection of them, for its
+        `pre`), in one launch for a few tokens (`kernels.hc_post_project`)."""
         if then is None:
             return hc_post(out, streams, post, comb)
         return hc_post_project(out, streams, post, comb, then.fn, then.norm_eps)

@@ -735,9 +735,9 @@ def hc_post(out, streams, post, comb):
 
 
 # ---------------------------------------------------------------------------------------------
-# A sub-layer's HC post with the next HC projection (the next sub-layer's, or the head's) of the streams it
-# writes, for a few tokens: `hc_project`'s blocks, one an output, each computing the post's streams as it
-# reads them (the old streams are in L2 for all the blocks), the first block of each token writing them.
+# A sub-layer's HC post with the next HC projection of the streams it writes (the MoE's pre after the
+# attention's post), for a few tokens: `hc_project`'s blocks, one an output, each computing the post's streams
+# as it reads them (the old streams are in L2 for all the blocks), the first block of each token writing them.
 
 
 def hc_post_project_reference(out, streams, post, comb, fn, eps):
