@@ -69,6 +69,27 @@ def test_hc_post_kernel_matches_float64(T, H, dtype):
     assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,H,m,dtype", [(1, 4096, 24, mx.bfloat16), (8, 4096, 24, mx.float32),
+                                         (3, 64, 4, mx.bfloat16)])
+def test_hc_post_project_kernel_matches_float64(T, H, m, dtype):
+    """HC post with the next projection of the streams it writes (RMS-normed, times fn) against float64."""
+    import numpy as np
+
+    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(T), 5)
+    out = mx.random.normal((T, H), key=k1).astype(dtype)
+    streams, post, comb = (mx.random.normal(s, key=k) for s, k in (((T, 4, H), k2), ((T, 4), k3), ((T, 4, 4), k4)))
+    fn = mx.random.normal((m, 4 * H), key=k5) / 64
+    got_streams, got_mix = on_cuda(kernels.hc_post_project, out, streams, post, comb, fn, 1e-6)
+    o, s, p, c, f = (np.array(a.astype(mx.float32), np.float64) for a in (out, streams, post, comb, fn))
+    want_streams = p[:, :, None] * o[:, None, :] + np.einsum("tji,tjh->tih", c, s)
+    flat = want_streams.reshape(T, -1)
+    want_mix = flat / np.sqrt((flat * flat).mean(axis=-1, keepdims=True) + 1e-6) @ f.T
+    assert got_streams.shape == (T, 4, H) and got_mix.shape == (T, m) and got_mix.dtype == mx.float32
+    assert np.abs(np.array(got_streams) - want_streams).max() <= 1e-5 * np.abs(want_streams).max()
+    assert np.abs(np.array(got_mix) - want_mix).max() <= 1e-5 * np.abs(want_mix).max()
+
+
 def on_cuda(kernel, *args):
     """`kernel(*args)` evaluated on the GPU, or a skip where that is not CUDA."""
     previous = mx.default_device()

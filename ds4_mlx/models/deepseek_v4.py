@@ -77,8 +77,9 @@ class DecoderLayer(nn.Module):
 
     def _leave(self, out, positions, streams, post, comb, ids):
         """From the attention outputs on: the output projection, HC post, the MoE, HC post."""
-        streams = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams, self.ffn_norm)
+        streams, mix = HyperConnection.post(self.attn._project_out(out, positions), streams, post, comb,
+                                            then=self.hc_ffn)
+        x, post, comb = self.hc_ffn.pre(streams, self.ffn_norm, mix)
         out = self.ffn(x, ids)
         return HyperConnection.post(out, streams, post, comb)
 

@@ -5,7 +5,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ds4_mlx.models.args import ModelArgs
-from ds4_mlx.models.kernels import hc_mix, hc_post, hc_project
+from ds4_mlx.models.kernels import hc_mix, hc_post, hc_post_project, hc_project
 
 
 class HyperConnection(nn.Module):
@@ -19,19 +19,24 @@ class HyperConnection(nn.Module):
         self.scale = mx.ones((3,))
         self.hc, self.iters, self.eps, self.norm_eps = hc, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
 
-    def pre(self, streams, norm):
+    def pre(self, streams, norm, mix=None):
         """streams [T, hc, H] -> (sub-layer input [T, H]: the mix in float32, rounded once to the dtype of
         `norm` (the sub-layer's RMSNorm) and normed by it, in one launch; post [T, hc], comb [T, hc, hc],
-        float32)."""
-        T, hc, H = streams.shape
-        mix = hc_project(streams.reshape(T, hc * H), self.fn, self.norm_eps)
+        float32). `mix`: this connection's projection of the streams, where the post that wrote them made
+        it (`post`'s `then`)."""
+        if mix is None:
+            mix = project(self, streams)
         return hc_mix(mix, self.scale, self.base, streams, self.iters, self.eps, norm.weight.dtype, norm.weight,
                       norm.eps)
 
     @staticmethod
-    def post(out, streams, post, comb):
-        """The sub-layer's output `out` [T, H] back into the streams [T, hc, H] (`kernels.hc_post`)."""
-        return hc_post(out, streams, post, comb)
+    def post(out, streams, post, comb, then=None):
+        """The sub-layer's output `out` [T, H] back into the streams [T, hc, H] (`kernels.hc_post`). With
+        `then`, the `HyperConnection` that reads the streams next: (streams, its projection of them, for its
+        `pre`), in one launch for a few tokens (`kernels.hc_post_project`)."""
+        if then is None:
+            return hc_post(out, streams, post, comb)
+        return hc_post_project(out, streams, post, comb, then.fn, then.norm_eps)
 
 
 class HyperHead(nn.Module):
@@ -44,7 +49,13 @@ class HyperHead(nn.Module):
         self.eps, self.norm_eps = args.hc_eps, args.rms_norm_eps
 
     def __call__(self, streams):
-        T, hc, H = streams.shape
-        mix = hc_project(streams.reshape(T, hc * H), self.fn, self.norm_eps)
+        mix = project(self, streams)
         w = mx.sigmoid(mix * self.scale[0] + self.base) + self.eps
         return (w[:, :, None] * streams).sum(axis=1)
+
+
+def project(connection, streams):
+    """The mixing weights of `connection` (a `HyperConnection` or `HyperHead`) for streams [T, hc, H]: their
+    RMS-normed flattening times its `fn`, [T, rows of fn]."""
+    T, hc, H = streams.shape
+    return hc_project(streams.reshape(T, hc * H), connection.fn, connection.norm_eps)

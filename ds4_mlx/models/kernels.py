@@ -735,6 +735,96 @@ def hc_post(out, streams, post, comb):
 
 
 # ---------------------------------------------------------------------------------------------
+# A sub-layer's HC post with the next HC projection of the streams it writes (the MoE's pre after the
+# attention's post), for a few tokens: `hc_project`'s blocks, one an output, each computing the post's streams
+# as it reads them (the old streams are in L2 for all the blocks), the first block of each token writing them.
+
+
+def hc_post_project_reference(out, streams, post, comb, fn, eps):
+    """`hc_post_reference`, then `hc_project_reference` of its streams with `fn` [m, hc * H] -> (streams
+    [T, hc, H], mix [T, m]), float32."""
+    mixed = hc_post_reference(out, streams, post, comb)
+    T, hc, H = mixed.shape
+    return mixed, hc_project_reference(mixed.reshape(T, hc * H), fn, eps)
+
+
+# Thread `tid` takes features tid, tid + GROUP, ... of every stream (post's order of terms per value).
+_HC_POST_PROJECT_CUDA = """
+    const int t = blockIdx.x / M, o = blockIdx.x % M, tid = threadIdx.x;
+    float p[HC], c[HC][HC];  // c[from][to]
+    for (int to = 0; to < HC; ++to) {
+        p[to] = post[t * HC + to];
+        for (int j = 0; j < HC; ++j) c[j][to] = comb[(t * HC + j) * HC + to];
+    }
+    float dot = 0.0f, squares = 0.0f;
+    for (int h = tid; h < H; h += GROUP) {
+        float s[HC];
+        for (int j = 0; j < HC; ++j) s[j] = streams[(t * HC + j) * H + h];
+        const float x = static_cast<float>(out[t * H + h]);
+        for (int to = 0; to < HC; ++to) {
+            float mixed = c[0][to] * s[0];
+            for (int j = 1; j < HC; ++j) mixed += c[j][to] * s[j];
+            const float v = p[to] * x + mixed;
+            if (o == 0) y[(t * HC + to) * H + h] = v;
+            dot += v * fn[(size_t)o * HC * H + to * H + h];
+            squares += v * v;
+        }
+    }
+    __shared__ float part_dot[GROUP / 32], part_squares[GROUP / 32];
+    for (int d = 16; d > 0; d /= 2) {
+        dot += __shfl_xor_sync(0xffffffff, dot, d);
+        squares += __shfl_xor_sync(0xffffffff, squares, d);
+    }
+    if (tid % 32 == 0) { part_dot[tid / 32] = dot; part_squares[tid / 32] = squares; }
+    __syncthreads();
+    if (tid == 0) {
+        dot = squares = 0.0f;
+        for (int w = 0; w < GROUP / 32; ++w) { dot += part_dot[w]; squares += part_squares[w]; }
+        mix[t * M + o] = dot * rsqrtf(squares / (HC * H) + EPS);
+    }
+"""
+
+
+@lru_cache(maxsize=None)
+def _hc_post_project_kernel(eps):
+    source = f"#define EPS {float(eps)!r}f\n" + _HC_POST_PROJECT_CUDA
+    return mx.fast.cuda_kernel(name=f"ds4_hc_post_project_{abs(hash(eps))}",
+                               input_names=["out", "streams", "post", "comb", "fn"], output_names=["y", "mix"],
+                               source=source)
+
+
+def _hc_post_project_cuda(out, streams, post, comb, fn, eps):
+    T, hc, H = streams.shape
+    m = fn.shape[0]
+    f32 = mx.float32
+    inputs = [out, streams.astype(f32), post.astype(f32), comb.astype(f32), fn.astype(f32)]
+    return tuple(_hc_post_project_kernel(eps)(
+        inputs=inputs, template=[("HC", hc), ("H", H), ("M", m), ("GROUP", _PROJECT_GROUP), *_dtype_keys(inputs)],
+        grid=(T * m * _PROJECT_GROUP, 1, 1), threadgroup=(_PROJECT_GROUP, 1, 1),
+        output_shapes=[(T, hc, H), (T, m)], output_dtypes=[f32, f32]))
+
+
+def _hc_post_project_sample():
+    T, hc, H = 3, 4, 64
+    return (_random(T, H).astype(mx.bfloat16), _random(T, hc, H), _random(T, hc), _random(T, hc, hc),
+            _random(24, hc * H), 1e-6)
+
+
+HC_POST_PROJECT = Kernel("hc_post_project", hc_post_project_reference, _hc_post_project_sample, 1e-4)
+HC_POST_PROJECT.launches["cuda"] = _hc_post_project_cuda
+
+
+def hc_post_project(out, streams, post, comb, fn, eps):
+    """`hc_post_project_reference`: one kernel on CUDA for up to HC_PROJECT_MAX_TOKENS tokens, else
+    `hc_post` and `hc_project`."""
+    if streams.shape[0] > HC_PROJECT_MAX_TOKENS or HC_POST_PROJECT.backend() is None:
+        mixed = hc_post(out, streams, post, comb)
+        T, hc, H = mixed.shape
+        return mixed, hc_project(mixed.reshape(T, hc * H), fn, eps)
+    return HC_POST_PROJECT.launches["cuda"](out, streams, post, comb, fn, eps)
+
+
+# ---------------------------------------------------------------------------------------------
 # Routed experts of a few tokens. MLX's gather_qmv reads a 2-bit expert matrix at ~0.45 TB/s on the
 # H200 (34 us for 6 experts' gate, up or down), and the SwiGLU, routing weights and sum are more
 # launches; here two kernels: gate and up with the clamped SwiGLU, then down summed with the weights.
