@@ -51,18 +51,16 @@ class Compressor(nn.Module):
         return ring, self.pool(source[mx.maximum(tokens, 0)], prev_valid)
 
     def step_each(self, fresh, ring, write, block, in_blocks, open_row):
-        """`step` for one token of each of B sessions whose rings are rows of `ring` [S, capacity, 2 * width]:
-        log row b of `fresh` [B, 2 * width] at row `write`[b] of the rings flattened to [S * capacity, ...],
-        and pool each token's block, whose positions are the flattened rows `block` [B, m] (with overlap
-        [B, 2m], the block before first). -> (the rings written, pooled rows [B, head_dim] before norm and
-        RoPE: junk where a block is not complete yet)."""
+        """`step` for one token of each of B sessions whose rings are a pool's, flat [S * capacity, 2 * width]:
+        log row b of `fresh` [B, 2 * width] at row `write`[b] of `ring`, and pool each token's block, whose
+        positions are the rows `block` [B, m] of `ring` (with overlap [B, 2m], the block before first). -> (the
+        rings written, pooled rows [B, head_dim] before norm and RoPE: junk where a block is not complete yet)."""
         m, n = self.ratio, block.shape[1]
         fresh = fresh.astype(ring.dtype)
-        flat = ring.reshape(-1, ring.shape[-1])
-        logged = flat[block]  # read before the write (a ring of just the reach may take a row the block reads)
+        logged = ring[block]  # read before the write (a ring of just the reach may take a row the block reads)
         own = (counting(n)[None, :] == (n - m + in_blocks)[:, None])[..., None]  # each token's own row
         logged = mx.where(own, fresh[:, None, :], logged)
-        ring = write_rows(flat, write, fresh).reshape(ring.shape)
+        ring = write_rows(ring, write, fresh)
         return ring, self.pool(logged, (open_row >= 1)[:, None, None] if self.overlap else None)
 
     def pool(self, logged, prev_valid=None):
