@@ -6,6 +6,7 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ds4_mlx.models import gguf_blocks, kernels
 from ds4_mlx.models.kernels import backend
@@ -89,6 +90,12 @@ def held_transposed(module, weights):
     `module` as it holds it: transposed, a view (evaluating it copies nothing)."""
     names = transposed_weights(module)
     return {name: w.T if name in names else w for name, w in weights.items()}
+
+
+def file_weights(module):
+    """`module`'s parameters by name laid out as a file holds them: `held_transposed`'s inverse."""
+    names = transposed_weights(module)
+    return {name: w.T if name in names else w for name, w in tree_flatten(module.parameters())}
 
 
 class QuantizedLinear(nn.QuantizedLinear):

@@ -3,11 +3,11 @@ with affine-quantized routed experts; and the benchmarks' model chosen by their 
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.deepseek_v4 import Model
-from ds4_mlx.models.linear import held_transposed, transposed_weights
+from ds4_mlx.models.linear import file_weights, held_transposed
 
 
 # `--expert-format q2`: the published q2 file's routed experts, kept in their GGUF blocks
@@ -36,9 +36,7 @@ def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     params = {}
-    transposed = transposed_weights(model)  # drawn as a file holds them, then held as the model holds them
-    for name, v in tree_flatten(model.parameters()):
-        v = v.T if name in transposed else v
+    for name, v in file_weights(model).items():  # drawn as a file holds them, then held as the model does
         if name.endswith("tid2eid"):  # distinct experts per token
             rows = np.argsort(rng.random((v.shape[0], args.n_routed_experts)), axis=1)[:, : v.shape[1]]
             params[name] = mx.array(rows.astype(np.int32))
