@@ -76,7 +76,12 @@ class TransposedLinear(nn.Module):
         return x @ self.weight
 
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
-        return QuantizedLinear(self.weight.shape[0], self.weight.shape[1], False, group_size, bits, mode)
+        """This layer's weight quantized, as nn.Linear's `to_quantized` gives it."""
+        layer = QuantizedLinear(self.weight.shape[0], self.weight.shape[1], False, group_size, bits, mode)
+        layer.weight, layer.scales, *biases = mx.quantize(self.weight.T, layer.group_size, layer.bits, mode=mode)
+        if biases:
+            layer.biases = biases[0]
+        return layer
 
 
 def transposed_weights(module):
