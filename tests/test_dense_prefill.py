@@ -1,5 +1,6 @@
 """Quantized dense layers: a prefill chunk's product through the weight dequantized once equals the
-quantized product (mx.quantized_matmul / gather_qmm) within float rounding; the rule that picks it."""
+quantized product (mx.quantized_matmul / gather_qmm) within float rounding; the rule that picks it. The
+float projections held transposed."""
 
 import mlx.core as mx
 import pytest
@@ -148,3 +149,27 @@ def test_the_products_bench_times_both_paths_at_each_row_count(capsys):
     assert [(r["product"], r["rows"]) for r in rows[:2]] == [("q_a", 1), ("q_a", 40)] and len(rows) == 16
     assert all(r[k] > 0 for r in rows for k in ("quantized_ms", "dequantize_ms", "dequantize_weight_ms",
                                                 "kept_copy_ms"))
+
+
+def test_a_transposed_linear_is_nn_linear_without_its_view():
+    """Loaded from a file's [out, in] weight, `TransposedLinear` gives nn.Linear's numbers bit for bit, in one
+    node (nn.Linear's product is two: a transposed view of the weight, then the product); quantized, it is
+    nn.Linear's quantized layer (the file's layout)."""
+    import mlx.nn as nn
+
+    from ds4_mlx.tools.bench_graph import count_nodes
+
+    k1, k2 = mx.random.split(mx.random.key(3))
+    w, x = mx.random.normal((24, 64), key=k1), mx.random.normal((5, 64), key=k2)
+    reference = nn.Linear(64, 24, bias=False)
+    reference.weight = w
+    for dtype in (mx.float32, mx.bfloat16):
+        layer = linear.TransposedLinear(64, 24)
+        layer.load_weights(list(linear.held_transposed(layer, {"weight": w.astype(dtype)}).items()), strict=True)
+        reference.set_dtype(dtype)
+        rows = x.astype(dtype)
+        mx.eval(layer.parameters(), reference.parameters(), rows)
+        assert mx.array_equal(layer(rows), reference(rows)).item()
+        assert count_nodes([layer(rows)]) == {"Matmul": 1}
+    for name, array in reference.to_quantized(32, 8).parameters().items():
+        assert mx.array_equal(layer.to_quantized(32, 8)[name], array).item(), name

@@ -4,10 +4,10 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from ds4_mlx.convert.cli import convert
 from ds4_mlx.loader import load_drafter
+from ds4_mlx.models.linear import file_weights
 from ds4_mlx.speculative import Speculation
 from ds4_mlx.tools.drafters import random_dspark, random_mtp
 from ds4_mlx.tools.random_model import random_model
@@ -44,7 +44,7 @@ def _array(params, path):
 
 
 def dspark_tensors(drafter, prefix="mtp"):
-    params = dict(tree_flatten(drafter.parameters()))
+    params = file_weights(drafter)
     n = drafter.dspark.stage_count
     out = {}
     for s in range(n):
@@ -59,7 +59,7 @@ def dspark_tensors(drafter, prefix="mtp"):
 
 
 def mtp_tensors(drafter):
-    params = dict(tree_flatten(drafter.parameters()))
+    params = file_weights(drafter)
     out = {f"mtp.0.{k}": _array(params, f"block.{v}") for k, v in BLOCK.items()}
     out.update({f"mtp.0.{k}": _array(params, v) for k, v in MTP.items()})
     return out

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ds4_mlx.models.linear import file_weights
 from ds4_mlx.tools.drafters import random_dspark, random_mtp
 from ds4_mlx.tools.random_model import random_model
 from ds4_mlx.tools.testing import tiny_args
@@ -59,7 +60,7 @@ def _text_config(args):
 
 
 def _copy_weights(ours, theirs, rename):
-    weights = [(rename(k), v) for k, v in tree_flatten(ours.parameters())]
+    weights = [(rename(k), v) for k, v in file_weights(ours).items()]
     names = {k for k, _ in tree_flatten(theirs.parameters())}
     weights = [(k, v) for k, v in weights if k in names]  # mlx-vlm's DeepSeek V4 DSpark has no confidence head
     assert {k for k, _ in weights} == names, sorted(names - {k for k, _ in weights})

@@ -122,20 +122,20 @@ def test_decode_attention_kernel_matches_reference(hd, capacity, pos, ratio, n_r
     pool_rows = mx.array([3, 0, 2], mx.int32)
     k = mx.random.split(mx.random.key(hd + pos), 6)
     q = mx.random.normal((B, nh, hd), key=k[0]).astype(q_dtype)
-    ring = mx.random.normal((S, capacity, hd), key=k[1]).astype(dtype)
+    ring = mx.random.normal((S * capacity, hd), key=k[1]).astype(dtype)  # a pool's, flat
     fresh = mx.random.normal((B, hd), key=k[2]).astype(dtype)
-    rows = mx.random.normal((S, n_rows, hd), key=k[3]).astype(dtype) if ratio else None
+    rows = mx.random.normal((S * n_rows, hd), key=k[3]).astype(dtype) if ratio else None
     visible = (pos - 700 + 1) // ratio if ratio else 0  # the fewest rows a picking token sees
     selected = (mx.stack([mx.random.permutation(visible, key=key)[:top_k] for key in mx.random.split(k[4], B)])
                 .astype(mx.uint32) if top_k else None)  # argsort's
     picks = mx.array([True, False, True]) if top_k else None
     sinks = mx.random.normal((nh,), key=k[5])
     got = on_cuda(kernels.decode_attention, q, ring, fresh, rows, selected, positions, sinks, window, ratio, None,
-                  picks, pool_rows)
+                  picks, pool_rows, False, (capacity, n_rows))
     # the reference on the CPU: CUDA's float32 matrix products run on TF32 tensor cores
     with mx.stream(mx.cpu):
         want = kernels.decode_attention_rows_reference(q, ring, fresh, rows, selected, positions, sinks, window, ratio,
-                                                       picks=picks, pool_rows=pool_rows)
+                                                       picks=picks, pool_rows=pool_rows, per_session=(capacity, n_rows))
     assert got.shape == (B, nh, hd) and got.dtype == mx.float32
     err = float(mx.abs(got - want).max())
     assert err <= 1e-5 * max(1.0, float(mx.abs(want).max())), f"max |diff| {err:.2e}"

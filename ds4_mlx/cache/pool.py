@@ -1,6 +1,7 @@
 """The caches of sessions decoded together, stacked: for each layer, every ring's and buffer's rows as one
-array [S, ...] (row r: one session's), so that one decoded token of each session writes its rows and
-attends in launches that do not grow with the sessions (`Attention.attend_batch`).
+array [S * rows, width] (row r of the pool, rows r * rows on: one session's), so that one decoded token of
+each session writes its rows and attends in launches that do not grow with the sessions
+(`Attention.attend_batch`). Flat, as a step writes and reads them: a step makes no view of them.
 
 A `Pool` lasts while the same sessions are decoded together: a step hands the model each layer's
 `BatchSlots` and arrays and commits the arrays written, which MLX writes in place (nothing else holds
@@ -32,23 +33,29 @@ class Home:
     def __init__(self, pool, layer, name, b, ring):
         self.pool, self.layer, self.name, self.b, self.ring = pool, layer, name, b, ring
 
+    def _pooled(self):
+        """-> (the pool's array, a session's rows of it)."""
+        pooled = self.pool.arrays[self.layer][self.name]
+        return pooled, pooled.shape[0] // self.pool.size
+
     def read(self):
-        return self.pool.arrays[self.layer][self.name][self.b]
+        pooled, n = self._pooled()
+        return pooled[self.b * n : (self.b + 1) * n]
 
     def gather(self, index):
-        """Its rows at `index` (an int array), gathered from the pool's array flattened: a gather from the
-        row's slice (`read`) would copy the whole slice first."""
-        pooled = self.pool.arrays[self.layer][self.name]
-        return pooled.reshape(-1, pooled.shape[-1])[self.b * pooled.shape[1] + index]
+        """Its rows at `index` (an int array), gathered from the pool's array: a gather from the row's slice
+        (`read`) would copy the whole slice first."""
+        pooled, n = self._pooled()
+        return pooled[self.b * n + index]
 
     def copy(self):
-        return self.gather(mx.arange(self.pool.arrays[self.layer][self.name].shape[1]))  # its own buffer
+        return self.gather(mx.arange(self._pooled()[1]))  # its own buffer
 
     def fits(self, rows):
         """Whether rows taken out of the pool (`Stored.leave`) can come back into this row."""
-        pooled = self.pool.arrays[self.layer][self.name]
-        return rows is None or (rows.ndim == 2 and rows.dtype == pooled.dtype and rows.shape[1] == pooled.shape[2]
-                                and (rows.shape[0] == pooled.shape[1] or not self.ring))
+        pooled, n = self._pooled()
+        return rows is None or (rows.ndim == 2 and rows.dtype == pooled.dtype and rows.shape[1] == pooled.shape[1]
+                                and (rows.shape[0] == n or not self.ring))
 
 
 class Pool:
@@ -58,17 +65,18 @@ class Pool:
         """`caches`: each session's list of `LayerCache`s (they must `fit` together); their rows are stacked
         (one copy) and live here from now on."""
         self.members = list(caches)
-        self.rows = {id(session): b for b, session in enumerate(self.members)}  # a session's row of the arrays
+        self.size = len(self.members)  # rows of the pool, whoever holds them
+        self.rows = {id(session): b for b, session in enumerate(self.members)}  # a session's row of the pool
         self.arrays = []
         for i, layer in enumerate(zip(*self.members)):
             named = {}
             for name, _ in layer[0].named_rings():
-                named[name] = mx.stack([c.storage(name).allocate() for c in layer])
+                named[name] = mx.concatenate([c.storage(name).allocate() for c in layer])
             buffers = [[c.storage(name) for c in layer] for name, _ in layer[0].named_buffers()]
             # one size for a layer's buffers: room for each session's open row (rows past a count are not read)
             capacity = max([_bucket(rows_done(c.pos, c.ratio) + 1) for c in layer if c.ratio], default=0)
             for (name, _), held in zip(layer[0].named_buffers(), buffers):
-                named[name] = mx.stack([_padded(b, capacity) for b in held])
+                named[name] = mx.concatenate([_padded(b, capacity) for b in held])
             self.arrays.append(named)
         for b, session in enumerate(self.members):
             for i, c in enumerate(session):
@@ -131,7 +139,7 @@ class Pool:
 
     def _grows(self, caches):
         """Whether a step of these sessions needs more rows than the pool's buffers have (`_view`)."""
-        return any(_bucket(rows_done(c.pos, c.ratio) + 1) > named["rows"].shape[1]
+        return any(_bucket(rows_done(c.pos, c.ratio) + 1) > named["rows"].shape[0] // self.size
                    for session in caches for c, named in zip(session, self.arrays) if c.ratio)
 
     def release(self):
@@ -162,21 +170,22 @@ class Pool:
         return [self._view(i, layer, rows) for i, layer in enumerate(zip(*caches))]
 
     def _view(self, i, layer, rows):
-        c, named = layer[0], self.arrays[i]
+        c, named, S = layer[0], self.arrays[i], self.size
         if c.ratio:  # room for each token's open row
             need = _bucket(max(rows_done(x.pos, c.ratio) + 1 for x in layer))
             for name, _ in c.named_buffers():
-                if named[name].shape[1] < need:
-                    grown = mx.zeros(named[name].shape[:1] + (need,) + named[name].shape[2:], named[name].dtype)
-                    named[name] = mx.slice_update(grown, named[name], mx.array([0]), axes=(0,))
+                had, width = named[name].shape[0] // S, named[name].shape[1]
+                if had < need:  # each session's rows, then zeros
+                    named[name] = mx.pad(named[name].reshape(S, had, width), [(0, 0), (0, need - had), (0, 0)]
+                                         ).reshape(S * need, width)
         for session, b in zip(layer, rows):
             if not session.in_pool():
-                _come_back(named, session, b)
+                _come_back(named, session, b, S)
         slots = make_batch_slots(tuple(x.pos for x in layer), rows, ratio=c.ratio,
                                  raw_capacity=c.raw.capacity,
                                  frontier_capacity=c.frontier.capacity if c.ratio else 0,
                                  index_capacity=c.index_frontier.capacity if c.index_frontier else 0,
-                                 index_topk=c.index_topk, buffer_rows=named["rows"].shape[1] if c.ratio else 0)
+                                 index_topk=c.index_topk, buffer_rows=named["rows"].shape[0] // S if c.ratio else 0)
         return slots, dict(named)
 
     def commit(self, written, caches):
@@ -188,15 +197,15 @@ class Pool:
                 c.moved(1)
 
 
-def _come_back(named, layer, b):
+def _come_back(named, layer, b, size):
     """A layer's rows that a session took out of the pool back into its row `b` of the pooled arrays `named`
-    (in place: nothing else holds them once the step is built)."""
+    of `size` rows (in place: nothing else holds them once the step is built)."""
     for name, x in layer.named_stored():
         if not x.inside:
             rows = x.enter()
             if rows is not None:
-                named[name] = mx.slice_update(named[name], rows[None, : named[name].shape[1]], mx.array([b, 0]),
-                                              axes=(0, 1))
+                n = named[name].shape[0] // size
+                named[name] = mx.slice_update(named[name], rows[:n], mx.array([b * n]), axes=(0,))
 
 
 def _bucket(n):

@@ -87,20 +87,23 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
 
 
 class BatchSlots(NamedTuple):
-    """B sessions' decoded tokens (one each, any positions) against a layer's pooled arrays ([S, ...], S >= B:
-    row r is one session's rings or compressed rows, `cache/pool.py`). Writes and block reads index the
-    arrays flattened to [S * rows, width]. Every field but `selecting` is an array, so one graph per B and
-    pool serves every mix of positions: each step pools every session's open block and writes the row where
-    it belongs (a block's own row, read only once the block is complete)."""
+    """B sessions' decoded tokens (one each, any positions) against a layer's pooled arrays, flat ([S * rows,
+    width], S >= B: row r of the pool is one session's rings or compressed rows, `cache/pool.py`). Every field
+    but the first three is an array, so one graph per B and pool serves every mix of positions: each step
+    pools every session's open block and writes the row where it belongs (a block's own row, read only once
+    the block is complete)."""
     selecting: bool  # some session's indexer picks its rows
+    raw_capacity: int  # a session's rows of the raw ring
+    buffer_rows: int  # a session's rows of a compressed buffer (0 without compression)
     positions: mx.array  # [B] int32
     pool_rows: mx.array  # [B] the pool's row of each token's session
-    raw_write: mx.array  # [B, 1] the flattened raw ring's row each token's row goes to
+    raw_write: mx.array  # [B, 1] the raw ring's row each token's row goes to
     in_blocks: Optional[mx.array]  # [B] offsets in their compressed blocks (None without compression)
     visible: Optional[mx.array]  # [B] compressed rows visible to each token
     open_row: Optional[mx.array]  # [B] the compressed row each token's block becomes
-    row_write: Optional[mx.array]  # [B, 1] where that row goes in the flattened buffer
-    frontier_write: Optional[mx.array]  # [B, 1] the flattened compressor ring's row each token's row goes to
+    row_write: Optional[mx.array]  # [B, 1] where that row goes in the buffer
+    own_rows: Optional[mx.array]  # [B, buffer_rows] each token's session's rows of a buffer (with an indexer)
+    frontier_write: Optional[mx.array]  # [B, 1] the compressor ring's row each token's row goes to
     frontier_block: Optional[mx.array]  # [B, m] its rows of each token's block, with overlap [B, 2m] (the
     # block before it first; positions before 0 read position 0, which weighs nothing)
     index_write: Optional[mx.array]  # [B, 1] the same for the indexer compressor's ring
@@ -109,7 +112,7 @@ class BatchSlots(NamedTuple):
 
 
 def _block_rows(positions, pool_rows, ratio, capacity):
-    """The flattened ring's rows of each position's block, with overlap the block before it first (clamped
+    """The pooled ring's rows of each position's block, with overlap the block before it first (clamped
     at position 0)."""
     back = ratio if overlaps(ratio) else 0
     first = positions - positions % ratio
@@ -125,13 +128,14 @@ def make_batch_slots(positions, pool_rows, *, ratio, raw_capacity, frontier_capa
     p, r = np.array(positions), np.array(pool_rows)
     raw = (_ints(p), _ints(r), _write_index(r * raw_capacity + ring_slot(p, raw_capacity)))
     if not ratio:
-        return BatchSlots(False, *raw, *([None] * 9))
+        return BatchSlots(False, raw_capacity, 0, *raw, *([None] * 10))
     visible = rows_visible(p, ratio)
     picks = visible > index_topk if index_capacity else np.zeros(len(p), bool)
     index = ((_write_index(r * index_capacity + ring_slot(p, index_capacity)), _block_rows(p, r, ratio, index_capacity))
              if index_capacity else (None, None))
-    return BatchSlots(bool(picks.any()), *raw, _ints(in_block(p, ratio)), _ints(visible), _ints(rows_done(p, ratio)),
-                      _write_index(r * buffer_rows + rows_done(p, ratio)),
+    return BatchSlots(bool(picks.any()), raw_capacity, buffer_rows, *raw, _ints(in_block(p, ratio)), _ints(visible),
+                      _ints(rows_done(p, ratio)), _write_index(r * buffer_rows + rows_done(p, ratio)),
+                      _ints(r[:, None] * buffer_rows + np.arange(buffer_rows)[None, :]) if index_capacity else None,
                       _write_index(r * frontier_capacity + ring_slot(p, frontier_capacity)),
                       _block_rows(p, r, ratio, frontier_capacity), *index,
                       mx.array(picks) if picks.any() and not picks.all() else None)

@@ -100,14 +100,14 @@ class Attention(nn.Module):
     _compiled_attend_one = compiled(_attend_one)
 
     def attend_batch(self, rows, slots: BatchSlots, arrays, quant_sim):
-        """`_attend_one` for one decoded token of each of B sessions, on their pooled arrays ([S, ...], row
-        `slots.pool_rows[b]` token b's session's: `cache/pool.py`) in launches that do not grow with B; each
-        row's numbers are those of the session's own step. -> (outputs [B, nh, hd] with RoPE still on, the
-        arrays written)."""
+        """`_attend_one` for one decoded token of each of B sessions, on their pooled arrays (flat [S * rows,
+        width], row `slots.pool_rows[b]` of the pool token b's session's: `cache/pool.py`) in launches that do
+        not grow with B; each row's numbers are those of the session's own step. -> (outputs [B, nh, hd] with
+        RoPE still on, the arrays written)."""
         arrays = dict(arrays)
         ring = arrays["raw"]  # read before the write, as `_attend_one` does
         kv = rows["kv"].astype(ring.dtype)
-        arrays["raw"] = _write_flat(ring, slots.raw_write, kv)
+        arrays["raw"] = write_rows(ring, slots.raw_write, kv)
         compressed = selected = None
         if self.kind != SLIDING:
             compressed = self._compress_each(self.compressor, rows["frontier"], slots, slots.frontier_write,
@@ -118,10 +118,11 @@ class Attention(nn.Module):
                                                  slots.index_write, slots.index_block, arrays, "index_frontier",
                                                  "index_rows", index_rounding(quant_sim))
                 if slots.selecting:
-                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows[slots.pool_rows],
+                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows[slots.own_rows],
                                               slots.visible[:, None])
         out = decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
-                               self.args.sliding_window, self.ratio, slots.visible, slots.picks, slots.pool_rows)
+                               self.args.sliding_window, self.ratio, slots.visible, slots.picks, slots.pool_rows,
+                               per_session=(slots.raw_capacity, slots.buffer_rows))
         return out, arrays
 
     _compiled_attend_batch = compiled(attend_batch)
@@ -129,11 +130,11 @@ class Attention(nn.Module):
     def _compress_each(self, compressor, fresh, slots: BatchSlots, write, block, arrays, ring, buffer, rounding):
         """`_compress` for one token of each session: pool every session's open block (rows of positions
         still to come are junk) and write it as the block's row, which is read only once the block is
-        complete (so no graph depends on which sessions complete one). -> the pooled buffer [S, rows, width]."""
+        complete (so no graph depends on which sessions complete one). -> the pooled buffer [S * rows, width]."""
         arrays[ring], pooled = compressor.step_each(fresh, arrays[ring], write, block, slots.in_blocks,
                                                     slots.open_row)
         finished = rounding(self._finish(compressor, pooled, slots.open_row * compressor.ratio))
-        arrays[buffer] = _write_flat(arrays[buffer], slots.row_write, finished)
+        arrays[buffer] = write_rows(arrays[buffer], slots.row_write, finished)
         return arrays[buffer]
 
     def _attend_rows(self, q, window, compressed, selected, slots: Slots):
@@ -221,8 +222,3 @@ class Attention(nn.Module):
         # whatever rows past the visible ones there are, so a session's rows in a pool choose as it does alone
         return mx.argsort(-scores, axis=-1)[:, : args.index_topk]
 
-
-def _write_flat(rows, at, values):
-    """`rows` [S, n, width] with `values` [B, width] at rows `at` [B] of it flattened to [S * n, width]: one
-    scatter (in place when nothing else holds `rows`)."""
-    return write_rows(rows.reshape(-1, rows.shape[-1]), at, values).reshape(rows.shape)

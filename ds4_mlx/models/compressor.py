@@ -7,7 +7,7 @@ import mlx.nn as nn
 from ds4_mlx.cache.geometry import overlaps
 from ds4_mlx.cache.slots import RingSlots, Slots
 from ds4_mlx.models.args import ModelArgs
-from ds4_mlx.models.linear import Linear
+from ds4_mlx.models.linear import TransposedLinear
 from ds4_mlx.models.numerics import counting, write_rows
 
 
@@ -22,7 +22,7 @@ class Compressor(nn.Module):
         width = head_dim * (2 if self.overlap else 1)
         # the file's kv and gate matrices stacked, and its score offsets (ape) beside zeros for the kv half
         # (`Model.sanitize`): a logged row is one product plus one row
-        self.kv_gate = nn.Linear(args.hidden_size, 2 * width, bias=False)
+        self.kv_gate = TransposedLinear(args.hidden_size, 2 * width)
         self.ape = mx.zeros((ratio, 2 * width))
         self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
         self.width = width
@@ -51,18 +51,16 @@ class Compressor(nn.Module):
         return ring, self.pool(source[mx.maximum(tokens, 0)], prev_valid)
 
     def step_each(self, fresh, ring, write, block, in_blocks, open_row):
-        """`step` for one token of each of B sessions whose rings are rows of `ring` [S, capacity, 2 * width]:
-        log row b of `fresh` [B, 2 * width] at row `write`[b] of the rings flattened to [S * capacity, ...],
-        and pool each token's block, whose positions are the flattened rows `block` [B, m] (with overlap
-        [B, 2m], the block before first). -> (the rings written, pooled rows [B, head_dim] before norm and
-        RoPE: junk where a block is not complete yet)."""
+        """`step` for one token of each of B sessions whose rings are a pool's, flat [S * capacity, 2 * width]:
+        log row b of `fresh` [B, 2 * width] at row `write`[b] of `ring`, and pool each token's block, whose
+        positions are the rows `block` [B, m] of `ring` (with overlap [B, 2m], the block before first). -> (the
+        rings written, pooled rows [B, head_dim] before norm and RoPE: junk where a block is not complete yet)."""
         m, n = self.ratio, block.shape[1]
         fresh = fresh.astype(ring.dtype)
-        flat = ring.reshape(-1, ring.shape[-1])
-        logged = flat[block]  # read before the write (a ring of just the reach may take a row the block reads)
+        logged = ring[block]  # read before the write (a ring of just the reach may take a row the block reads)
         own = (counting(n)[None, :] == (n - m + in_blocks)[:, None])[..., None]  # each token's own row
         logged = mx.where(own, fresh[:, None, :], logged)
-        ring = write_rows(flat, write, fresh).reshape(ring.shape)
+        ring = write_rows(ring, write, fresh)
         return ring, self.pool(logged, (open_row >= 1)[:, None, None] if self.overlap else None)
 
     def pool(self, logged, prev_valid=None):
@@ -86,6 +84,6 @@ class Indexer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
-        self.q_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
-        self.proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.q_b = TransposedLinear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.proj = TransposedLinear(args.hidden_size, self.n_heads)
         self.compressor = Compressor(args, 4, self.head_dim)

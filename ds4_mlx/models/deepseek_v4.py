@@ -16,7 +16,7 @@ from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.attention import Attention
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.hyper import HyperConnection, HyperHead
-from ds4_mlx.models.linear import Embedding, Linear
+from ds4_mlx.models.linear import Embedding, Linear, held_transposed
 from ds4_mlx.models.moe import FEW_PAIRS, MoE
 from ds4_mlx.precision import exact_float32, keeps_float32
 
@@ -213,7 +213,8 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict) -> dict:
         """Reshape the grouped output projection to [groups, rank, in]; stack each compressor's kv and gate
-        matrices and put zeros before its score offsets (see `Compressor`); default the optional router bias."""
+        matrices and put zeros before its score offsets (see `Compressor`); default the optional router bias;
+        hold the `TransposedLinear` weights transposed."""
         a = self.args
         out = dict(weights)
         for name, w in weights.items():
@@ -231,7 +232,7 @@ class Model(nn.Module):
         for name in list(out):
             if name.endswith("tid2eid"):
                 out[name] = out[name].astype(mx.int32)
-        return out
+        return held_transposed(self, out)
 
 
 def run_to_end(steps):

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.draft_block import DraftBlock, sanitized
 from ds4_mlx.models.hyper import HyperHead
-from ds4_mlx.models.linear import Linear
+from ds4_mlx.models.linear import Linear, held_transposed
 
 
 @dataclass
@@ -147,4 +147,4 @@ class DSpark(nn.Module):
     def sanitize(self, weights):
         out = sanitized(weights, self.args, [f"stages.{s}" for s in range(len(self.stages))])
         out.setdefault("confidence_head.proj.bias", mx.zeros((1,)))
-        return out
+        return held_transposed(self, out)

@@ -296,28 +296,29 @@ def _softmax_with_sinks(scores, sinks):
 # function until a Mac can test a port.
 
 
-def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, row=None):
+def decode_attention_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, home=None):
     """q [nh, hd]: one token at `pos` (an int array) over its window: the positions before it from `ring`
     (position p in slot p % capacity; those before position 0 masked), then the rows `fresh` [f, hd] of
     the f positions up to its own (f = 1: its own row), and over compressed rows: rows[selected] where the
     indexer chose them, else the (pos + 1) // ratio valid rows of `rows` (none for ratio 0); `attend` on
-    those keys, float32. With `row` (an int array), `ring` and `rows` are a pool's ([S, capacity, hd],
-    [S, n, hd]) and the token's are that row of them (read where needed: a ring's row is not copied whole).
-    -> [nh, hd] float32"""
+    those keys, float32. With `home` (row, capacity, n; row an int array), `ring` and `rows` are a pool's,
+    flat ([S * capacity, hd], [S * n, hd]), and the token's are its row's of them (read where needed: a
+    ring's row is not copied whole). -> [nh, hd] float32"""
     f32 = mx.float32
     f = min(fresh.shape[0], window)
+    row, capacity, n = (None, ring.shape[-2], None if rows is None else rows.shape[-2]) if home is None else home
 
-    def mine(array, index):
-        return array[index] if row is None else array[row, index]
+    def mine(array, index, size):
+        return array[index] if row is None else array[row * size + index]
 
-    keys = [mine(ring, ring_slot(pos - window_reach(window) + counting(window - f), ring.shape[-2])), fresh[-f:]]
+    keys = [mine(ring, ring_slot(pos - window_reach(window) + counting(window - f), capacity), capacity), fresh[-f:]]
     mask = [pos - window_reach(window) + counting(window) >= 0]
     if selected is not None:
-        keys.append(mine(rows, selected))
+        keys.append(mine(rows, selected, n))
         mask.append(mx.ones(selected.shape, mx.bool_))
     elif ratio:
-        keys.append(rows if row is None else rows[row])
-        mask.append(counting(rows.shape[-2]) < rows_visible(pos, ratio))
+        keys.append(rows if row is None else mine(rows, counting(n), n))
+        mask.append(counting(n) < rows_visible(pos, ratio))
     keys = mx.concatenate(keys).astype(f32)
     return attend(q.astype(f32)[None], keys[None], mx.concatenate(mask)[None], sinks.astype(f32),
                   q.shape[-1] ** -0.5)[0]
@@ -329,10 +330,11 @@ def _own(rows):
 
 
 def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio, visible=None,
-                                    picks=None, pool_rows=None, consecutive=False):
+                                    picks=None, pool_rows=None, consecutive=False, per_session=None):
     """`decode_attention_reference` for each of B tokens: q [B, nh, hd], fresh [B, hd], selected [B, k] or
-    None, pos [B]; token b's ring and compressed rows are row `pool_rows[b]` (default b) of ring [S,
-    capacity, hd] and rows [S, n, hd] (or None); one token's may be its session's own [capacity, hd] and
+    None, pos [B]; token b's ring and compressed rows are row b of ring [B, capacity, hd] and rows [B, n,
+    hd] (or None), or with `pool_rows`, row `pool_rows[b]` of a pool's, flat: ring [S * capacity, hd] and
+    rows [S * n, hd], `per_session` (capacity, n); one token's may be its session's own [capacity, hd] and
     [n, hd]; `picks` [B] bool: the tokens that read their `selected` rows (None: all of them), the others
     read all their valid rows. `consecutive`: the tokens are one session's positions pos[0], pos[0] + 1,
     ... (a verify's rows), its own ring and rows: the ring holds the positions before pos[0], and token b's
@@ -348,11 +350,11 @@ def decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, 
         elif pool_rows is None:  # the tokens' own rows: views, no copy
             mine = (ring[b], None if rows is None else rows[b], None)
         else:
-            mine = (ring, rows, pool_rows[b])
+            mine = (ring, rows, (pool_rows[b], *per_session))
 
         def one(chosen):
             return decode_attention_reference(q[b], mine[0], fresh[: b + 1] if consecutive else fresh[b : b + 1],
-                                              mine[1], chosen, pos[b], sinks, window, ratio, row=mine[2])
+                                              mine[1], chosen, pos[b], sinks, window, ratio, home=mine[2])
         if selected is None:
             out.append(one(None))
         elif picks is None:
@@ -439,16 +441,18 @@ def _attend_kernel():
 
 
 def decode_attention(q, ring, fresh, rows, selected, pos, sinks, window, ratio, visible=None, picks=None,
-                     pool_rows=None, consecutive=False):
+                     pool_rows=None, consecutive=False, per_session=None):
     """`decode_attention_rows_reference`, one kernel on CUDA (head dims of 32 times a power of two, up to 512:
     the warps' partial sums fill 32 KB of shared memory at 512). `visible`: each token's visible compressed
     rows ([B] int32, from the cache's slots), else computed from `pos`. One token's ring and rows may be
     its session's own, unbatched (no view to make)."""
     if not fused_decode_attention(q.shape[-1]):
         return decode_attention_rows_reference(q, ring, fresh, rows, selected, pos, sinks, window, ratio,
-                                               picks=picks, pool_rows=pool_rows, consecutive=consecutive)
+                                               picks=picks, pool_rows=pool_rows, consecutive=consecutive,
+                                               per_session=per_session)
     return DECODE_ATTENTION.launches[DECODE_ATTENTION.backend()](q, ring, fresh, rows, selected, pos, sinks, window,
-                                                                 ratio, visible, picks, pool_rows, consecutive)
+                                                                 ratio, visible, picks, pool_rows, consecutive,
+                                                                 per_session)
 
 
 def fused_decode_attention(head_dim):
@@ -461,9 +465,9 @@ def _decode_attention_sample():
     """Two tokens of a pool of three sessions: one past its first window that picks its rows, one in its
     first window that reads all; and a verify's three rows on one session, the first reading all."""
     nh, hd, capacity, n_rows = 4, 64, 16, 8
-    pooled = (_random(2, nh, hd), _random(3, capacity, hd), _random(2, hd), _random(3, n_rows, hd),
+    pooled = (_random(2, nh, hd), _random(3 * capacity, hd), _random(2, hd), _random(3 * n_rows, hd),
               mx.array([[0, 3, 5], [1, 2, 0]], mx.uint32), mx.array([21, 5], mx.int32), _random(nh), 8, 4, None,
-              mx.array([True, False]), mx.array([2, 0], mx.int32))
+              mx.array([True, False]), mx.array([2, 0], mx.int32), False, (capacity, n_rows))
     verify = (_random(3, nh, hd), _random(capacity, hd), _random(3, hd), _random(n_rows, hd),
               mx.array([[0, 3, 5], [1, 2, 0], [4, 1, 2]], mx.uint32), mx.array([22, 23, 24], mx.int32), _random(nh),
               8, 4, None, mx.array([False, True, True]), None, True)
@@ -477,7 +481,7 @@ def _all_picked(n):
 
 
 def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, ratio, visible=None, picks=None,
-                           pool_rows=None, consecutive=False):
+                           pool_rows=None, consecutive=False, per_session=None):
     B, nh, hd = q.shape
     i32 = mx.int32
     if visible is None:
@@ -489,12 +493,13 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
         picks = _all_picked(B)
     if pool_rows is None:
         pool_rows = counting(B)
+    capacity, n = per_session or (ring.shape[-2], rows.shape[-2])  # a session's rows (a pool's are flat)
     inputs = [q, ring, fresh.astype(ring.dtype), rows.astype(ring.dtype),  # q: the kernel widens it
               visible if selected is None else selected, picks.astype(i32), pool_rows.astype(i32), visible,
               pos.astype(i32).reshape(B), sinks.astype(mx.float32)]
     return _attend_kernel()(
         inputs=inputs,
-        template=[("HD", hd), ("NH", nh), ("W", window), ("CAP", ring.shape[-2]), ("R", rows.shape[-2]),
+        template=[("HD", hd), ("NH", nh), ("W", window), ("CAP", capacity), ("R", n),
                   ("SELECT", selected is not None), ("K", 0 if selected is None else selected.shape[1]),
                   ("CONSECUTIVE", consecutive), ("GROUP", _ATTEND_GROUP), *_dtype_keys(inputs)],
         grid=(nh * _ATTEND_GROUP, B, 1), threadgroup=(_ATTEND_GROUP, 1, 1),

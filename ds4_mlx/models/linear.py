@@ -6,6 +6,7 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ds4_mlx.models import gguf_blocks, kernels
 from ds4_mlx.models.kernels import backend
@@ -58,6 +59,48 @@ class Linear(nn.Linear):
 
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
         return QuantizedLinear(self.weight.shape[1], self.weight.shape[0], False, group_size, bits, mode)
+
+
+class TransposedLinear(nn.Module):
+    """A dense float layer without bias holding its weight as [in, out]: the file's [out, in] transposed
+    at load (`held_transposed`), a view of the same memory, so `x @ weight` is `nn.Linear`'s product on
+    the same operands (the same numbers) without the transposed view `nn.Linear` makes on every call, a
+    node of each step's graph. Quantized, a `QuantizedLinear` of the file's layout."""
+
+    def __init__(self, input_dims, output_dims):
+        super().__init__()
+        scale = input_dims ** -0.5  # nn.Linear's initial weights
+        self.weight = mx.random.uniform(-scale, scale, (output_dims, input_dims)).T
+
+    def __call__(self, x):
+        return x @ self.weight
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_):
+        """This layer's weight quantized, as nn.Linear's `to_quantized` gives it."""
+        layer = QuantizedLinear(self.weight.shape[0], self.weight.shape[1], False, group_size, bits, mode)
+        layer.weight, layer.scales, *biases = mx.quantize(self.weight.T, layer.group_size, layer.bits, mode=mode)
+        if biases:
+            layer.biases = biases[0]
+        return layer
+
+
+def transposed_weights(module):
+    """The parameter names of `module`'s `TransposedLinear` weights."""
+    return {f"{path}.weight" if path else "weight" for path, m in module.named_modules()
+            if isinstance(m, TransposedLinear)}
+
+
+def held_transposed(module, weights):
+    """`weights` (by parameter name, laid out as a file holds them) with each `TransposedLinear` weight of
+    `module` as it holds it: transposed, a view (evaluating it copies nothing)."""
+    names = transposed_weights(module)
+    return {name: w.T if name in names else w for name, w in weights.items()}
+
+
+def file_weights(module):
+    """`module`'s parameters by name laid out as a file holds them: `held_transposed`'s inverse."""
+    names = transposed_weights(module)
+    return {name: w.T if name in names else w for name, w in tree_flatten(module.parameters())}
 
 
 class QuantizedLinear(nn.QuantizedLinear):

@@ -10,7 +10,7 @@ from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.kernels import backend, clamped_swiglu, routed_experts
 from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, gguf_expert_rows, plus_product,
-                                  swiglu_product)
+                                  swiglu_product, TransposedLinear)
 
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
@@ -53,7 +53,7 @@ class MoE(nn.Module):
         E, H, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
         self.args = args
         self.hashed = layer_id < args.num_hash_layers
-        self.gate = nn.Linear(H, E, bias=False)
+        self.gate = TransposedLinear(H, E)
         if self.hashed:
             self.tid2eid = mx.zeros((args.vocab_size, args.num_experts_per_tok), mx.int32)
         else:

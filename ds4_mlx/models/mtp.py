@@ -14,7 +14,7 @@ import mlx.nn as nn
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.draft_block import DraftBlock, sanitized, window_mask
 from ds4_mlx.models.hyper import HyperHead
-from ds4_mlx.models.linear import Linear
+from ds4_mlx.models.linear import Linear, held_transposed
 
 
 class MTP(nn.Module):
@@ -93,4 +93,4 @@ class MTP(nn.Module):
         return tokens, mx.stack(logits), None
 
     def sanitize(self, weights):
-        return sanitized(weights, self.args, ["block"])
+        return held_transposed(self, sanitized(weights, self.args, ["block"]))

@@ -5,9 +5,10 @@ import random
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from ds4_mlx.models.dspark import DSpark, DSparkArgs
+from ds4_mlx.models.linear import file_weights, held_transposed
 from ds4_mlx.models.mtp import MTP
 
 GOLDEN_STEP = (5 ** 0.5 - 1) / 2  # the oracle's points in [0, 1): the most even spread of a sequence
@@ -17,14 +18,14 @@ def randomize(module, seed=0, dtype=mx.float32):
     """Random weights of the scale `tools.random_model` gives a target."""
     mx.random.seed(seed)
     params = {}
-    for name, v in tree_flatten(module.parameters()):
+    for name, v in file_weights(module).items():  # drawn as a file holds them, then held as the module does
         if name.endswith("norm.weight"):
             params[name] = (1 + 0.1 * mx.random.normal(v.shape)).astype(dtype)
         elif v.ndim >= 2:
             params[name] = (mx.random.normal(v.shape) / np.sqrt(v.shape[-1])).astype(dtype)
         else:
             params[name] = (0.5 * mx.random.normal(v.shape)).astype(dtype)
-    module.update(tree_unflatten(list(params.items())))
+    module.update(tree_unflatten(list(held_transposed(module, params).items())))
     mx.eval(module.parameters())
     return module
 

@@ -3,10 +3,11 @@ with affine-quantized routed experts; and the benchmarks' model chosen by their 
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.deepseek_v4 import Model
+from ds4_mlx.models.linear import file_weights, held_transposed
 
 
 # `--expert-format q2`: the published q2 file's routed experts, kept in their GGUF blocks
@@ -35,7 +36,7 @@ def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     params = {}
-    for name, v in tree_flatten(model.parameters()):
+    for name, v in file_weights(model).items():  # drawn as a file holds them, then held as the model does
         if name.endswith("tid2eid"):  # distinct experts per token
             rows = np.argsort(rng.random((v.shape[0], args.n_routed_experts)), axis=1)[:, : v.shape[1]]
             params[name] = mx.array(rows.astype(np.int32))
@@ -54,7 +55,7 @@ def random_model(args: ModelArgs, *, seed=0, expert_bits=None, quant_sim=False, 
             params[name] = (mx.random.normal(v.shape) / np.sqrt(v.shape[-1])).astype(dtype)
         else:  # sinks, biases, HC base/scale
             params[name] = (0.5 * mx.random.normal(v.shape)).astype(dtype)
-    model.update(tree_unflatten(list(params.items())))
+    model.update(tree_unflatten(list(held_transposed(model, params).items())))
     mx.eval(model.parameters())
     return model
 
