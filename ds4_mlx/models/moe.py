@@ -8,7 +8,7 @@ import mlx.nn as nn
 
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.compiling import compiled
-from ds4_mlx.models.kernels import backend, clamped_swiglu, routed_experts
+from ds4_mlx.models.kernels import backend, clamped_swiglu, route_hashed, route_top_k, routed_experts
 from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, gguf_expert_rows, plus_product,
                                   swiglu_product)
 
@@ -20,26 +20,6 @@ EXPERT_PATHS = {"cuda": "loop"}
 
 def expert_path():
     return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
-
-
-def _routing_weights(scores, chosen, scaling):
-    weights = mx.take_along_axis(scores, chosen, axis=-1)
-    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
-
-
-@mx.compile
-def route_top_k(logits, bias, k, scaling):
-    """sqrt(softplus) scores; top-k on the biased scores, weights from the unbiased ones, normalised and
-    scaled. -> (experts [T, k], weights [T, k])."""
-    scores = mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0))
-    chosen = mx.argpartition(-(scores + bias), k - 1, axis=-1)[:, :k]
-    return chosen, _routing_weights(scores, chosen, scaling)
-
-
-@mx.compile
-def route_hashed(logits, chosen, scaling):
-    """The same weights for experts fixed by the token id (hash layers)."""
-    return _routing_weights(mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0)), chosen, scaling)
 
 
 # token-expert pairs below which a MoE call is decode-sized: one compiled graph, the fused expert
