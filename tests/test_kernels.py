@@ -527,6 +527,33 @@ def test_the_routers_self_check_takes_any_order_of_the_same_experts(monkeypatch,
     assert "router disagrees" in capsys.readouterr().err
 
 
+def test_moe_routes_a_few_tokens_through_the_router_kernels(monkeypatch):
+    """Top-k and hash layers take the router kernels for up to FEW_ROWS_MAX tokens (decoded ones in the
+    compiled graph included) and the plain routing past that; a quantized router always the plain one."""
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
+
+    monkeypatch.setattr(kernels, "backend", lambda: "fake")
+    monkeypatch.setattr(kernels, "_enabled", True)
+    calls = []
+    for kernel in (kernels.ROUTER, kernels.HASHED_ROUTER):
+        def launch(*args, _kernel=kernel):
+            calls.append((_kernel.name, args[0].shape[0]))
+            return _kernel.definition(*args)
+
+        monkeypatch.setattr(kernel, "verdicts", {"fake": True})
+        monkeypatch.setitem(kernel.launches, "fake", launch)
+    ids = mx.array([list(range(1, 22))], dtype=mx.int32)
+    for quantized_routers in (0, 1):
+        model = random_model(tiny_args(0))
+        for layer in model.layers[len(model.layers) - quantized_routers:]:
+            layer.ffn.gate = layer.ffn.gate.to_quantized(group_size=32, bits=8)
+        cache = model.make_cache()
+        calls.clear()
+        mx.eval(model(ids[:, :20], cache=cache), model(ids[:, 20:], cache=cache))  # a prefill, a decoded token
+        assert sorted(calls) == [("hashed_router", 1)] * 3 + [("router", 1)] * (3 - quantized_routers)
+
+
 def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):
     """A kernel right on its self-check's sizes but wrong at the model's: on, it changes the answer,
     compiled decode graphs included; switched off, every graph runs the definition again."""

@@ -8,7 +8,8 @@ import mlx.nn as nn
 
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.compiling import compiled
-from ds4_mlx.models.kernels import backend, clamped_swiglu, route_hashed, route_top_k, routed_experts
+from ds4_mlx.models.kernels import (backend, clamped_swiglu, hashed_router, route_hashed, route_top_k,
+                                    routed_experts, router)
 from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, gguf_expert_rows, plus_product,
                                   swiglu_product)
 
@@ -49,12 +50,7 @@ class MoE(nn.Module):
 
     def _forward(self, x, ids):
         args = self.args
-        if self.hashed:
-            chosen = self.tid2eid[ids]
-            weights = route_hashed(self.gate(x.astype(mx.float32)), chosen, args.routed_scaling_factor)
-        else:
-            chosen, weights = route_top_k(self.gate(x.astype(mx.float32)), self.bias, args.num_experts_per_tok,
-                                          args.routed_scaling_factor)
+        chosen, weights = self._route(x, ids)
         y = self._fused_experts(x, chosen, weights)
         if y is None:
             routed = self._experts(x, chosen)
@@ -63,6 +59,20 @@ class MoE(nn.Module):
         return plus_product(s["down"], swiglu_product(s["gate"], s["up"], x, args.swiglu_limit), y)
 
     _compiled_forward = compiled(_forward)
+
+    def _route(self, x, ids):
+        """-> (experts [T, k], their weights [T, k] float32): two kernels on CUDA for a few tokens, unless the
+        router was quantized (then its own product, and the plain routing after it)."""
+        args, gate = self.args, self.gate
+        chosen = self.tid2eid[ids] if self.hashed else None
+        if not isinstance(gate, nn.Linear):
+            logits = gate(x.astype(mx.float32))
+            if self.hashed:
+                return chosen, route_hashed(logits, chosen, args.routed_scaling_factor)
+            return route_top_k(logits, self.bias, args.num_experts_per_tok, args.routed_scaling_factor)
+        if self.hashed:
+            return chosen, hashed_router(x, gate.weight, chosen, args.routed_scaling_factor)
+        return router(x, gate.weight, self.bias, args.num_experts_per_tok, args.routed_scaling_factor)
 
     def _fused_experts(self, x, chosen, weights):
         """The routed experts' weighted sum in two kernels for a few tokens (CUDA, affine experts)."""
