@@ -406,17 +406,21 @@ def test_router_kernel_takes_the_lowest_of_equal_experts():
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("T,dtype,ids", [(1, mx.bfloat16, mx.int32), (7, mx.float32, mx.uint32)])
-def test_hashed_router_kernel_matches_float64(T, dtype, ids):
+@pytest.mark.parametrize("T,dtype,table", [(1, mx.bfloat16, mx.int32), (7, mx.float32, mx.uint32)])
+def test_hashed_router_kernel_matches_float64(T, dtype, table):
+    """A hash layer's experts from its table by the token ids, and their weights against float64."""
     import numpy as np
 
     x, weight, _ = router_case(T, 256, 4096, dtype, seed=T)
-    chosen = mx.random.permutation(256, key=mx.random.key(T))[: T * 6].reshape(T, 6).astype(ids)
-    got = on_cuda(kernels.hashed_router, x, weight, chosen, 1.5)
+    tid2eid = mx.random.permutation(256, key=mx.random.key(T))[:60].reshape(10, 6).astype(table)
+    ids = mx.array([(3 * i + 1) % 10 for i in range(T)], dtype=mx.int32)
+    chosen, weights = on_cuda(kernels.hashed_router, x, weight, tid2eid, ids, 1.5)
+    want_chosen = np.array(tid2eid)[np.array(ids)]
+    assert chosen.dtype == table and (np.array(chosen) == want_chosen).all()
     scores, _ = router_float64(x, weight, mx.zeros((256,)))
-    picked = np.take_along_axis(scores, np.array(chosen).astype(np.int64), 1)
+    picked = np.take_along_axis(scores, want_chosen.astype(np.int64), 1)
     want = picked / picked.sum(axis=1, keepdims=True) * 1.5
-    assert got.shape == (T, 6) and np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
+    assert weights.shape == (T, 6) and np.abs(np.array(weights) - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")

@@ -772,9 +772,11 @@ def router_reference(x, weight, bias, k, scaling):
     return route_top_k(x.astype(mx.float32) @ weight.T, bias, k, scaling)
 
 
-def hashed_router_reference(x, weight, chosen, scaling):
-    """`route_hashed` of the float32 logits for the experts chosen [T, k] -> weights [T, k] float32."""
-    return route_hashed(x.astype(mx.float32) @ weight.T, chosen, scaling)
+def hashed_router_reference(x, weight, tid2eid, ids, scaling):
+    """A hash layer's experts, tid2eid [vocab, k] of the token ids [T], and `route_hashed` of the float32
+    logits -> (experts [T, k], weights [T, k] float32)."""
+    chosen = tid2eid[ids]
+    return chosen, route_hashed(x.astype(mx.float32) @ weight.T, chosen, scaling)
 
 
 # Logits: a block takes ROWS rows of the weight for up to BATCH tokens (grid y: groups of tokens), its
@@ -862,10 +864,12 @@ _ROUTER_TOP_K_CUDA = """
     if (lane < K) weights[t * K + lane] = mine / (total + 1e-20f) * SCALING;
 """
 
-# A hash layer's experts are given: lane j < k takes the j-th.
+# A hash layer's experts come from its table by the token id: lane j < k takes the j-th.
 _ROUTER_HASHED_CUDA = """
     const int t = blockIdx.x, lane = threadIdx.x;
-    const float mine = lane < K ? router_score(logits[t * E + chosen[t * K + lane]]) : 0.0f;
+    const auto e = lane < K ? tid2eid[(size_t)ids[t] * K + lane] : 0;
+    if (lane < K) chosen[t * K + lane] = e;
+    const float mine = lane < K ? router_score(logits[t * E + e]) : 0.0f;
     float total = 0.0f;
     for (int j = 0; j < K; ++j) total += __shfl_sync(0xffffffff, mine, j);
     if (lane < K) weights[t * K + lane] = mine / (total + 1e-20f) * SCALING;
@@ -882,8 +886,9 @@ def _router_kernels(scaling):
     top_k = mx.fast.cuda_kernel(name=f"ds4_router_top_k_{suffix}", input_names=["logits", "bias"],
                                 output_names=["chosen", "weights"], header=_ROUTER_SCORE,
                                 source=scaled + _ROUTER_TOP_K_CUDA)
-    hashed = mx.fast.cuda_kernel(name=f"ds4_router_hashed_{suffix}", input_names=["logits", "chosen"],
-                                 output_names=["weights"], header=_ROUTER_SCORE, source=scaled + _ROUTER_HASHED_CUDA)
+    hashed = mx.fast.cuda_kernel(name=f"ds4_router_hashed_{suffix}", input_names=["logits", "tid2eid", "ids"],
+                                 output_names=["chosen", "weights"], header=_ROUTER_SCORE,
+                                 source=scaled + _ROUTER_HASHED_CUDA)
     return logits, top_k, hashed
 
 
@@ -906,12 +911,12 @@ def _router_cuda(x, weight, bias, k, scaling):
         output_shapes=[(T, k), (T, k)], output_dtypes=[mx.uint32, mx.float32]))
 
 
-def _hashed_router_cuda(x, weight, chosen, scaling):
-    (T, k), E = chosen.shape, weight.shape[0]
-    inputs = [_router_logits_cuda(x, weight, scaling), chosen]
-    return _router_kernels(scaling)[2](
+def _hashed_router_cuda(x, weight, tid2eid, ids, scaling):
+    T, (E, k) = x.shape[0], (weight.shape[0], tid2eid.shape[1])
+    inputs = [_router_logits_cuda(x, weight, scaling), tid2eid, ids]
+    return tuple(_router_kernels(scaling)[2](
         inputs=inputs, template=[("E", E), ("K", k), *_dtype_keys(inputs)], grid=(32 * T, 1, 1),
-        threadgroup=(32, 1, 1), output_shapes=[(T, k)], output_dtypes=[mx.float32])[0]
+        threadgroup=(32, 1, 1), output_shapes=[(T, k), (T, k)], output_dtypes=[tid2eid.dtype, mx.float32]))
 
 
 def _router_fits(x, weight, k):
@@ -936,13 +941,13 @@ def _router_sample():
 
 
 def _hashed_router_sample():
-    return [(_random(3, 256).astype(mx.bfloat16), _random(64, 256) / 16, mx.array([[5, 0, 63], [7, 8, 9], [1, 2, 3]]),
-             1.5)]
+    tid2eid = mx.array([[5, 0, 63], [7, 8, 9], [1, 2, 3], [60, 61, 62], [4, 40, 44]])
+    return (_random(3, 256).astype(mx.bfloat16), _random(64, 256) / 16, tid2eid, mx.array([4, 0, 2]), 1.5)
 
 
 ROUTER = Kernel("router", router_reference, _router_sample, 1e-4, compared=_routing_matrix)
 ROUTER.launches["cuda"] = _router_cuda
-HASHED_ROUTER = Kernel("hashed_router", hashed_router_reference, _hashed_router_sample, 1e-4)
+HASHED_ROUTER = Kernel("hashed_router", hashed_router_reference, _hashed_router_sample, 1e-4, compared=_routing_matrix)
 HASHED_ROUTER.launches["cuda"] = _hashed_router_cuda
 
 
@@ -955,12 +960,14 @@ def router(x, weight, bias, k, scaling):
     return ROUTER.launches[kind](x, weight, bias, k, scaling)
 
 
-def hashed_router(x, weight, chosen, scaling):
-    """`hashed_router_reference`, two kernels on CUDA for up to FEW_ROWS_MAX tokens."""
-    kind = HASHED_ROUTER.backend() if _router_fits(x, weight, chosen.shape[1]) else None
+def hashed_router(x, weight, tid2eid, ids, scaling):
+    """`hashed_router_reference`, two kernels on CUDA for up to FEW_ROWS_MAX tokens (the experts' lookup
+    in the second)."""
+    kind = HASHED_ROUTER.backend() if _router_fits(x, weight, tid2eid.shape[1]) and ids.shape == x.shape[:1] \
+        else None
     if kind is None:
-        return hashed_router_reference(x, weight, chosen, scaling)
-    return HASHED_ROUTER.launches[kind](x, weight, chosen, scaling)
+        return hashed_router_reference(x, weight, tid2eid, ids, scaling)
+    return HASHED_ROUTER.launches[kind](x, weight, tid2eid, ids, scaling)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,14 +64,14 @@ class MoE(nn.Module):
         """-> (experts [T, k], their weights [T, k] float32): two kernels on CUDA for a few tokens, unless the
         router was quantized (then its own product, and the plain routing after it)."""
         args, gate = self.args, self.gate
-        chosen = self.tid2eid[ids] if self.hashed else None
         if not isinstance(gate, nn.Linear):
             logits = gate(x.astype(mx.float32))
             if self.hashed:
+                chosen = self.tid2eid[ids]
                 return chosen, route_hashed(logits, chosen, args.routed_scaling_factor)
             return route_top_k(logits, self.bias, args.num_experts_per_tok, args.routed_scaling_factor)
         if self.hashed:
-            return chosen, hashed_router(x, gate.weight, chosen, args.routed_scaling_factor)
+            return hashed_router(x, gate.weight, self.tid2eid, ids, args.routed_scaling_factor)
         return router(x, gate.weight, self.bias, args.num_experts_per_tok, args.routed_scaling_factor)
 
     def _fused_experts(self, x, chosen, weights):
