@@ -741,9 +741,9 @@ def hc_post(out, streams, post, comb):
 # ---------------------------------------------------------------------------------------------
 # The router of a MoE layer for a few tokens. As plain MLX it is a cast, the float32 product with the
 # router's weight, the scores, an argpartition (a full sort on CUDA), a slice, a gather and the
-# normalisation: six launches a layer. Here two: the logits over many blocks (the weight is the large
-# read), then one warp a token for the scores, the choice and the weights. One launch would need a
-# counter zeroed before each call, and `init_value` fills every output with a launch of its own.
+# normalisation, each a launch. Here two: the logits over many blocks (the weight is the large read),
+# then one warp a token for the scores, the choice and the weights. One launch would need a counter
+# zeroed before each call, and `init_value` fills every output with a launch of its own.
 
 
 def _routing_weights(scores, chosen, scaling):
