@@ -366,6 +366,84 @@ def test_routed_experts_kernel_reads_whole_word_formats_only():
         assert kernels._fits(quantized_experts(4, 64, 128, bits, 64, mx.float16, key), rows=2)
 
 
+def router_case(T, E, H, dtype, seed):
+    """x [T, H] in `dtype`, a router weight [E, H] and bias [E] float32 with logits of order one."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    x = mx.random.normal((T, H), key=keys[0]).astype(dtype)
+    weight = mx.random.normal((E, H), key=keys[1]) / H**0.5
+    return x, weight, 0.1 * mx.random.normal((E,), key=keys[2])
+
+
+def router_float64(x, weight, bias):
+    """Logits, scores and biased scores of a router in float64."""
+    import numpy as np
+
+    logits = np.array(x.astype(mx.float32), np.float64) @ np.array(weight, np.float64).T
+    scores = np.sqrt(np.logaddexp(logits, 0.0))
+    return scores, scores + np.array(bias, np.float64)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,E,H,k,dtype", [
+    (1, 256, 4096, 6, mx.bfloat16),   # V4 Flash widths, a decoded token
+    (6, 256, 4096, 6, mx.float32),    # a verify
+    (10, 256, 4096, 6, mx.float16),   # past one group of tokens
+    (16, 256, 4096, 6, mx.bfloat16),  # the most tokens the kernels take
+    (3, 8, 64, 2, mx.float32),        # a tiny model's router
+])
+def test_router_kernel_matches_float64(T, E, H, k, dtype):
+    """The experts by falling biased score (compared where the k-th and the next are apart) and their
+    weights from the unbiased scores, against float64."""
+    import numpy as np
+
+    x, weight, bias = router_case(T, E, H, dtype, seed=T + E)
+    chosen, weights = on_cuda(kernels.router, x, weight, bias, k, 2.5)
+    assert chosen.shape == weights.shape == (T, k) and weights.dtype == mx.float32
+    scores, biased = router_float64(x, weight, bias)
+    chosen = np.array(chosen).astype(np.int64)
+    order = np.argsort(-biased, axis=1, kind="stable")
+    ranked = np.take_along_axis(biased, order, 1)
+    apart = ranked[:, k - 1] - ranked[:, k] > 1e-5  # else either expert may be the k-th
+    assert apart.sum() >= T - 1
+    assert (chosen[apart] == order[apart, :k]).all()  # the same experts, in the same order
+    picked = np.take_along_axis(scores, chosen, 1)
+    want = picked / picked.sum(axis=1, keepdims=True) * 2.5
+    assert np.abs(np.array(weights) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+def test_router_kernel_takes_the_lowest_of_equal_experts():
+    """Experts 9 and 5 share their row and a bias that puts them first: 5 is picked first, as MLX's stable
+    sort on CUDA picks in the definition."""
+    import numpy as np
+
+    x, weight, bias = (np.array(a) for a in router_case(4, 64, 256, mx.float32, seed=1))
+    weight[[5, 9]], bias[[5, 9]] = weight[3], 10.0
+    x, weight, bias = mx.array(x), mx.array(weight), mx.array(bias)
+    chosen, weights = on_cuda(kernels.router, x, weight, bias, 1, 1.0)
+    assert chosen[:, 0].tolist() == [5] * 4 and weights[:, 0].tolist() == [1.0] * 4
+    want, _ = on_cuda(kernels.router_reference, x, weight, bias, 1, 1.0)
+    assert want[:, 0].tolist() == [5] * 4
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,dtype,table", [(1, mx.bfloat16, mx.int32), (7, mx.float32, mx.uint32)])
+def test_hashed_router_kernel_matches_float64(T, dtype, table):
+    """A hash layer's experts from its table by the token ids, and their weights against float64."""
+    import numpy as np
+
+    x, weight, _ = router_case(T, 256, 4096, dtype, seed=T)
+    tid2eid = mx.random.permutation(256, key=mx.random.key(T))[:60].reshape(10, 6).astype(table)
+    ids = mx.array([(3 * i + 1) % 10 for i in range(T)], dtype=mx.int32)
+    chosen, weights = on_cuda(kernels.hashed_router, x, weight, tid2eid, ids, 1.5)
+    want_chosen = np.array(tid2eid)[np.array(ids)]
+    assert chosen.dtype == table and (np.array(chosen) == want_chosen).all()
+    scores, _ = router_float64(x, weight, mx.zeros((256,)))
+    picked = np.take_along_axis(scores, want_chosen.astype(np.int64), 1)
+    want = picked / picked.sum(axis=1, keepdims=True) * 1.5
+    assert weights.shape == (T, 6) and np.abs(np.array(weights) - want).max() <= 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 def test_kernels_pass_their_self_checks():
     """On a GPU every kernel with a launch there passes its self-check (else the tests above would
@@ -450,6 +528,55 @@ def test_a_kernel_wrong_in_one_of_its_forms_turns_itself_off(monkeypatch, capsys
     monkeypatch.setattr(kernel, "verdicts", {})
     monkeypatch.setitem(kernel.launches, "fake", kernel.definition)
     assert kernel.backend() == "fake"
+
+
+def test_the_routers_self_check_takes_any_order_of_the_same_experts(monkeypatch, capsys):
+    """The definition leaves the order of the chosen experts open: a launch that returns them in another
+    order (with their weights) passes; one that swaps an expert for another does not."""
+    monkeypatch.setattr(kernels, "backend", lambda: "fake")
+    monkeypatch.setattr(kernels, "_enabled", True)
+    kernel = kernels.ROUTER
+
+    def reversed_order(*args):
+        chosen, weights = kernel.definition(*args)
+        return chosen[:, ::-1], weights[:, ::-1]
+
+    def one_expert_off(*args):
+        chosen, weights = kernel.definition(*args)
+        return mx.concatenate([(chosen[:, :1] + 1) % args[1].shape[0], chosen[:, 1:]], axis=1), weights
+
+    for launch, passes in ((reversed_order, True), (one_expert_off, False)):
+        monkeypatch.setattr(kernel, "verdicts", {})
+        monkeypatch.setitem(kernel.launches, "fake", launch)
+        assert (kernel.backend() == "fake") is passes
+    assert "router disagrees" in capsys.readouterr().err
+
+
+def test_moe_routes_a_few_tokens_through_the_router_kernels(monkeypatch):
+    """Top-k and hash layers take the router kernels for up to FEW_ROWS_MAX tokens (decoded ones in the
+    compiled graph included) and the plain routing past that; a quantized router always the plain one."""
+    from ds4_mlx.tools.random_model import random_model
+    from ds4_mlx.tools.testing import tiny_args
+
+    monkeypatch.setattr(kernels, "backend", lambda: "fake")
+    monkeypatch.setattr(kernels, "_enabled", True)
+    calls = []
+    for kernel in (kernels.ROUTER, kernels.HASHED_ROUTER):
+        def launch(*args, _kernel=kernel):
+            calls.append((_kernel.name, args[0].shape[0]))
+            return _kernel.definition(*args)
+
+        monkeypatch.setattr(kernel, "verdicts", {"fake": True})
+        monkeypatch.setitem(kernel.launches, "fake", launch)
+    ids = mx.array([list(range(1, 22))], dtype=mx.int32)
+    for quantized_routers in (0, 1):
+        model = random_model(tiny_args(0))
+        for layer in model.layers[len(model.layers) - quantized_routers:]:
+            layer.ffn.gate = layer.ffn.gate.to_quantized(group_size=32, bits=8)
+        cache = model.make_cache()
+        calls.clear()
+        mx.eval(model(ids[:, :20], cache=cache), model(ids[:, 20:], cache=cache))  # a prefill, a decoded token
+        assert sorted(calls) == [("hashed_router", 1)] * 3 + [("router", 1)] * (3 - quantized_routers)
 
 
 def test_switching_kernels_off_reaches_compiled_graphs(fake_backend, capsys):

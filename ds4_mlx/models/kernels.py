@@ -60,10 +60,12 @@ class Kernel:
     """A custom kernel beside its plain definition. `launches`: backend -> a function with the
     definition's signature; `sample()`: small random inputs for the self-check; `tolerance`: the largest
     difference from the definition allowed there, relative to the definition's largest value. A sample
-    may be a list of input tuples, one for each form the kernel takes."""
+    may be a list of input tuples, one for each form the kernel takes. `compared(inputs, result)`, where
+    given, is the form of a result compared (for results whose order the definition leaves open)."""
 
-    def __init__(self, name, definition, sample, tolerance):
+    def __init__(self, name, definition, sample, tolerance, compared=None):
         self.name, self.definition, self.sample, self.tolerance = name, definition, sample, tolerance
+        self.compared = compared
         self.launches = {}
         self.verdicts = {}  # backend -> whether the kernel passed its self-check there
 
@@ -85,6 +87,8 @@ class Kernel:
                 with mx.stream(mx.cpu):  # the definition in exact float32 (a GPU may use TF32 tensor cores)
                     want = self.definition(*inputs)
                 got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+                if self.compared is not None:
+                    got, want = self.compared(inputs, got), self.compared(inputs, want)
                 error = bound = 0.0
                 for g, w in zip(got, want):
                     w = w.astype(mx.float32)
@@ -827,6 +831,238 @@ def hc_post_project(out, streams, post, comb, fn, eps):
         T, hc, H = mixed.shape
         return mixed, hc_project(mixed.reshape(T, hc * H), fn, eps)
     return HC_POST_PROJECT.launches["cuda"](out, streams, post, comb, fn, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The router of a MoE layer for a few tokens. As plain MLX it is a cast, the float32 product with the
+# router's weight, the scores, an argpartition (a full sort on CUDA), a slice, a gather and the
+# normalisation, each a launch. Here two: the logits over many blocks (the weight is the large read),
+# then one warp a token for the scores, the choice and the weights. One launch would need a counter
+# zeroed before each call, and `init_value` fills every output with a launch of its own.
+
+
+def _routing_weights(scores, chosen, scaling):
+    weights = mx.take_along_axis(scores, chosen, axis=-1)
+    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
+
+
+@mx.compile
+def route_top_k(logits, bias, k, scaling):
+    """sqrt(softplus) scores; top-k on the biased scores, weights from the unbiased ones, normalised and
+    scaled. -> (experts [T, k], weights [T, k])."""
+    scores = mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0))
+    chosen = mx.argpartition(-(scores + bias), k - 1, axis=-1)[:, :k]
+    return chosen, _routing_weights(scores, chosen, scaling)
+
+
+@mx.compile
+def route_hashed(logits, chosen, scaling):
+    """The same weights for experts fixed by the token id (hash layers)."""
+    return _routing_weights(mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0)), chosen, scaling)
+
+
+def router_reference(x, weight, bias, k, scaling):
+    """x [T, H] (any float dtype), the router's weight [E, H] and bias [E] float32 -> `route_top_k` of
+    the float32 logits: (experts [T, k] in no particular order, weights [T, k] float32)."""
+    return route_top_k(x.astype(mx.float32) @ weight.T, bias, k, scaling)
+
+
+def hashed_router_reference(x, weight, tid2eid, ids, scaling):
+    """A hash layer's experts, tid2eid [vocab, k] of the token ids [T], and `route_hashed` of the float32
+    logits -> (experts [T, k], weights [T, k] float32)."""
+    chosen = tid2eid[ids]
+    return chosen, route_hashed(x.astype(mx.float32) @ weight.T, chosen, scaling)
+
+
+# Logits: a block takes ROWS rows of the weight for up to BATCH tokens (grid y: groups of tokens), its
+# threads over the rows' 16-byte words, each word applied to every token's matching values.
+_ROUTER_LOGITS_CUDA = """
+    constexpr int WORDS = H / 4, STEPS = (WORDS + GROUP - 1) / GROUP, STAGE = STEPS < 8 ? STEPS : 8;
+    const int row = blockIdx.x * ROWS, first = blockIdx.y * BATCH, tid = threadIdx.x;
+    const int tokens = TOKENS - first < BATCH ? TOKENS - first : BATCH;
+    float acc[ROWS][BATCH] = {};
+    for (int s0 = 0; s0 < STEPS; s0 += STAGE) {
+        float w[STAGE][ROWS][4] = {};  // all of a stage's words in flight at once
+        for (int s = 0; s < STAGE; ++s) {
+            const int c = tid + (s0 + s) * GROUP;
+            for (int r = 0; r < ROWS; ++r)
+                if (c < WORDS) load_floats<4>(weight + (size_t)(row + r) * H + 4 * c, w[s][r]);
+        }
+        for (int t = 0; t < BATCH; ++t) {
+            if (t >= tokens) break;
+            for (int s = 0; s < STAGE; ++s) {
+                const int c = tid + (s0 + s) * GROUP;
+                if (c >= WORDS) break;
+                float v[4];
+                load_floats<4>(x + (size_t)(first + t) * H + 4 * c, v);
+                for (int r = 0; r < ROWS; ++r)
+                    acc[r][t] += w[s][r][0] * v[0] + w[s][r][1] * v[1] + w[s][r][2] * v[2] + w[s][r][3] * v[3];
+            }
+        }
+    }
+    __shared__ float part[GROUP / 32][ROWS * BATCH];
+    for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < BATCH; ++t) {
+            for (int d = 16; d > 0; d /= 2) acc[r][t] += __shfl_xor_sync(0xffffffff, acc[r][t], d);
+            if (tid % 32 == 0) part[tid / 32][r * BATCH + t] = acc[r][t];
+        }
+    __syncthreads();
+    if (tid < ROWS * BATCH && tid % BATCH < tokens) {
+        float sum = 0.0f;
+        for (int w = 0; w < GROUP / 32; ++w) sum += part[w][tid];
+        logits[(size_t)(first + tid % BATCH) * E + row + tid / BATCH] = sum;
+    }
+"""
+
+# The score of a logit, sqrt(softplus) with softplus as MLX's logaddexp(logit, 0)
+_ROUTER_SCORE = """
+__device__ inline float router_score(float logit) {
+    const float high = fmaxf(logit, 0.0f), low = fminf(logit, 0.0f);
+    return sqrtf(high + log1pf(expf(low - high)));
+}
+"""
+
+# One warp a token; lane i holds experts i, i + 32, ... The k picks, each the warp's largest biased score
+# not yet taken (of equal ones the lowest expert: MLX's stable sort on CUDA picks the same), in that order.
+_ROUTER_TOP_K_CUDA = """
+    constexpr int PER = (E + 31) / 32;
+    const int t = blockIdx.x, lane = threadIdx.x;
+    float score[PER], biased[PER];
+    for (int i = 0; i < PER; ++i) {
+        const int e = lane + 32 * i;
+        score[i] = e < E ? router_score(logits[t * E + e]) : 0.0f;
+        biased[i] = e < E ? score[i] + bias[e] : 0.0f;
+    }
+    unsigned taken = 0;
+    float mine = 0.0f, total = 0.0f;  // lane j: the score of the j-th pick
+    for (int j = 0; j < K; ++j) {
+        float best = 0.0f, best_score = 0.0f;
+        int best_e = E;  // none yet
+        for (int i = 0; i < PER; ++i) {
+            const int e = lane + 32 * i;
+            if (e < E && !(taken >> i & 1) && (best_e == E || biased[i] > best)) {
+                best = biased[i]; best_score = score[i]; best_e = e;
+            }
+        }
+        for (int d = 16; d > 0; d /= 2) {
+            const float other = __shfl_xor_sync(0xffffffff, best, d);
+            const float other_score = __shfl_xor_sync(0xffffffff, best_score, d);
+            const int other_e = __shfl_xor_sync(0xffffffff, best_e, d);
+            if (other_e < E && (best_e == E || other > best || (other == best && other_e < best_e))) {
+                best = other; best_score = other_score; best_e = other_e;
+            }
+        }
+        if (best_e % 32 == lane) taken |= 1u << (best_e / 32);
+        if (lane == j) { chosen[t * K + j] = best_e; mine = best_score; }
+        total += best_score;
+    }
+    if (lane < K) weights[t * K + lane] = mine / (total + 1e-20f) * SCALING;
+"""
+
+# A hash layer's experts come from its table by the token id: lane j < k takes the j-th.
+_ROUTER_HASHED_CUDA = """
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const auto e = lane < K ? tid2eid[(size_t)ids[t] * K + lane] : 0;
+    if (lane < K) chosen[t * K + lane] = e;
+    const float mine = lane < K ? router_score(logits[t * E + e]) : 0.0f;
+    float total = 0.0f;
+    for (int j = 0; j < K; ++j) total += __shfl_sync(0xffffffff, mine, j);
+    if (lane < K) weights[t * K + lane] = mine / (total + 1e-20f) * SCALING;
+"""
+_ROUTER_GROUP, _ROUTER_ROWS, _ROUTER_BATCH = 128, 2, 8
+
+
+@lru_cache(maxsize=None)
+def _router_kernels(scaling):
+    scaled = f"#define SCALING {float(scaling)!r}f\n"
+    suffix = abs(hash(scaling))
+    logits = mx.fast.cuda_kernel(name="ds4_router_logits", input_names=["x", "weight"], output_names=["logits"],
+                                 header=_LOADS, source=_ROUTER_LOGITS_CUDA)
+    top_k = mx.fast.cuda_kernel(name=f"ds4_router_top_k_{suffix}", input_names=["logits", "bias"],
+                                output_names=["chosen", "weights"], header=_ROUTER_SCORE,
+                                source=scaled + _ROUTER_TOP_K_CUDA)
+    hashed = mx.fast.cuda_kernel(name=f"ds4_router_hashed_{suffix}", input_names=["logits", "tid2eid", "ids"],
+                                 output_names=["chosen", "weights"], header=_ROUTER_SCORE,
+                                 source=scaled + _ROUTER_HASHED_CUDA)
+    return logits, top_k, hashed
+
+
+def _router_logits_cuda(x, weight, scaling):
+    (T, H), E = x.shape, weight.shape[0]
+    batch = min(T, _ROUTER_BATCH)
+    inputs = [x, weight]
+    return _router_kernels(scaling)[0](
+        inputs=inputs, template=[("TOKENS", T), ("H", H), ("E", E), ("ROWS", _ROUTER_ROWS), ("BATCH", batch),
+                                 ("GROUP", _ROUTER_GROUP), *_dtype_keys(inputs)],
+        grid=(E // _ROUTER_ROWS * _ROUTER_GROUP, -(-T // batch), 1), threadgroup=(_ROUTER_GROUP, 1, 1),
+        output_shapes=[(T, E)], output_dtypes=[mx.float32])[0]
+
+
+def _router_cuda(x, weight, bias, k, scaling):
+    T, E = x.shape[0], weight.shape[0]
+    inputs = [_router_logits_cuda(x, weight, scaling), bias.astype(mx.float32)]
+    return tuple(_router_kernels(scaling)[1](
+        inputs=inputs, template=[("E", E), ("K", k)], grid=(32 * T, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[(T, k), (T, k)], output_dtypes=[mx.uint32, mx.float32]))
+
+
+def _hashed_router_cuda(x, weight, tid2eid, ids, scaling):
+    T, (E, k) = x.shape[0], (weight.shape[0], tid2eid.shape[1])
+    inputs = [_router_logits_cuda(x, weight, scaling), tid2eid, ids]
+    return tuple(_router_kernels(scaling)[2](
+        inputs=inputs, template=[("E", E), ("K", k), *_dtype_keys(inputs)], grid=(32 * T, 1, 1),
+        threadgroup=(32, 1, 1), output_shapes=[(T, k), (T, k)], output_dtypes=[tid2eid.dtype, mx.float32]))
+
+
+def _router_fits(x, weight, k):
+    """Whether the kernels take these shapes: a few tokens, rows of whole 16-byte words, at most 1024
+    experts (a bit each of a lane's word) and k at most a warp."""
+    (T, H), (E, width) = x.shape, weight.shape
+    return (T <= FEW_ROWS_MAX and H == width and H % 4 == 0 and E % _ROUTER_ROWS == 0 and E <= 1024
+            and k <= min(32, E) and weight.dtype == mx.float32)
+
+
+def _routing_matrix(inputs, result):
+    """The chosen experts' weights in their columns of [T, E]: what the router gives, in any order."""
+    chosen, weights = result
+    dense = mx.zeros((chosen.shape[0], inputs[1].shape[0]), mx.float32)
+    return (mx.put_along_axis(dense, chosen.astype(mx.int32), weights.astype(mx.float32), axis=-1),)
+
+
+def _router_sample():
+    """Forms with no near ties between the k-th and the next biased score."""
+    return [(_random(1, 256).astype(mx.bfloat16), _random(64, 256) / 16, 0.1 * _random(64), 6, 2.5),
+            (_random(10, 256), _random(64, 256) / 16, 0.1 * _random(64, seed=1), 6, 2.5)]
+
+
+def _hashed_router_sample():
+    tid2eid = mx.array([[5, 0, 63], [7, 8, 9], [1, 2, 3], [60, 61, 62], [4, 40, 44]])
+    return (_random(3, 256).astype(mx.bfloat16), _random(64, 256) / 16, tid2eid, mx.array([4, 0, 2]), 1.5)
+
+
+ROUTER = Kernel("router", router_reference, _router_sample, 1e-4, compared=_routing_matrix)
+ROUTER.launches["cuda"] = _router_cuda
+HASHED_ROUTER = Kernel("hashed_router", hashed_router_reference, _hashed_router_sample, 1e-4, compared=_routing_matrix)
+HASHED_ROUTER.launches["cuda"] = _hashed_router_cuda
+
+
+def router(x, weight, bias, k, scaling):
+    """`router_reference`, two kernels on CUDA for up to FEW_ROWS_MAX tokens: the experts by falling biased
+    score (of equal scores the lowest expert), and their weights."""
+    kind = ROUTER.backend() if _router_fits(x, weight, k) else None
+    if kind is None:
+        return router_reference(x, weight, bias, k, scaling)
+    return ROUTER.launches[kind](x, weight, bias, k, scaling)
+
+
+def hashed_router(x, weight, tid2eid, ids, scaling):
+    """`hashed_router_reference`, two kernels on CUDA for up to FEW_ROWS_MAX tokens (the experts' lookup
+    in the second)."""
+    kind = HASHED_ROUTER.backend() if _router_fits(x, weight, tid2eid.shape[1]) and ids.shape == x.shape[:1] \
+        else None
+    if kind is None:
+        return hashed_router_reference(x, weight, tid2eid, ids, scaling)
+    return HASHED_ROUTER.launches[kind](x, weight, tid2eid, ids, scaling)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import mlx.nn as nn
 
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.compiling import compiled
-from ds4_mlx.models.kernels import backend, clamped_swiglu, routed_experts
+from ds4_mlx.models.kernels import (backend, clamped_swiglu, hashed_router, route_hashed, route_top_k,
+                                    routed_experts, router)
 from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, gguf_expert_rows, plus_product,
                                   swiglu_product, TransposedLinear)
 
@@ -20,26 +21,6 @@ EXPERT_PATHS = {"cuda": "loop"}
 
 def expert_path():
     return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
-
-
-def _routing_weights(scores, chosen, scaling):
-    weights = mx.take_along_axis(scores, chosen, axis=-1)
-    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
-
-
-@mx.compile
-def route_top_k(logits, bias, k, scaling):
-    """sqrt(softplus) scores; top-k on the biased scores, weights from the unbiased ones, normalised and
-    scaled. -> (experts [T, k], weights [T, k])."""
-    scores = mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0))
-    chosen = mx.argpartition(-(scores + bias), k - 1, axis=-1)[:, :k]
-    return chosen, _routing_weights(scores, chosen, scaling)
-
-
-@mx.compile
-def route_hashed(logits, chosen, scaling):
-    """The same weights for experts fixed by the token id (hash layers)."""
-    return _routing_weights(mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0.0)), chosen, scaling)
 
 
 # token-expert pairs below which a MoE call is decode-sized: one compiled graph, the fused expert
@@ -69,12 +50,7 @@ class MoE(nn.Module):
 
     def _forward(self, x, ids):
         args = self.args
-        if self.hashed:
-            chosen = self.tid2eid[ids]
-            weights = route_hashed(self.gate(x.astype(mx.float32)), chosen, args.routed_scaling_factor)
-        else:
-            chosen, weights = route_top_k(self.gate(x.astype(mx.float32)), self.bias, args.num_experts_per_tok,
-                                          args.routed_scaling_factor)
+        chosen, weights = self._route(x, ids)
         y = self._fused_experts(x, chosen, weights)
         if y is None:
             routed = self._experts(x, chosen)
@@ -83,6 +59,21 @@ class MoE(nn.Module):
         return plus_product(s["down"], swiglu_product(s["gate"], s["up"], x, args.swiglu_limit), y)
 
     _compiled_forward = compiled(_forward)
+
+    def _route(self, x, ids):
+        """-> (experts [T, k], their weights [T, k] float32): two kernels on CUDA for a few tokens, unless the
+        router was quantized (then its own product, and the plain routing after it)."""
+        args, gate = self.args, self.gate
+        if not isinstance(gate, TransposedLinear):
+            logits = gate(x.astype(mx.float32))
+            if self.hashed:
+                chosen = self.tid2eid[ids]
+                return chosen, route_hashed(logits, chosen, args.routed_scaling_factor)
+            return route_top_k(logits, self.bias, args.num_experts_per_tok, args.routed_scaling_factor)
+        weight = gate.weight.T  # [E, H] as the file holds it: row-contiguous, no copy
+        if self.hashed:
+            return hashed_router(x, weight, self.tid2eid, ids, args.routed_scaling_factor)
+        return router(x, weight, self.bias, args.num_experts_per_tok, args.routed_scaling_factor)
 
     def _fused_experts(self, x, chosen, weights):
         """The routed experts' weighted sum in two kernels for a few tokens (CUDA, affine experts)."""
