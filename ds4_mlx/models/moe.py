@@ -10,8 +10,8 @@ from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.kernels import (backend, clamped_swiglu, hashed_router, route_hashed, route_top_k,
                                     routed_experts, router)
-from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, gguf_expert_rows, plus_product,
-                                  swiglu_product, TransposedLinear)
+from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, TransposedLinear, gguf_expert_rows,
+                                  plus_product, swiglu_product)
 
 
 # routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
