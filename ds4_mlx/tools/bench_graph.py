@@ -130,6 +130,10 @@ def bench_graph(a):
     from ds4_mlx.tools.testing import tiny_args
 
     args = tiny_args(hidden_size=256, moe_intermediate_size=256)
+    if a.full:  # the real model's layers and their kinds, the heavy ratio at the tiny model's
+        heavy = args.compress_ratios[3]
+        args = tiny_args(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=43,
+                         compress_ratios=[0, 0] + [4, heavy] * 20 + [4])
     model = published_model(args, "q2", native=True)
     model.cast(mx.bfloat16)
     rng = np.random.default_rng(0)
@@ -166,3 +170,5 @@ def options(q):
     q.add_argument("--shapes", default="decode,decode:8,verify:6",
                    help="comma-separated: decode (one token), decode:B (B streams from a pool in one step), "
                    "verify:K (K drafted rows on one session, logits at every row)")
+    q.add_argument("--full", action="store_true", help="the real model's 43 layers and their kinds (window, "
+                   "ratio 4, the heavy ratio), 3 hash layers, at the tiny model's widths")
