@@ -630,6 +630,23 @@ def hc_project_reference(flat, fn, eps):
     return mx.fast.rms_norm(flat, None, eps) @ fn.T
 
 
+# A block's dot products with a row of `fn` and sums of squares added up, by warps and then the warps'
+# sums in order: the dot over the RMS of the n values, in every thread (a block of GROUP threads).
+_NORMED_DOT = """
+template <int GROUP>
+__device__ inline float normed_dot(float dot, float squares, int n) {
+    __shared__ float part_dot[GROUP / 32], part_squares[GROUP / 32];
+    for (int d = 16; d > 0; d /= 2) {
+        dot += __shfl_xor_sync(0xffffffff, dot, d);
+        squares += __shfl_xor_sync(0xffffffff, squares, d);
+    }
+    if (threadIdx.x % 32 == 0) { part_dot[threadIdx.x / 32] = dot; part_squares[threadIdx.x / 32] = squares; }
+    __syncthreads();
+    dot = squares = 0.0f;
+    for (int w = 0; w < GROUP / 32; ++w) { dot += part_dot[w]; squares += part_squares[w]; }
+    return dot * rsqrtf(squares / n + EPS);
+}
+"""
 _HC_PROJECT_CUDA = """
     const int t = blockIdx.x / M, o = blockIdx.x % M, tid = threadIdx.x;
     float dot = 0.0f, squares = 0.0f;
@@ -638,18 +655,8 @@ _HC_PROJECT_CUDA = """
         dot += v * fn[o * N + i];
         squares += v * v;
     }
-    __shared__ float part_dot[GROUP / 32], part_squares[GROUP / 32];
-    for (int d = 16; d > 0; d /= 2) {
-        dot += __shfl_xor_sync(0xffffffff, dot, d);
-        squares += __shfl_xor_sync(0xffffffff, squares, d);
-    }
-    if (tid % 32 == 0) { part_dot[tid / 32] = dot; part_squares[tid / 32] = squares; }
-    __syncthreads();
-    if (tid == 0) {
-        dot = squares = 0.0f;
-        for (int w = 0; w < GROUP / 32; ++w) { dot += part_dot[w]; squares += part_squares[w]; }
-        out[t * M + o] = dot * rsqrtf(squares / N + EPS);
-    }
+    const float normed = normed_dot<GROUP>(dot, squares, N);
+    if (tid == 0) out[t * M + o] = normed;
 """
 _PROJECT_GROUP = 256
 HC_PROJECT_MAX_TOKENS = 8  # past this a matrix product reads `fn` once for all the tokens
@@ -657,9 +664,9 @@ HC_PROJECT_MAX_TOKENS = 8  # past this a matrix product reads `fn` once for all 
 
 @lru_cache(maxsize=None)
 def _hc_project_kernel(eps):
-    source = f"#define EPS {float(eps)!r}f\n" + _HC_PROJECT_CUDA
     return mx.fast.cuda_kernel(name=f"ds4_hc_project_{abs(hash(eps))}", input_names=["flat", "fn"],
-                               output_names=["out"], source=source)
+                               output_names=["out"], source=_HC_PROJECT_CUDA,
+                               header=f"#define EPS {float(eps)!r}f\n" + _NORMED_DOT)
 
 
 def hc_project(flat, fn, eps):
@@ -779,27 +786,16 @@ _HC_POST_PROJECT_CUDA = """
             squares += v * v;
         }
     }
-    __shared__ float part_dot[GROUP / 32], part_squares[GROUP / 32];
-    for (int d = 16; d > 0; d /= 2) {
-        dot += __shfl_xor_sync(0xffffffff, dot, d);
-        squares += __shfl_xor_sync(0xffffffff, squares, d);
-    }
-    if (tid % 32 == 0) { part_dot[tid / 32] = dot; part_squares[tid / 32] = squares; }
-    __syncthreads();
-    if (tid == 0) {
-        dot = squares = 0.0f;
-        for (int w = 0; w < GROUP / 32; ++w) { dot += part_dot[w]; squares += part_squares[w]; }
-        mix[t * M + o] = dot * rsqrtf(squares / (HC * H) + EPS);
-    }
+    const float normed = normed_dot<GROUP>(dot, squares, HC * H);
+    if (tid == 0) mix[t * M + o] = normed;
 """
 
 
 @lru_cache(maxsize=None)
 def _hc_post_project_kernel(eps):
-    source = f"#define EPS {float(eps)!r}f\n" + _HC_POST_PROJECT_CUDA
     return mx.fast.cuda_kernel(name=f"ds4_hc_post_project_{abs(hash(eps))}",
                                input_names=["out", "streams", "post", "comb", "fn"], output_names=["y", "mix"],
-                               source=source)
+                               source=_HC_POST_PROJECT_CUDA, header=f"#define EPS {float(eps)!r}f\n" + _NORMED_DOT)
 
 
 def _hc_post_project_cuda(out, streams, post, comb, fn, eps):
