@@ -162,6 +162,36 @@ def test_decode_attention_rows_are_each_tokens_own():
     assert float(mx.abs(again[1] - got[1]).max()) == 0.0
 
 
+def fp8_e4m3_then_f16(x, width, block=64):
+    """ds4's rounding of kv rows in float64, apart from MLX: a power-of-two scale per block of the first
+    `width` features, the nearest E4M3 value (ties to even; 3 mantissa bits, subnormal below 2^-6), then
+    the nearest float16."""
+    import numpy as np
+
+    v = np.array(x, np.float64)
+    for r in range(v.shape[0]):
+        for b in range(0, width, block):
+            blk = v[r, b : b + block]
+            scale = 2.0 ** np.ceil(np.log2(max(np.abs(blk).max(), 1e-4) / 448.0))
+            c = np.clip(blk / scale, -448.0, 448.0)
+            step = 2.0 ** (np.maximum(np.floor(np.log2(np.maximum(np.abs(c), 2.0 ** -6))), -6) - 3)
+            v[r, b : b + block] = np.round(c / step) * step * scale  # np.round takes ties to even
+    return v.astype(np.float16)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,dtype", [(1, mx.bfloat16), (6, mx.float32), (16, mx.bfloat16)])
+def test_kv_rounding_kernel_matches_float64(T, dtype):
+    """A kv row as the cache stores it under quant_sim (head dim 512, the first 448 features through FP8),
+    rows of very different sizes, bit for bit against a float64 rounding that uses no MLX op."""
+    import numpy as np
+
+    x = (mx.random.normal((T, 512), key=mx.random.key(T)) * mx.power(10.0, mx.arange(T) % 9 - 5.0)[:, None]).astype(dtype)
+    got = on_cuda(kernels.kv_rounding, x, 448, mx.float16)
+    want = fp8_e4m3_then_f16(np.array(x.astype(mx.float32)), 448)
+    assert got.dtype == mx.float16 and np.array_equal(np.array(got), want)
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("use", ["queries", "kv", "output", "indexer", "float32"])
 def test_norm_rope_kernel_matches_reference(use):

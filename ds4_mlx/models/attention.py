@@ -9,10 +9,9 @@ from ds4_mlx.cache.slots import BatchSlots, RingSlots, Slots
 from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
-from ds4_mlx.models.kernels import attend, decode_attention, fused_decode_attention, norm_rope
+from ds4_mlx.models.kernels import attend, decode_attention, fused_decode_attention, kv_rounding, norm_rope
 from ds4_mlx.models.linear import GroupedLinear, Linear, pair_product
-from ds4_mlx.models.numerics import (Rope, counting, f16_round, fp8_e4m3_sim, hadamard_fp4_sim, index_rounding,
-                                     write_rows)
+from ds4_mlx.models.numerics import Rope, counting, hadamard_fp4_sim, index_rounding, write_rows
 
 
 INDEXER_TILE_BYTES = 1 << 28
@@ -173,9 +172,11 @@ class Attention(nn.Module):
         return norm_rope(pooled, self.rope, positions, pooled.shape[-1], (norm.weight.astype(pooled.dtype), norm.eps))
 
     def _store_kv(self, kv, quant_sim):
+        """kv rows [n, hd] as the cache holds them: under `quant_sim`, ds4's rounding (in float16, the cache's
+        dtype then; one launch on CUDA for a few rows)."""
         if not quant_sim:
             return kv
-        return f16_round(fp8_e4m3_sim(kv, width=self.head_dim - self.args.qk_rope_head_dim))
+        return kv_rounding(kv, self.head_dim - self.args.qk_rope_head_dim, mx.float16)
 
     @compiled
     def _project(self, x, positions):

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.cache.geometry import ring_slot, rows_visible, window_reach
-from ds4_mlx.models.numerics import counting, reshaped
+from ds4_mlx.models.numerics import counting, f16_round, fp8_e4m3_sim, reshaped
 
 _enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
 _generation = 0
@@ -617,6 +617,76 @@ def norm_rope(x, rope, positions, width, norm=None, inverse=False, shape=None, d
     if not _norm_rope_fits(x, positions, width) or NORM_ROPE.backend() is None:
         return norm_rope_reference(x, rope, positions, width, norm, inverse, shape, dtype)
     return NORM_ROPE.launches["cuda"](x, rope, positions, width, norm, inverse, shape, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# A kv row as the cache stores it under `quant_sim` (ds4's rounding): its first `width` features through
+# FP8 E4M3 with a power-of-two scale per block of 64, then every feature through float16. As MLX ops it is
+# eight launches a row (the block maxima, the scales, the clip, each conversion, the select, the casts);
+# here one warp a block, with the same functions in the same order (MLX's CUDA ops are these calls).
+
+
+def kv_rounding_reference(x, width, dtype):
+    """x [T, D] -> `fp8_e4m3_sim` of its first `width` features, then `f16_round`, as `dtype`."""
+    return f16_round(fp8_e4m3_sim(x, width=width)).astype(dtype)
+
+
+_KV_ROUNDING_CUDA = """
+    // 64 values a warp, 2 a lane; BLOCK / 2 lanes a block of the FP8 scale (every lane takes part in the
+    // shuffles, those past the end with zeros)
+    const size_t at = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32 * 64 + threadIdx.x % 32 * 2;
+    const bool mine = at < (size_t)ROWS * D;
+    float v[2] = {0.0f, 0.0f};
+    if (mine) { v[0] = static_cast<float>(x[at]); v[1] = static_cast<float>(x[at + 1]); }
+    float amax = fmaxf(fabsf(v[0]), fabsf(v[1]));
+    for (int o = BLOCK / 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (!mine) return;
+    if (at % D < WIDTH) {
+        const float scale = powf(2.0f, ceilf(log2f(fmaxf(amax, 1e-4f) / 448.0f)));
+        for (int i = 0; i < 2; ++i)
+            v[i] = static_cast<float>(__nv_fp8_e4m3(fminf(fmaxf(v[i] / scale, -448.0f), 448.0f))) * scale;
+    }
+    for (int i = 0; i < 2; ++i) store(y + at + i, __half2float(__float2half_rn(v[i])));
+"""
+
+
+@lru_cache(maxsize=None)
+def _kv_rounding_kernel():
+    return mx.fast.cuda_kernel(name="ds4_kv_rounding", input_names=["x"], output_names=["y"],
+                               source=_KV_ROUNDING_CUDA, header="#include <cuda_fp8.h>\n" + _LOADS)
+
+
+def _kv_block(width):
+    return min(64, width)  # `fp8_e4m3_sim`'s block for rows this narrow
+
+
+def _kv_rounding_cuda(x, width, dtype):
+    T, D = x.shape
+    warps = -(-T * D // 64)
+    return _kv_rounding_kernel()(
+        inputs=[x], template=[("ROWS", T), ("D", D), ("WIDTH", width), ("BLOCK", _kv_block(width)),
+                              *_dtype_keys([x]), ("Y_TYPE", dtype)],
+        grid=(warps * 32, 1, 1), threadgroup=(min(warps, 8) * 32, 1, 1), output_shapes=[x.shape],
+        output_dtypes=[dtype])[0]
+
+
+def _kv_rounding_sample():
+    x = _random(3, 512) * mx.array([1e-3, 1.0, 40.0])[:, None]  # rows whose blocks take different scales
+    return [(x.astype(mx.bfloat16), 448, mx.float16), (x.reshape(48, 32), 16, mx.float16)]
+
+
+KV_ROUNDING = Kernel("kv_rounding", kv_rounding_reference, _kv_rounding_sample, 1e-6)
+KV_ROUNDING.launches["cuda"] = _kv_rounding_cuda
+
+
+def kv_rounding(x, width, dtype):
+    """`kv_rounding_reference`: one kernel on CUDA for up to FEW_ROWS_MAX rows of blocks of a power of two
+    values from 4 on (those `fp8_e4m3_sim` takes without a concatenation)."""
+    (T, D), block = x.shape, _kv_block(width)
+    fits = T <= FEW_ROWS_MAX and 4 <= block and block & (block - 1) == 0 and width % block == D % block == 0
+    if not fits or width > D or KV_ROUNDING.backend() is None:
+        return kv_rounding_reference(x, width, dtype)
+    return KV_ROUNDING.launches["cuda"](x, width, dtype)
 
 
 # ---------------------------------------------------------------------------------------------

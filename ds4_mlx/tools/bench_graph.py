@@ -134,7 +134,7 @@ def bench_graph(a):
         heavy = args.compress_ratios[3]
         args = tiny_args(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=43,
                          compress_ratios=[0, 0] + [4, heavy] * 20 + [4])
-    model = published_model(args, "q2", native=True)
+    model = published_model(args, "q2", native=True, quant_sim=a.quant_sim)
     model.cast(mx.bfloat16)
     rng = np.random.default_rng(0)
     first = Session(model)
@@ -160,7 +160,7 @@ def bench_graph(a):
         for kind, n in counts.most_common():
             print(f"    {n:5d}  {kind}", flush=True)
     kinds = Counter(args.layer_type(i) for i in range(args.num_hidden_layers))
-    return {"layers": args.num_hidden_layers, "layer_kinds": ", ".join(f"{k} {n}" for k, n in kinds.items()),
+    return {"layers": args.num_hidden_layers, "quant_sim": a.quant_sim, "layer_kinds": ", ".join(f"{k} {n}" for k, n in kinds.items()),
             "context": a.context, "results": results}
 
 
@@ -170,5 +170,7 @@ def options(q):
     q.add_argument("--shapes", default="decode,decode:8,verify:6",
                    help="comma-separated: decode (one token), decode:B (B streams from a pool in one step), "
                    "verify:K (K drafted rows on one session, logits at every row)")
+    q.add_argument("--quant-sim", action="store_true", help="ds4's roundings of the cached rows (FP8 kv rows, FP4 "
+                   "index rows), as loading a file gives by default")
     q.add_argument("--full", action="store_true", help="the real model's 43 layers and their kinds (window, "
                    "ratio 4, the heavy ratio), 3 hash layers, at the tiny model's widths")

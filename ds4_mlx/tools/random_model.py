@@ -136,11 +136,11 @@ _DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.
            "I32": mx.int32}
 
 
-def published_model(args: ModelArgs, variant: str, seed=0, native=None):
+def published_model(args: ModelArgs, variant: str, seed=0, native=None, quant_sim=False):
     """A model of `args` with random weights in the published `variant` file's converted layout
     (`published_layout`; `native` experts by default where this machine computes them at speed), loaded
-    as a converted folder is. Each array is drawn and evaluated on its own, so building holds the weights
-    and little more."""
+    as a converted folder is (`quant_sim`: ds4's roundings of cached rows, the loader's default). Each array
+    is drawn and evaluated on its own, so building holds the weights and little more."""
     from ds4_mlx.loader import build_model as load_model
     from ds4_mlx.models.gguf_blocks import native_available
 
@@ -156,7 +156,7 @@ def published_model(args: ModelArgs, variant: str, seed=0, native=None):
         fmt = fmt if leaf in ("weight", "scales", "biases") else None
         weights[path] = _random_weight(path, shape, _DTYPES[dtype], fmt, args, rng)
         mx.eval(weights[path])
-    return load_model(args, weights, quantization, quant_sim=False)
+    return load_model(args, weights, quantization, quant_sim=quant_sim)
 
 
 def _random_weight(path, shape, dtype, fmt, args, rng):
