@@ -192,6 +192,32 @@ def test_kv_rounding_kernel_matches_float64(T, dtype):
     assert got.dtype == mx.float16 and np.array_equal(np.array(got), want)
 
 
+def fp4_e2m1_then_f16(x, block=32):
+    """The indexer's FP4 rounding in float64, apart from MLX: a power-of-two scale per block, the nearest
+    E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6; ties to the even one of the grid), then the nearest float16."""
+    import numpy as np
+
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    v = np.array(x, np.float64).reshape(-1, block)
+    scale = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(v).max(axis=1, keepdims=True), 7.052966e-38) / 6.0))
+    c = np.clip(v / scale, -6.0, 6.0)
+    gap = np.abs(np.abs(c)[..., None] - grid) + 1e-12 * (np.arange(8) % 2)  # a tie goes to the even index
+    return (np.sign(c) * grid[gap.argmin(axis=-1)] * scale).reshape(np.shape(x)).astype(np.float16)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("shape", [(1, 64, 128), (6, 64, 128), (16, 64, 128), (3, 128)])
+def test_fp4_rounding_kernel_matches_float64(shape):
+    """The indexer's queries (64 heads of 128) and rows after their Hadamard transform under quant_sim,
+    bit for bit against a float64 E2M1 rounding that uses no MLX op."""
+    import numpy as np
+
+    x = mx.random.normal(shape, key=mx.random.key(shape[0])) * mx.power(10.0, mx.arange(shape[0]) % 9 - 5.0).reshape(
+        (-1,) + (1,) * (len(shape) - 1))
+    got = on_cuda(kernels.fp4_rounding, x)
+    assert got.dtype == mx.float32 and np.array_equal(np.array(got), fp4_e2m1_then_f16(np.array(x)))
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("use", ["queries", "kv", "output", "indexer", "float32"])
 def test_norm_rope_kernel_matches_reference(use):

@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.models.numerics import fp4_e2m1_round, fp4_e2m1_sim, fp8_e4m3_sim, hadamard_fp4_sim
+from ds4_mlx.models.kernels import fp4_rounding
+from ds4_mlx.models.numerics import fp4_e2m1_round, fp4_e2m1_sim, fp8_e4m3_sim, hadamard
 
 
 def test_fp8_block_scale_and_ties_to_even():
@@ -64,5 +65,5 @@ def test_hadamard_is_orthonormal_before_rounding():
     # on its grid with scale 2^ceil(log2((1/4)/6)) = 2^-4: 0.25 / 2^-4 = 4 exactly -> 0.25.
     x = np.zeros((1, 16), np.float32)
     x[0, 0] = 1.0
-    out = np.array(hadamard_fp4_sim(mx.array(x)))[0]
+    out = np.array(fp4_rounding(hadamard(mx.array(x))))[0]
     assert np.allclose(np.abs(out), 0.25)

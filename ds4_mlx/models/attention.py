@@ -9,9 +9,10 @@ from ds4_mlx.cache.slots import BatchSlots, RingSlots, Slots
 from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
-from ds4_mlx.models.kernels import attend, decode_attention, fused_decode_attention, kv_rounding, norm_rope
+from ds4_mlx.models.kernels import (attend, decode_attention, fp4_rounding, fused_decode_attention, kv_rounding,
+                                    norm_rope)
 from ds4_mlx.models.linear import GroupedLinear, Linear, pair_product
-from ds4_mlx.models.numerics import Rope, counting, hadamard_fp4_sim, index_rounding, write_rows
+from ds4_mlx.models.numerics import Rope, counting, hadamard, write_rows
 
 
 INDEXER_TILE_BYTES = 1 << 28
@@ -85,7 +86,7 @@ class Attention(nn.Module):
             if self.kind == CSA:
                 index_rows = self._compress(self.indexer.compressor, rows["index_frontier"], slots,
                                             slots.index_frontier, arrays, "index_frontier", "index_rows",
-                                            index_rounding(quant_sim))
+                                            _index_rounding(quant_sim))
                 if slots.selecting:
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
         if slots.tokens == 1 or slots.tokens <= FUSED_ROWS and fused_decode_attention(self.head_dim):
@@ -115,7 +116,7 @@ class Attention(nn.Module):
             if self.kind == CSA:
                 index_rows = self._compress_each(self.indexer.compressor, rows["index_frontier"], slots,
                                                  slots.index_write, slots.index_block, arrays, "index_frontier",
-                                                 "index_rows", index_rounding(quant_sim))
+                                                 "index_rows", _index_rounding(quant_sim))
                 if slots.selecting:
                     selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows[slots.own_rows],
                                               slots.visible[:, None])
@@ -203,8 +204,7 @@ class Attention(nn.Module):
         T = qr.shape[0]
         qi = norm_rope(idx.q_b(qr), self.rope, positions, idx.head_dim, shape=(T, idx.n_heads, idx.head_dim),
                        dtype=mx.float32)
-        if quant_sim:
-            qi = hadamard_fp4_sim(qi)
+        qi = _index_rounding(quant_sim)(qi)
         return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
 
     def _top_rows(self, qi, w, index_rows, visible):
@@ -223,3 +223,8 @@ class Attention(nn.Module):
         # whatever rows past the visible ones there are, so a session's rows in a pool choose as it does alone
         return mx.argsort(-scores, axis=-1)[:, : args.index_topk]
 
+
+def _index_rounding(quant_sim):
+    """What the indexer's rows and queries go through before they are used: under `quant_sim` (ds4's) FP4
+    after a Hadamard transform, then float16; the rounding one launch on CUDA for a few tokens."""
+    return (lambda r: fp4_rounding(hadamard(r))) if quant_sim else (lambda r: r)

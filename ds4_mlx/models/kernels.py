@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.cache.geometry import ring_slot, rows_visible, window_reach
-from ds4_mlx.models.numerics import counting, f16_round, fp8_e4m3_sim, reshaped
+from ds4_mlx.models.numerics import counting, f16_round, fp4_e2m1_sim, fp8_e4m3_sim, reshaped
 
 _enabled = os.environ.get("DS4_MLX_KERNELS", "1") != "0"
 _generation = 0
@@ -687,6 +687,70 @@ def kv_rounding(x, width, dtype):
     if not fits or width > D or KV_ROUNDING.backend() is None:
         return kv_rounding_reference(x, width, dtype)
     return KV_ROUNDING.launches["cuda"](x, width, dtype)
+
+
+# The indexer's rows and queries after their Hadamard transform under `quant_sim`: FP4 E2M1 with a
+# power-of-two scale per block of 32, then float16 (`fp4_e2m1_sim`, `f16_round`). As MLX ops it is five
+# launches (the block maxima, the scales, the rounding, the casts); here one, 2 values a lane, with the
+# CUDA functions MLX's ops call and the grid steps summed as `fp4_e2m1_round` sums them (exactly).
+
+
+def fp4_rounding_reference(x):
+    """x float32 [..., n] (n a multiple of 32) -> `f16_round(fp4_e2m1_sim(x))`, float32."""
+    return f16_round(fp4_e2m1_sim(x))
+
+
+_FP4_ROUNDING_CUDA = """
+    const size_t at = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 2;  // 2 values a lane, BLOCK / 2 lanes a block
+    const bool mine = at < (size_t)N;
+    float v[2] = {0.0f, 0.0f};
+    if (mine) { v[0] = x[at]; v[1] = x[at + 1]; }
+    float amax = fmaxf(fabsf(v[0]), fabsf(v[1]));
+    for (int o = BLOCK / 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (!mine) return;
+    const float scale = powf(2.0f, ceilf(log2f(fmaxf(amax, 7.052966e-38f) / 6.0f)));
+    for (int i = 0; i < 2; ++i) {
+        const float c = fminf(fmaxf(v[i] / scale, -6.0f), 6.0f), a = fabsf(c);
+        const float steps = (a > 0.25f ? 0.5f : 0.0f) + (a >= 0.75f ? 0.5f : 0.0f) + (a > 1.25f ? 0.5f : 0.0f)
+                          + (a >= 1.75f ? 0.5f : 0.0f) + (a > 2.5f ? 1.0f : 0.0f) + (a >= 3.5f ? 1.0f : 0.0f)
+                          + (a > 5.0f ? 2.0f : 0.0f);
+        const float sign = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+        y[at + i] = __half2float(__float2half_rn(sign * steps * scale));
+    }
+"""
+
+
+@lru_cache(maxsize=None)
+def _fp4_rounding_kernel():
+    return mx.fast.cuda_kernel(name="ds4_fp4_rounding", input_names=["x"], output_names=["y"],
+                               source=_FP4_ROUNDING_CUDA)
+
+
+def _fp4_rounding_cuda(x):
+    lanes = x.size // 2
+    return _fp4_rounding_kernel()(
+        inputs=[x], template=[("N", x.size), ("BLOCK", min(32, x.shape[-1]))], grid=(-(-lanes // 32) * 32, 1, 1),
+        threadgroup=(min(-(-lanes // 32), 8) * 32, 1, 1), output_shapes=[x.shape], output_dtypes=[mx.float32])[0]
+
+
+def _fp4_rounding_sample():
+    x = _random(3, 4, 128) * mx.array([1e-3, 1.0, 40.0])[:, None, None]
+    return [(x,), (x[:1, :1, :96],), (x[:2, :, :16],)]
+
+
+FP4_ROUNDING = Kernel("fp4_rounding", fp4_rounding_reference, _fp4_rounding_sample, 1e-6)
+FP4_ROUNDING.launches["cuda"] = _fp4_rounding_cuda
+
+
+def fp4_rounding(x):
+    """`fp4_rounding_reference`: one kernel on CUDA for a few tokens' float32 rows of whole blocks
+    (`fp4_e2m1_sim`'s: 32 values, or the row where it is shorter, a power of two from 4 on)."""
+    block = min(32, x.shape[-1])
+    few = x.size <= FEW_ROWS_MAX * 64 * 128  # a few tokens' indexer queries (64 heads of 128)
+    fits = x.dtype == mx.float32 and few and 4 <= block and block & (block - 1) == 0 and x.shape[-1] % block == 0
+    if not fits or FP4_ROUNDING.backend() is None:
+        return fp4_rounding_reference(x)
+    return FP4_ROUNDING.launches["cuda"](x)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,14 +134,9 @@ def f16_round(x):
     return x.astype(mx.float16).astype(x.dtype)
 
 
-def hadamard_fp4_sim(x):
-    x = mx.hadamard_transform(x.astype(mx.float32), scale=1.0 / math.sqrt(x.shape[-1]))
-    return f16_round(fp4_e2m1_sim(x))
-
-
-def index_rounding(quant_sim):
-    """What indexer rows go through before they are stored: FP4 after a Hadamard transform (ds4)."""
-    return hadamard_fp4_sim if quant_sim else (lambda r: r)
+def hadamard(x):
+    """The normalised Hadamard transform, in float32, that precedes the indexer's FP4 rounding (ds4's)."""
+    return mx.hadamard_transform(x.astype(mx.float32), scale=1.0 / math.sqrt(x.shape[-1]))
 
 
 def write_rows(rows, at, values):
