@@ -77,12 +77,12 @@ def model_from_flags(a):
 
         # with --like, expert widths that hold the file's 64-wide groups
         args = tiny_args(moe_intermediate_size=64) if a.like else tiny_args()
-        model = published_model(args, a.like) if a.like else random_model(args, seed=0)
+        model = published_model(args, a.like, quant_sim=a.quant_sim) if a.like else random_model(args, seed=0)
     else:
         overrides = {"n_routed_experts": a.experts} if getattr(a, "experts", None) else {}
         args = ModelArgs(**overrides) if a.full else real_args(a.layers, **overrides)
         if a.like:
-            model = published_model(args, a.like)
+            model = published_model(args, a.like, quant_sim=a.quant_sim)
         else:
             bits = 4 if a.expert_bits is None else a.expert_bits
             model = random_model(args, seed=0, expert_bits=bits or None,
@@ -199,3 +199,6 @@ def like_option(q):
                         "attention projections, shared experts and head 8-bit, HC, compressor, indexer, router "
                         "and embedding float16, experts as the converter keeps IQ2_XXS/Q2_K or Q4_K); without "
                         "it, all but the experts in --dtype")
+    q.add_argument("--quant-sim", action="store_true",
+                   help="with --like, the roundings loading a file applies by default (ds4's FP8 kv rows and FP4 "
+                        "indexer rows); off by default, as the earlier figures were measured")
