@@ -622,7 +622,7 @@ def norm_rope(x, rope, positions, width, norm=None, inverse=False, shape=None, d
 # ---------------------------------------------------------------------------------------------
 # A kv row as the cache stores it under `quant_sim` (ds4's rounding): its first `width` features through
 # FP8 E4M3 with a power-of-two scale per block of 64, then every feature through float16. As MLX ops it is
-# eight launches a row (the block maxima, the scales, the clip, each conversion, the select, the casts);
+# a launch for each step (the block maxima, the scales, the clip, each conversion, the select, the casts);
 # here one warp a block, with the same functions in the same order (MLX's CUDA ops are these calls).
 
 
@@ -690,9 +690,10 @@ def kv_rounding(x, width, dtype):
 
 
 # The indexer's rows and queries after their Hadamard transform under `quant_sim`: FP4 E2M1 with a
-# power-of-two scale per block of 32, then float16 (`fp4_e2m1_sim`, `f16_round`). As MLX ops it is five
-# launches (the block maxima, the scales, the rounding, the casts); here one, 2 values a lane, with the
-# CUDA functions MLX's ops call and the grid steps summed as `fp4_e2m1_round` sums them (exactly).
+# power-of-two scale per block of 32, then float16 (`fp4_e2m1_sim`, `f16_round`). As MLX ops it is a
+# launch for each step (the block maxima, the scales, the rounding, the casts); here one, 2 values a
+# lane, with the CUDA functions MLX's ops call and the grid steps summed as `fp4_e2m1_round` sums them
+# (exactly).
 
 
 def fp4_rounding_reference(x):

@@ -141,8 +141,8 @@ def bench_model(a):
         decode.append(1 / statistics.median(steps))
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
                "experts": model.args.n_routed_experts,
-               "expert_bits": expert_bits(a), "like": a.like, "quant_sim": a.quant_sim, "prompt": a.prompt, "chunk": a.chunk,
-               "layers_per_turn": a.layers_per_turn,
+               "expert_bits": expert_bits(a), "like": a.like, "quant_sim": a.quant_sim, "prompt": a.prompt,
+               "chunk": a.chunk, "layers_per_turn": a.layers_per_turn,
                "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
     return figures
 
@@ -191,8 +191,8 @@ def bench_rewind(a):
               f"max |logit diff| {row['max_logit_diff']:.2e}, session {row['session_mb']:.0f} MB, "
               f"peak {row['peak_gib']:.1f} GiB",
               file=sys.stderr, flush=True)  # progress: the table (or JSON) on stdout comes at the end
-    return {"layers": model.args.num_hidden_layers, "expert_bits": expert_bits(a), "like": a.like, "quant_sim": a.quant_sim,
-            "dtype": a.dtype, "generated": a.generated, "results": rows}
+    return {"layers": model.args.num_hidden_layers, "expert_bits": expert_bits(a), "like": a.like,
+            "quant_sim": a.quant_sim, "dtype": a.dtype, "generated": a.generated, "results": rows}
 
 
 def _bench_rewind_options(q):
@@ -259,7 +259,8 @@ def bench_batch(a):
     verifies = _verify_costs(first, [int(n) for n in a.verify.split(",")] if a.verify else [], a.decode,
                              1000 / one if one else None)
     return {"preset": a.preset, "layers": model.args.num_hidden_layers, "dtype": a.dtype,
-            "expert_bits": expert_bits(a), "like": a.like, "quant_sim": a.quant_sim, "context": context, "results": rows, "verify": verifies}
+            "expert_bits": expert_bits(a), "like": a.like, "quant_sim": a.quant_sim, "context": context,
+            "results": rows, "verify": verifies}
 
 
 def _verify_costs(session, row_counts, repeats, step_ms):

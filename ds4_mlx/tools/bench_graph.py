@@ -160,7 +160,8 @@ def bench_graph(a):
         for kind, n in counts.most_common():
             print(f"    {n:5d}  {kind}", flush=True)
     kinds = Counter(args.layer_type(i) for i in range(args.num_hidden_layers))
-    return {"layers": args.num_hidden_layers, "quant_sim": a.quant_sim, "layer_kinds": ", ".join(f"{k} {n}" for k, n in kinds.items()),
+    return {"layers": args.num_hidden_layers, "quant_sim": a.quant_sim,
+            "layer_kinds": ", ".join(f"{k} {n}" for k, n in kinds.items()),
             "context": a.context, "results": results}
 
 

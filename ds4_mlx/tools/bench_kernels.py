@@ -168,8 +168,8 @@ def bench_kernels(a):
             print(f"    {kind:32s} {v['calls']:7.1f} {v['us'] / 1000:8.3f} ms", file=sys.stderr)
         for t in row["top"]:
             print(f"    {t['calls']:7.1f} {t['us']:9.1f} us  {t['name']}", file=sys.stderr)
-    return {"layers": model.args.num_hidden_layers, "like": a.like, "quant_sim": a.quant_sim, "dtype": a.dtype, "context": a.context,
-            "results": results}
+    return {"layers": model.args.num_hidden_layers, "like": a.like, "quant_sim": a.quant_sim, "dtype": a.dtype,
+            "context": a.context, "results": results}
 
 
 def options(q):

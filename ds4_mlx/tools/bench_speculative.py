@@ -114,7 +114,7 @@ def bench_speculative(a):
                         "accepted_length": sum(lengths) / len(lengths) if lengths else 1.0,
                         "acceptance": sum(r[1].accepted for r in rows) / drafted if drafted else 0.0,
                         "tok_s": tok_s, "plain_tok_s": plain_tok_s, "speedup": tok_s / plain_tok_s})
-    return {"preset": a.preset, "layers": model.args.num_hidden_layers, "like": a.like, "quant_sim": a.quant_sim, "context": context,
-            "decoded": n, "block": a.block, "greedy_identical": identical, "plain_tok_s": plain_tok_s,
-            "results": results,
+    return {"preset": a.preset, "layers": model.args.num_hidden_layers, "like": a.like, "quant_sim": a.quant_sim,
+            "context": context, "decoded": n, "block": a.block, "greedy_identical": identical,
+            "plain_tok_s": plain_tok_s, "results": results,
             "verify_cost": [row | {"context": context} for row in _verify_costs(model, snapshot)]}

@@ -341,8 +341,8 @@ def bench_speed(a):
               f"{row['decode_tok_s']:6.1f} tok/s ({row['decode_ms']:.2f} ms), peak {row['peak_gib']:.1f} GiB"
               + (f", roofline {row['roofline_fraction']:.1%}" if bandwidth else ""), file=sys.stderr, flush=True)
     figures = {"preset": a.preset, "layers": model.args.num_hidden_layers, "hidden": model.args.hidden_size,
-               "experts": model.args.n_routed_experts, "expert_bits": expert_bits(a), "like": a.like, "quant_sim": a.quant_sim,
-               "expert_format": a.expert_format if a.preset == "real" else "affine",
+               "experts": model.args.n_routed_experts, "expert_bits": expert_bits(a), "like": a.like,
+               "quant_sim": a.quant_sim, "expert_format": a.expert_format if a.preset == "real" else "affine",
                "dtype": a.dtype,
                "chunk": a.chunk, "backend": backend() or "cpu", "bandwidth_bytes_s": bandwidth,
                "weight_bytes_per_token": weights, "results": rows}
