@@ -623,7 +623,8 @@ def norm_rope(x, rope, positions, width, norm=None, inverse=False, shape=None, d
 # A kv row as the cache stores it under `quant_sim` (ds4's rounding): its first `width` features through
 # FP8 E4M3 with a power-of-two scale per block of 64, then every feature through float16. As MLX ops it is
 # a launch for each step (the block maxima, the scales, the clip, each conversion, the select, the casts);
-# here one warp a block, with the same functions in the same order (MLX's CUDA ops are these calls).
+# here one launch, 2 values a thread (`block_scale`), the same functions in the same order (MLX's CUDA ops
+# are these calls).
 
 
 def kv_rounding_reference(x, width, dtype):
@@ -631,21 +632,35 @@ def kv_rounding_reference(x, width, dtype):
     return f16_round(fp8_e4m3_sim(x, width=width)).astype(dtype)
 
 
-_KV_ROUNDING_CUDA = """
-    // 64 values a warp, 2 a lane; BLOCK / 2 lanes a block of the FP8 scale (every lane takes part in the
-    // shuffles, those past the end with zeros)
-    const size_t at = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32 * 64 + threadIdx.x % 32 * 2;
-    const bool mine = at < (size_t)ROWS * D;
-    float v[2] = {0.0f, 0.0f};
-    if (mine) { v[0] = static_cast<float>(x[at]); v[1] = static_cast<float>(x[at + 1]); }
+# Shared by the two roundings of cached rows: a thread's two values from x[at] on (zeros past the end) and
+# the power-of-two scale of their block of BLOCK values (BLOCK / 2 lanes; every lane takes part in the
+# shuffles), MLX's `power(2, ceil(log2(max(amax, low) / top)))` with the CUDA functions its ops call.
+_BLOCK_SCALE = """
+template <int BLOCK, typename T>
+__device__ inline float block_scale(const T* x, size_t at, size_t n, float v[2], float low, float top) {
+    v[0] = v[1] = 0.0f;
+    if (at < n) { v[0] = static_cast<float>(x[at]); v[1] = static_cast<float>(x[at + 1]); }
     float amax = fmaxf(fabsf(v[0]), fabsf(v[1]));
     for (int o = BLOCK / 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-    if (!mine) return;
-    if (at % D < WIDTH) {
-        const float scale = powf(2.0f, ceilf(log2f(fmaxf(amax, 1e-4f) / 448.0f)));
+    return powf(2.0f, ceilf(log2f(fmaxf(amax, low) / top)));
+}
+"""
+
+
+def _pairs_launch(size):
+    """grid and threadgroup of a kernel whose threads take two values each of `size`."""
+    warps = -(-size // 64)
+    return (warps * 32, 1, 1), (min(warps, 8) * 32, 1, 1)
+
+
+_KV_ROUNDING_CUDA = """
+    const size_t at = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 2;
+    float v[2];
+    const float scale = block_scale<BLOCK>(x, at, (size_t)ROWS * D, v, 1e-4f, 448.0f);
+    if (at >= (size_t)ROWS * D) return;
+    if (at % D < WIDTH)
         for (int i = 0; i < 2; ++i)
             v[i] = static_cast<float>(__nv_fp8_e4m3(fminf(fmaxf(v[i] / scale, -448.0f), 448.0f))) * scale;
-    }
     for (int i = 0; i < 2; ++i) store(y + at + i, __half2float(__float2half_rn(v[i])));
 """
 
@@ -653,7 +668,7 @@ _KV_ROUNDING_CUDA = """
 @lru_cache(maxsize=None)
 def _kv_rounding_kernel():
     return mx.fast.cuda_kernel(name="ds4_kv_rounding", input_names=["x"], output_names=["y"],
-                               source=_KV_ROUNDING_CUDA, header="#include <cuda_fp8.h>\n" + _LOADS)
+                               source=_KV_ROUNDING_CUDA, header="#include <cuda_fp8.h>\n" + _LOADS + _BLOCK_SCALE)
 
 
 def _kv_block(width):
@@ -662,12 +677,11 @@ def _kv_block(width):
 
 def _kv_rounding_cuda(x, width, dtype):
     T, D = x.shape
-    warps = -(-T * D // 64)
+    grid, threadgroup = _pairs_launch(x.size)
     return _kv_rounding_kernel()(
         inputs=[x], template=[("ROWS", T), ("D", D), ("WIDTH", width), ("BLOCK", _kv_block(width)),
                               *_dtype_keys([x]), ("Y_TYPE", dtype)],
-        grid=(warps * 32, 1, 1), threadgroup=(min(warps, 8) * 32, 1, 1), output_shapes=[x.shape],
-        output_dtypes=[dtype])[0]
+        grid=grid, threadgroup=threadgroup, output_shapes=[x.shape], output_dtypes=[dtype])[0]
 
 
 def _kv_rounding_sample():
@@ -692,8 +706,7 @@ def kv_rounding(x, width, dtype):
 # The indexer's rows and queries after their Hadamard transform under `quant_sim`: FP4 E2M1 with a
 # power-of-two scale per block of 32, then float16 (`fp4_e2m1_sim`, `f16_round`). As MLX ops it is a
 # launch for each step (the block maxima, the scales, the rounding, the casts); here one, 2 values a
-# lane, with the CUDA functions MLX's ops call and the grid steps summed as `fp4_e2m1_round` sums them
-# (exactly).
+# thread (`block_scale`), the grid steps summed as `fp4_e2m1_round` sums them (exactly).
 
 
 def fp4_rounding_reference(x):
@@ -702,14 +715,10 @@ def fp4_rounding_reference(x):
 
 
 _FP4_ROUNDING_CUDA = """
-    const size_t at = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 2;  // 2 values a lane, BLOCK / 2 lanes a block
-    const bool mine = at < (size_t)N;
-    float v[2] = {0.0f, 0.0f};
-    if (mine) { v[0] = x[at]; v[1] = x[at + 1]; }
-    float amax = fmaxf(fabsf(v[0]), fabsf(v[1]));
-    for (int o = BLOCK / 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-    if (!mine) return;
-    const float scale = powf(2.0f, ceilf(log2f(fmaxf(amax, 7.052966e-38f) / 6.0f)));
+    const size_t at = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 2;
+    float v[2];
+    const float scale = block_scale<BLOCK>(x, at, N, v, 7.052966e-38f, 6.0f);
+    if (at >= (size_t)N) return;
     for (int i = 0; i < 2; ++i) {
         const float c = fminf(fmaxf(v[i] / scale, -6.0f), 6.0f), a = fabsf(c);
         const float steps = (a > 0.25f ? 0.5f : 0.0f) + (a >= 0.75f ? 0.5f : 0.0f) + (a > 1.25f ? 0.5f : 0.0f)
@@ -724,14 +733,14 @@ _FP4_ROUNDING_CUDA = """
 @lru_cache(maxsize=None)
 def _fp4_rounding_kernel():
     return mx.fast.cuda_kernel(name="ds4_fp4_rounding", input_names=["x"], output_names=["y"],
-                               source=_FP4_ROUNDING_CUDA)
+                               source=_FP4_ROUNDING_CUDA, header=_BLOCK_SCALE)
 
 
 def _fp4_rounding_cuda(x):
-    lanes = x.size // 2
+    grid, threadgroup = _pairs_launch(x.size)
     return _fp4_rounding_kernel()(
-        inputs=[x], template=[("N", x.size), ("BLOCK", min(32, x.shape[-1]))], grid=(-(-lanes // 32) * 32, 1, 1),
-        threadgroup=(min(-(-lanes // 32), 8) * 32, 1, 1), output_shapes=[x.shape], output_dtypes=[mx.float32])[0]
+        inputs=[x], template=[("N", x.size), ("BLOCK", min(32, x.shape[-1]))], grid=grid, threadgroup=threadgroup,
+        output_shapes=[x.shape], output_dtypes=[mx.float32])[0]
 
 
 def _fp4_rounding_sample():
