@@ -98,9 +98,8 @@ def held_transposed(module, weights):
 
 
 def file_weights(module):
-    """`module`'s parameters by name laid out as a file holds them: `held_transposed`'s inverse."""
-    names = transposed_weights(module)
-    return {name: w.T if name in names else w for name, w in tree_flatten(module.parameters())}
+    """`module`'s parameters by name laid out as a file holds them (a transposition is its own inverse)."""
+    return held_transposed(module, dict(tree_flatten(module.parameters())))
 
 
 class QuantizedLinear(nn.QuantizedLinear):
