@@ -1,15 +1,11 @@
-"""Numerics shared by the layers: RMS norm, rotary embeddings (YaRN), the rounding of cached rows to the
-formats ds4 stores them in (FP8, FP4, float16), and writing rows into a cache array."""
+"""Numerics shared by the layers: rotary embeddings (YaRN), the rounding of cached rows to the formats ds4
+stores them in (FP8, FP4, float16), and writing rows into a cache array."""
 
 import math
 from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
-
-
-def rms_norm(x, weight, eps):
-    return mx.fast.rms_norm(x, weight, eps)
 
 
 def reshaped(x, *shape):
