@@ -124,6 +124,7 @@ def bench_graph(a):
     """Nodes of each step's graph (a decoded token, a pooled step of B streams, a verify of K rows) on the
     CUDA path, by kind, for a model of every layer kind at widths that hold the q2 layout's blocks
     (`--like q2`, native experts)."""
+    from ds4_mlx.models.args import ModelArgs
     from ds4_mlx.session import Session
     from ds4_mlx.tools.bench_kernels import forks
     from ds4_mlx.tools.random_model import published_model
@@ -131,9 +132,10 @@ def bench_graph(a):
 
     args = tiny_args(hidden_size=256, moe_intermediate_size=256)
     if a.full:  # the real model's layers and their kinds, the heavy ratio at the tiny model's
-        heavy = args.compress_ratios[3]
-        args = tiny_args(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=43,
-                         compress_ratios=[0, 0] + [4, heavy] * 20 + [4])
+        real, heavy = ModelArgs(), args.compress_ratios[3]
+        args = tiny_args(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=real.num_hidden_layers,
+                         compress_ratios=[r if r in (0, 4) else heavy for r in real.compress_ratios],
+                         num_hash_layers=real.num_hash_layers)
     model = published_model(args, "q2", native=True, quant_sim=a.quant_sim)
     model.cast(mx.bfloat16)
     rng = np.random.default_rng(0)
@@ -173,5 +175,5 @@ def options(q):
                    "verify:K (K drafted rows on one session, logits at every row)")
     q.add_argument("--quant-sim", action="store_true", help="ds4's roundings of the cached rows (FP8 kv rows, FP4 "
                    "index rows), as loading a file gives by default")
-    q.add_argument("--full", action="store_true", help="the real model's 43 layers and their kinds (window, "
-                   "ratio 4, the heavy ratio), 3 hash layers, at the tiny model's widths")
+    q.add_argument("--full", action="store_true", help="the real model's layers, their kinds (window, ratio 4, "
+                   "the heavy ratio) and hash layers, at the tiny model's widths")
