@@ -815,28 +815,32 @@ def _few_rows_case(rows, groups, out, inp, dtype, seed=None):
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("groups,out,inp", [(1, 1024, 4096), (8, 1024, 4096), (1, 4096, 2048)])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_few_rows_kernel_matches_dequantized_product(groups, out, inp, dtype):
     """The 8-bit product of a few rows against float64 products of MLX's own dequantization, and each row
-    the same bits whatever the number of rows beside it (a decoded token, a verify, a batched step)."""
+    the same bits whatever the number of rows beside it (a decoded token, a verify, a batched step; 16-bit
+    x on tensor cores, 8 rows a tile), and wherever x starts (a view off a 16-byte word)."""
     import numpy as np
 
     x, w, scales, biases = _few_rows_case(16, groups, out, inp, dtype)
     with mx.stream(mx.cpu):
         weights = np.array(mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), 32, 8), np.float64)
     want = np.einsum("mgk,gok->mgo", np.array(x.astype(mx.float32), np.float64), weights)
-    for rows in (1, 6, 16):
+    for rows in (16, 1, 6, 8, 9):
         got = on_cuda(kernels.few_rows, x[:rows], w, scales, biases, 32, 8, "affine")
         assert got.shape == (rows, groups, out) and got.dtype == dtype
         tolerance = 1e-5 if dtype == mx.float32 else 1e-2
         assert np.abs(np.array(got.astype(mx.float32)) - want[:rows]).max() <= tolerance * np.abs(want).max()
-        if rows == 1:
-            first = np.array(got.astype(mx.float32))
+        if rows == 16:
+            every = np.array(got.astype(mx.float32))
         else:
-            assert (np.array(got[:1].astype(mx.float32)) == first).all()
+            assert (np.array(got.astype(mx.float32)) == every[:rows]).all()
         if groups == 1:  # one map as a layer holds it, x as a decoded token's rows: the same bits, no views
             flat = on_cuda(kernels.few_rows, x[:rows, 0], w[0], scales[0], biases[0], 32, 8, "affine")
             assert flat.shape == (rows, out) and mx.array_equal(flat, got[:, 0]).item()
+    shifted = mx.concatenate([mx.zeros((1,), dtype), x[:6].reshape(-1)])[1:].reshape(6, groups, inp)
+    got = on_cuda(kernels.few_rows, shifted, w, scales, biases, 32, 8, "affine")
+    assert (np.array(got.astype(mx.float32)) == every[:6]).all()
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")

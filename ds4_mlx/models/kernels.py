@@ -1458,6 +1458,50 @@ __device__ inline float small_int(uint32_t bytes) {
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(bits) : "r"(bytes), "r"(0x4B000000u), "n"(0x7440 | J));
     return __int_as_float(bits) - 8388608.0f;
 }
+
+// Tensor-core helpers for bfloat16 and float16 x, overloaded on x's pointer type: two codes (bytes J * 2 and
+// J * 2 + 1 of a word) as x's type (every integer to 255 is exact in both), a pair of ones, and the
+// m16n8k16 product c += a b with float32 sums (sm_80 and later).
+template <int J>
+__device__ inline uint32_t code_pair(const __nv_bfloat16*, uint32_t bytes) {
+    // the codes as float32 integers hold no bits below bfloat16's: their top halves are the pair
+    const uint32_t low = __float_as_uint(small_int<2 * J>(bytes)), high = __float_as_uint(small_int<2 * J + 1>(bytes));
+    uint32_t pair;
+    asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(pair) : "r"(low), "r"(high));
+    return pair;
+}
+
+template <int J>
+__device__ inline uint32_t code_pair(const __half*, uint32_t bytes) {
+    uint32_t pair;  // each code as the low bits of 1024's mantissa, then 1024 taken away
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pair) : "r"(bytes), "r"(0x64646464u), "n"(0x4040 | (2 * J + 1) << 8 | 2 * J));
+    asm("sub.f16x2 %0, %0, %1;" : "+r"(pair) : "r"(0x64006400u));
+    return pair;
+}
+
+__device__ inline uint32_t one_pair(const __nv_bfloat16*) { return 0x3F803F80u; }
+__device__ inline uint32_t one_pair(const __half*) { return 0x3C003C00u; }
+
+__device__ inline void mma_16816(const __nv_bfloat16*, float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ inline void mma_16816(const __half*, float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Eight 16-bit values from p as one word (`aligned`: p on 16 bytes; a row-contiguous view may start off one)
+template <typename T>
+__device__ inline uint4 eight_values(const T* p, bool aligned) {
+    if (aligned) return *reinterpret_cast<const uint4*>(p);
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    return make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16, h[4] | (uint32_t)h[5] << 16,
+                      h[6] | (uint32_t)h[7] << 16);
+}
 """
 
 
@@ -1788,29 +1832,40 @@ def gguf_dequantize(w, codec):
 # 8-bit affine products of a few rows (a decoded token, a verify, a batched step): the attention
 # projections, the grouped output projection, the shared expert and the head of the published files (Q8_0).
 # MLX's quantized product re-reads the weight for each row past the first and takes a tensor-core kernel
-# from a few rows on. Here a block takes R output rows; its threads split the input in 16-wide chunks,
-# read each row's 16 codes as one word and x as 16-byte words, and apply the codes to every row of x. A
-# row's sums follow the chunks a thread takes (a function of K alone), then a fixed warp and block
-# reduction: its bits do not depend on the rows beside it. `G` groups: output row n reads x's group
-# n / (N / G) (the grouped map). The result is stored in x's dtype.
+# from a few rows on. Here a block takes R output rows and its warps split the input; a row's sums follow
+# the spans a thread takes (a function of K alone), then a fixed warp and block reduction: its bits do not
+# depend on the rows beside it. `G` groups: output row n reads x's group n / (N / G) (the grouped map). The
+# result is stored in x's dtype.
+# Two bodies compute the block's sums. float32 x (the exact mode): threads split the input in 16-wide
+# chunks, read each row's 16 codes as one word and apply them to every row of x in float32. bfloat16 and
+# float16 x: tensor cores (the body below), where the float32 body spends a multiply-add a row on each weight
+# and is no longer memory bound from a few rows on.
 # Two variants save a launch each: GLU reads a second map (the shared expert's up beside its gate; a block's
 # last R / 2 rows are the up map's) and writes the clamped SwiGLU of the two products; ADD writes
 # `addend` plus the product rounded to the output dtype, as the plain sum of the two rounds.
-_FEW_ROWS_CUDA = """
-    constexpr int NG = N / G, CHUNKS = K / 16, OUT_R = GLU ? R / 2 : R;
+_FEW_ROWS_HEAD = """
+    constexpr int NG = N / G, OUT_R = GLU ? R / 2 : R;
     __shared__ float partial[WARPS][R * M];
     // PAIR: the blocks past the first map's rows take the second map's (its own arrays and output)
     const bool second_map = PAIR && blockIdx.x * OUT_R >= N;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, out0 = blockIdx.x * OUT_R - (second_map ? N : 0);
     const int g = G == 1 ? 0 : out0 / NG;  // OUT_R divides NG: the block's rows share a group
+    // block row r: the first map's row out0 + r, or (GLU) the up map's row out0 + r - OUT_R
+    auto map_row = [&](int r, bool& second) {
+        second = GLU && r >= OUT_R || second_map;
+        return (size_t)out0 + (GLU && r >= OUT_R ? r - OUT_R : r);
+    };
+"""
+_FEW_ROWS_FLOAT = """
+    constexpr int CHUNKS = K / 16;
     float acc[R][M];
     for (int r = 0; r < R; ++r) for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
     for (int c = threadIdx.x; c < CHUNKS; c += 32 * WARPS) {
         const int k0 = c * 16;
         float wf[R][16], scale[R], bias[R];
         for (int r = 0; r < R; ++r) {
-            const bool second = GLU && r >= OUT_R || second_map;
-            const size_t row = out0 + (GLU && r >= OUT_R ? r - OUT_R : r);
+            bool second;
+            const size_t row = map_row(r, second);
             const uint4 codes = reinterpret_cast<const uint4*>((second ? UP_W : w) + row * (K / 4))[c];
             const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
             for (int j = 0; j < 16; ++j) wf[r][j] = (float)((words[j / 4] >> (8 * (j % 4))) & 0xFF);
@@ -1834,6 +1889,70 @@ _FEW_ROWS_CUDA = """
             for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
             if (lane == 0) partial[warp][r * M + m] = v;
         }
+"""
+# The tensor-core body: a warp's A operand is the block's 16 rows of codes as exact integers, B up to 8 rows
+# of x a tile (a row of x is always the same column of the same tile), over spans of 32 inputs, U spans a
+# step for loads in flight. A thread reads 8 codes of a row and the 8 values of x beside them, so that both
+# operands permute a span's inputs alike and a span stays in one quantization group: a span's sums of q * x
+# and of x (the latter by a product with ones) are scaled into the running sums with the group's scale and
+# bias. U and the warps are functions of K alone.
+_FEW_ROWS_MMA = """
+    static_assert(R == 16 && GS % 32 == 0 && K % (32 * U) == 0, "a tile of 16 rows, spans of 32 in a group");
+    constexpr int SPANS = K / 32, TILES = (M + 7) / 8;
+    const int row8 = lane / 4, quad = lane % 4;  // the fragments' groupID and threadID_in_group
+    bool second_lo, second_hi;
+    const size_t row_lo = map_row(row8, second_lo), row_hi = map_row(row8 + 8, second_hi);
+    const uint8_t* codes_lo = reinterpret_cast<const uint8_t*>((second_lo ? UP_W : w) + row_lo * (K / 4)) + 8 * quad;
+    const uint8_t* codes_hi = reinterpret_cast<const uint8_t*>((second_hi ? UP_W : w) + row_hi * (K / 4)) + 8 * quad;
+    const auto* scales_lo = (second_lo ? UP_SCALES : scales) + row_lo * (K / GS);
+    const auto* scales_hi = (second_hi ? UP_SCALES : scales) + row_hi * (K / GS);
+    const auto* biases_lo = (second_lo ? UP_BIASES : biases) + row_lo * (K / GS);
+    const auto* biases_hi = (second_hi ? UP_BIASES : biases) + row_hi * (K / GS);
+    const bool x_words = reinterpret_cast<unsigned long long>(x) % 16 == 0;
+    const uint32_t ones[4] = {one_pair(x), one_pair(x), one_pair(x), one_pair(x)};
+    float acc[TILES][4];
+    for (int t = 0; t < TILES; ++t) for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
+    for (int s0 = warp * U; s0 < SPANS; s0 += WARPS * U) {
+        uint2 lo[U], hi[U];
+        uint4 xs[U][TILES];
+        for (int u = 0; u < U; ++u) {
+            lo[u] = *reinterpret_cast<const uint2*>(codes_lo + (s0 + u) * 32);
+            hi[u] = *reinterpret_cast<const uint2*>(codes_hi + (s0 + u) * 32);
+            for (int t = 0; t < TILES; ++t) {
+                const int m = t * 8 + row8;
+                xs[u][t] = m < M ? eight_values(x + ((size_t)m * G + g) * K + (s0 + u) * 32 + 8 * quad, x_words)
+                                 : make_uint4(0, 0, 0, 0);
+            }
+        }
+        for (int u = 0; u < U; ++u) {
+            const int group = (s0 + u) * 32 / GS;
+            const float s_lo = static_cast<float>(scales_lo[group]), s_hi = static_cast<float>(scales_hi[group]);
+            const float b_lo = static_cast<float>(biases_lo[group]), b_hi = static_cast<float>(biases_hi[group]);
+            // A for the span's two k-tiles: bytes 0, 1 of each word at k 2 quad, 2 quad + 1, bytes 2, 3 at 8 more
+            const uint32_t a0[4] = {code_pair<0>(x, lo[u].x), code_pair<0>(x, hi[u].x),
+                                    code_pair<1>(x, lo[u].x), code_pair<1>(x, hi[u].x)};
+            const uint32_t a1[4] = {code_pair<0>(x, lo[u].y), code_pair<0>(x, hi[u].y),
+                                    code_pair<1>(x, lo[u].y), code_pair<1>(x, hi[u].y)};
+            for (int t = 0; t < TILES; ++t) {
+                float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f}, total[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_16816(x, dot, a0, xs[u][t].x, xs[u][t].y);
+                mma_16816(x, dot, a1, xs[u][t].z, xs[u][t].w);
+                mma_16816(x, total, ones, xs[u][t].x, xs[u][t].y);
+                mma_16816(x, total, ones, xs[u][t].z, xs[u][t].w);
+                acc[t][0] += s_lo * dot[0] + b_lo * total[0];
+                acc[t][1] += s_lo * dot[1] + b_lo * total[1];
+                acc[t][2] += s_hi * dot[2] + b_hi * total[2];
+                acc[t][3] += s_hi * dot[3] + b_hi * total[3];
+            }
+        }
+    }
+    for (int t = 0; t < TILES; ++t)  // accumulator i: block row row8 + 8 (i / 2), x row 8 t + 2 quad + i % 2
+        for (int i = 0; i < 4; ++i) {
+            const int m = t * 8 + 2 * quad + i % 2;
+            if (m < M) partial[warp][(row8 + 8 * (i / 2)) * M + m] = acc[t][i];
+        }
+"""
+_FEW_ROWS_TAIL = """
     __syncthreads();
     for (int i = threadIdx.x; i < OUT_R * M; i += 32 * WARPS) {
         const size_t at = (size_t)(i % M) * (second_map ? N2 : N) + out0 + i / M;
@@ -1858,7 +1977,7 @@ _FEW_ROWS_VARIANTS = {  # variant -> (extra inputs, defines)
 
 
 @lru_cache(maxsize=None)
-def _few_rows_kernel(variant="plain", limit=0.0):
+def _few_rows_kernel(variant="plain", limit=0.0, tensor_cores=False):
     extra, defines = _FEW_ROWS_VARIANTS[variant]
     up = "up_" if variant in ("glu", "pair") else ""  # the second map's arrays: the first's, where there is none
     defines += f"#define UP_W {up}w\n#define UP_SCALES {up}scales\n#define UP_BIASES {up}biases\n"
@@ -1866,12 +1985,13 @@ def _few_rows_kernel(variant="plain", limit=0.0):
         defines += "#define addend y\n"
     if variant != "pair":
         defines += "#define y2 y\n#define N2 N\n"
-    name = "ds4_few_rows_q8" + ("" if variant == "plain" else f"_{variant}") + (
+    name = "ds4_few_rows_q8" + ("_mma" if tensor_cores else "") + ("" if variant == "plain" else f"_{variant}") + (
         f"_{abs(hash(limit))}" if variant == "glu" else "")
+    body = _FEW_ROWS_MMA if tensor_cores else _FEW_ROWS_FLOAT
     return mx.fast.cuda_kernel(name=name, input_names=["x", "w", "scales", "biases"] + extra,
                                output_names=["y", "y2"] if variant == "pair" else ["y"],
-                               source=defines + f"#define LIMIT {float(limit)!r}f\n" + _FEW_ROWS_CUDA,
-                               header=_LOADS)
+                               source=defines + f"#define LIMIT {float(limit)!r}f\n" + _FEW_ROWS_HEAD + body
+                               + _FEW_ROWS_TAIL, header=_LOADS)
 
 
 def few_rows_reference(x, w, scales, biases, group_size):
@@ -1880,28 +2000,47 @@ def few_rows_reference(x, w, scales, biases, group_size):
     return (x.astype(mx.float32).swapaxes(0, 1) @ weights.swapaxes(-1, -2)).swapaxes(0, 1)
 
 
-def _few_rows_launch(variant, x, w, scales, biases, group_size, extra=(), limit=0.0):
+def _few_rows_launch(variant, x, w, scales, biases, group_size, extra=(), limit=0.0, tensor_cores=None):
     """x [M, groups, K] with maps w [groups, out, K / 4] -> [M, groups, out]; or x [M, K] with one map w [out,
     K / 4] -> [M, out] (no views of a layer's arrays: each would be a node of every step's graph). The pair
-    variant: x [M, K] through w and a second map [out2, K / 4] (`extra`) -> ([M, out], [M, out2])."""
+    variant: x [M, K] through w and a second map [out2, K / 4] (`extra`) -> ([M, out], [M, out2]).
+    `tensor_cores`: which body (`_few_rows_tensor_cores` where None)."""
     M, K, G = x.shape[0], x.shape[-1], x.shape[1] if x.ndim == 3 else 1
     N = w.size // w.shape[-1]
     N2 = extra[0].shape[0] if variant == "pair" else 0
-    out_rows = 2 if M > 8 or w.shape[-2] % 4 or N2 % 4 else 4  # output rows a block takes: more share x's
-    # loads, until the registers of M rows run out (a GLU block reads two maps' rows for each)
-    rows = out_rows
-    if variant == "glu":
-        out_rows //= 2
-    warps = min(8, max(1, K // 16 // 64))  # a thread takes a few chunks: a function of K alone (see above)
+    if tensor_cores is None:
+        tensor_cores = _few_rows_tensor_cores(variant, x, K, N // G, N2, group_size)
+    if tensor_cores:
+        rows, span_steps = 16, _span_step(K)
+        warps = min(8, K // 32 // span_steps)  # a function of K alone (see above), as the float body's
+    else:
+        rows = 2 if M > 8 or w.shape[-2] % 4 or N2 % 4 else 4  # output rows a block takes: more share x's
+        # loads, until the registers of M rows run out (a GLU block reads two maps' rows for each)
+        span_steps, warps = 1, min(8, max(1, K // 16 // 64))  # a thread takes a few chunks: a function of K
+    out_rows = rows // 2 if variant == "glu" else rows
     inputs = [x, w, scales, biases, *extra]
     shapes = [(M, G, N // G) if x.ndim == 3 else (M, N)] + ([(M, N2)] if variant == "pair" else [])
-    y = _few_rows_kernel(variant, limit)(
+    y = _few_rows_kernel(variant, limit, tensor_cores)(
         inputs=inputs,
         template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps),
-                  *([("N2", N2)] if variant == "pair" else []), *_dtype_keys(inputs)],
+                  ("U", span_steps), *([("N2", N2)] if variant == "pair" else []), *_dtype_keys(inputs)],
         grid=((N + N2) // out_rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=shapes, output_dtypes=[x.dtype] * len(shapes))
     return tuple(y) if variant == "pair" else y[0]
+
+
+def _few_rows_tensor_cores(variant, x, K, NG, N2, group_size):
+    """Whether the tensor-core body takes a product: 16-bit x, a shape whose blocks of 16 rows and spans of 32
+    inputs tile it (a choice of the shape alone, never of the number of rows), and the body's own self-check
+    passed (`FEW_ROWS_MMA`: every variant's samples are float32, which the other body takes)."""
+    block = 8 if variant == "glu" else 16
+    return (x.dtype in (mx.bfloat16, mx.float16) and group_size % 32 == 0 and K % 32 == 0 and NG % block == 0
+            and N2 % block == 0 and FEW_ROWS_MMA.backend() == "cuda")
+
+
+def _span_step(K):
+    """Spans of 32 inputs a warp's step reads: several loads in flight, where K allows."""
+    return next(u for u in (4, 2, 1) if K // 32 % u == 0)
 
 
 def _quantized(seed, groups, out, inp):
@@ -1915,6 +2054,26 @@ def _few_rows_sample():
 
 FEW_ROWS = Kernel("few_rows_q8", few_rows_reference, _few_rows_sample, 1e-4)
 FEW_ROWS.launches["cuda"] = partial(_few_rows_launch, "plain")
+
+
+def _few_rows_exact_samples():
+    """x in bfloat16 and in float16 through the tensor-core body, every output exact in both (one value of
+    x a row and group, a power of two times codes less 128), so that the output's rounding costs nothing
+    against the definition's float32; two tiles of rows, two groups of maps, spans of two quantization
+    groups."""
+    rows, groups, out, inp = 11, 2, 16, 128
+    rng = np.random.default_rng(5)
+    w = mx.array(rng.integers(0, 256, (groups, out, inp), dtype=np.uint8).view(np.uint32))
+    scales = 2.0 ** -rng.integers(6, 10, (groups, out, inp // 32))
+    x = np.zeros((rows, groups, inp), np.float32)
+    for m in range(rows):
+        x[m, np.arange(groups), rng.integers(0, inp, groups)] = rng.choice([-2.0, -1.0, 1.0, 2.0], groups)
+    scales, biases = mx.array(scales, mx.float16), mx.array(-128 * scales, mx.float16)
+    return [(mx.array(x, dtype), w, scales, biases, 32) for dtype in (mx.bfloat16, mx.float16)]
+
+
+FEW_ROWS_MMA = Kernel("few_rows_q8_tensor_cores", few_rows_reference, _few_rows_exact_samples, 1e-4)
+FEW_ROWS_MMA.launches["cuda"] = partial(_few_rows_launch, "plain", tensor_cores=True)
 
 
 def few_rows_glu_reference(x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases, group_size, limit):
