@@ -154,10 +154,10 @@ def test_graph_stand_ins_do_not_outlive_the_count():
 def test_every_bench_is_listed():
     from ds4_mlx.tools.bench import BENCHES
 
-    assert set(QUICK) | {"load", "distributed", "kernels", "gguf-rows"} == {name for name, _, _ in BENCHES}
+    assert set(QUICK) | {"load", "distributed", "kernels", "gguf-rows", "few-rows"} == {name for name, _, _ in BENCHES}
 
 
-@pytest.mark.parametrize("name", ["kernels", "gguf-rows"])
+@pytest.mark.parametrize("name", ["kernels", "gguf-rows", "few-rows"])
 def test_cuda_benches_say_what_they_need_on_a_cpu(name):
     import subprocess
     import sys
@@ -191,6 +191,25 @@ def test_gguf_rows_bench_says_when_the_kernel_is_off(monkeypatch):
     with pytest.raises(SystemExit, match="kernel is off"):
         bench_kernels.bench_gguf_rows(a)
 
+
+
+@pytest.mark.parametrize("rows", ["0", "17", "1,x"])
+def test_few_rows_bench_refuses_row_counts_the_kernel_does_not_take(capsys, rows):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "few-rows", "--rows", rows])
+    assert done.value.code == 2 and "from 1 to 16" in capsys.readouterr().err
+
+
+def test_few_rows_bench_says_when_the_kernel_is_off(monkeypatch):
+    """With kernels off the launches would not be the kernel's: the bench stops instead."""
+    from ds4_mlx.models import kernels
+    from ds4_mlx.tools import bench_kernels
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "_enabled", False)
+    a = argparse.Namespace(rows=[1], dtype="bfloat16", launches=1, repeats=1)
+    with pytest.raises(SystemExit, match="kernel is off"):
+        bench_kernels.bench_few_rows(a)
 
 @pytest.mark.parametrize("name", list(QUICK))
 def test_stdout_holds_the_figures_alone(capsys, name):

@@ -305,6 +305,7 @@ BENCHES = [
     ("batch", bench_batch, _bench_batch_options),
     ("kernels", bench_kernels.bench_kernels, lambda q: (_model_options(q), bench_kernels.options(q))),
     ("gguf-rows", bench_kernels.bench_gguf_rows, bench_kernels.gguf_rows_options),
+    ("few-rows", bench_kernels.bench_few_rows, bench_kernels.few_rows_options),
     ("graph", bench_graph.bench_graph, bench_graph.options),
     ("distributed", bench_distributed.bench_distributed, bench_distributed.options),
     ("speculative", bench_speculative.bench_speculative, lambda q: (_model_options(q), bench_speculative.options(q))),

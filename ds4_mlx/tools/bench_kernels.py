@@ -226,6 +226,81 @@ def bench_gguf_rows(a):
     return {"dtype": a.dtype, "results": results}
 
 
+# The few-row products of the published layout at real widths: (name, variant, input, output, groups)
+FEW_ROWS_SHAPES = [("q_a", "plain", 4096, 1024, 1), ("q_b", "plain", 1024, 32768, 1), ("kv", "plain", 4096, 512, 1),
+                   ("wo_a (grouped)", "plain", 4096, 8192, 8), ("wo_b", "plain", 1024, 8192, 1),
+                   ("shared gate+up", "glu", 4096, 2048, 1), ("shared down+", "add", 2048, 4096, 1),
+                   ("head", "plain", 4096, 129280, 1)]
+
+
+def bench_few_rows(a):
+    """The 8-bit few-row product alone at real widths (`FEW_ROWS_SHAPES`), each body on the same inputs:
+    float32 sums (the exact mode's, and 16-bit x's before the tensor cores) and tensor cores (16-bit x).
+    The launches cycle through copies of the weight that together outgrow the L2 cache, as a forward's
+    layers do."""
+    from ds4_mlx.models import kernels
+
+    if kernels.backend() != "cuda":
+        raise SystemExit("bench few-rows needs MLX's CUDA build on an NVIDIA GPU")
+    if kernels.FEW_ROWS.backend() is None or kernels.FEW_ROWS_MMA.backend() is None:
+        raise SystemExit("bench few-rows: a few-row kernel is off here (--no-kernels, DS4_MLX_KERNELS=0, or it "
+                         "failed its self-check: see the warning above)")
+    dtype, results = getattr(mx, a.dtype), []
+    bodies = [("float", False)] + ([("tensor cores", True)] if dtype != mx.float32 else [])
+    for name, variant, inp, out, groups in FEW_ROWS_SHAPES:
+        maps = 2 if variant == "glu" else 1
+        copies = max(1, min(128, -(-256 * 2**20 // (maps * out * inp))))
+        weights = [[mx.quantize(0.02 * mx.random.normal((groups, out // groups, inp), key=mx.random.key(c * 2 + i)),
+                                group_size=32, bits=8) for i in range(maps)] for c in range(copies)]
+        weights = [[(w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in c] for c in weights]
+        mx.eval(weights)
+        for rows in a.rows:
+            x = mx.random.normal((rows, groups, inp) if groups > 1 else (rows, inp)).astype(dtype)
+            addend = mx.zeros((rows, out), dtype)
+            mx.eval(x, addend)
+            row = {"product": name, "in": inp, "out": out, "rows": rows}
+            for body, tensor_cores in bodies:
+                def launches(r):
+                    ys = []
+                    for i in range(r * a.launches, (r + 1) * a.launches):
+                        first, *second = weights[i % copies]
+                        w, s, b = first if groups > 1 else (m[0] for m in first)
+                        extra = (addend,) if variant == "add" else tuple(m[0] for m in second[0]) if second else ()
+                        ys.append(kernels._few_rows_launch(variant, x, w, s, b, 32, extra, 2.0, tensor_cores))
+                    return ys
+
+                mx.eval(launches(0))  # warm-up: the kernel compiled
+                times = []
+                for r in range(1, a.repeats + 1):
+                    t = time.perf_counter()
+                    mx.eval(launches(r))
+                    times.append((time.perf_counter() - t) / a.launches)
+                us = statistics.median(times) * 1e6
+                row[f"{body} us"] = round(us, 2)
+                row[f"{body} GB/s"] = round(maps * out * inp * 36 / 32 / (us * 1e-6) / 1e9, 1)
+            results.append(row)
+            print("  ".join(f"{k}: {v}" for k, v in row.items()), file=sys.stderr, flush=True)
+        del weights
+    return {"dtype": a.dtype, "results": results}
+
+
+def _row_counts(text):
+    """--rows: comma-separated row counts the few-row kernels take."""
+    from ds4_mlx.models.kernels import FEW_ROWS_MAX
+
+    counts = [int(r) if r.strip().isdigit() else 0 for r in text.split(",")]
+    if any(not 0 < r <= FEW_ROWS_MAX for r in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each count from 1 to {FEW_ROWS_MAX}")
+    return counts
+
+
+def few_rows_options(q):
+    q.add_argument("--rows", type=_row_counts, default="1,6,8,16", help="rows of x, comma-separated (1-16)")
+    q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="x's dtype")
+    q.add_argument("--launches", type=_positive, default=20, help="launches an evaluation")
+    q.add_argument("--repeats", type=_positive, default=7,
+                   help="timed evaluations a shape (their median is reported)")
+
 def _pair_counts(text):
     """--pairs: comma-separated multiples of 6 (a token's experts share its row of x), as far as the kernel
     applies."""
