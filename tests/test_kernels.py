@@ -844,7 +844,7 @@ def test_few_rows_kernel_matches_dequantized_product(groups, out, inp, dtype):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_few_rows_glu_and_add_match_float64(dtype):
     """The shared expert's two fused forms at real widths: gate and up with the clamped SwiGLU (4096 -> 2048),
     and down plus the routed experts' sum (2048 -> 4096), against float64 over MLX's dequantization; each
@@ -868,21 +868,21 @@ def test_few_rows_glu_and_add_match_float64(dtype):
     want_add = np.array(addend.astype(mx.float32), np.float64)[:, 0] + np.array(
         h.astype(mx.float32), np.float64)[:, 0] @ float64(*down).T
     tolerance = 1e-5 if dtype == mx.float32 else 1e-2
-    for rows in (1, 6, 16):
+    for rows in (16, 1, 6, 9):
         glu = on_cuda(kernels.few_rows_glu, x[:rows], (*gate, 32, 8, "affine"), (*up, 32, 8, "affine"), limit)
         added = on_cuda(lambda *a: kernels.few_rows(*a, addend=addend[:rows]), h[:rows], *down, 32, 8, "affine")
         for got, want in ((glu, want_glu), (added, want_add)):
             assert got.shape == (rows, 1, want.shape[-1]) and got.dtype == dtype
             assert np.abs(np.array(got.astype(mx.float32))[:, 0] - want[:rows]).max() <= tolerance * np.abs(want).max()
-        if rows == 1:
-            first = [np.array(glu.astype(mx.float32)), np.array(added.astype(mx.float32))]
+        if rows == 16:
+            every = [np.array(glu.astype(mx.float32)), np.array(added.astype(mx.float32))]
         else:
-            assert (np.array(glu[:1].astype(mx.float32)) == first[0]).all()
-            assert (np.array(added[:1].astype(mx.float32)) == first[1]).all()
+            assert (np.array(glu.astype(mx.float32)) == every[0][:rows]).all()
+            assert (np.array(added.astype(mx.float32)) == every[1][:rows]).all()
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_few_rows_pair_is_each_product_alone(dtype):
     """Two maps that read the same rows in one launch (the queries' first map, 4096 -> 1024, and the kv
     rows', 4096 -> 512): each output the same bits as its own product, and that against float64."""

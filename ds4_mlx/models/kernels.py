@@ -1899,6 +1899,8 @@ _FEW_ROWS_FLOAT = """
 _FEW_ROWS_MMA = """
     static_assert(R == 16 && GS % 32 == 0 && K % (32 * U) == 0, "a tile of 16 rows, spans of 32 in a group");
     constexpr int SPANS = K / 32, TILES = (M + 7) / 8;
+    constexpr int BATCH = TILES > 1 && U > 1 ? U / 2 : U;  // spans loaded at once: fewer for two tiles of x's
+    // rows (registers), taken in the same order
     const int row8 = lane / 4, quad = lane % 4;  // the fragments' groupID and threadID_in_group
     bool second_lo, second_hi;
     const size_t row_lo = map_row(row8, second_lo), row_hi = map_row(row8 + 8, second_hi);
@@ -1912,22 +1914,33 @@ _FEW_ROWS_MMA = """
     const uint32_t ones[4] = {one_pair(x), one_pair(x), one_pair(x), one_pair(x)};
     float acc[TILES][4];
     for (int t = 0; t < TILES; ++t) for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
-    for (int s0 = warp * U; s0 < SPANS; s0 += WARPS * U) {
-        uint2 lo[U], hi[U];
-        uint4 xs[U][TILES];
-        for (int u = 0; u < U; ++u) {
-            lo[u] = *reinterpret_cast<const uint2*>(codes_lo + (s0 + u) * 32);
-            hi[u] = *reinterpret_cast<const uint2*>(codes_hi + (s0 + u) * 32);
+    for (int s0 = warp * U; s0 < SPANS; s0 += WARPS * U)  // the warp's steps, a step's spans in batches
+    for (int s1 = s0; s1 < s0 + U; s1 += BATCH) {
+        uint2 lo[BATCH], hi[BATCH];
+        uint4 xs[BATCH][TILES];
+        float s_lo[BATCH], s_hi[BATCH], b_lo[BATCH], b_hi[BATCH];  // the spans' groups' scales and biases
+        if (GS == 32) {  // a span a group: the step's in one word each
+            load_floats<BATCH>(scales_lo + s1, s_lo);
+            load_floats<BATCH>(scales_hi + s1, s_hi);
+            load_floats<BATCH>(biases_lo + s1, b_lo);
+            load_floats<BATCH>(biases_hi + s1, b_hi);
+        } else {
+            for (int u = 0; u < BATCH; ++u) {
+                const int group = (s1 + u) * 32 / GS;
+                s_lo[u] = static_cast<float>(scales_lo[group]), s_hi[u] = static_cast<float>(scales_hi[group]);
+                b_lo[u] = static_cast<float>(biases_lo[group]), b_hi[u] = static_cast<float>(biases_hi[group]);
+            }
+        }
+        for (int u = 0; u < BATCH; ++u) {
+            lo[u] = *reinterpret_cast<const uint2*>(codes_lo + (s1 + u) * 32);
+            hi[u] = *reinterpret_cast<const uint2*>(codes_hi + (s1 + u) * 32);
             for (int t = 0; t < TILES; ++t) {
                 const int m = t * 8 + row8;
-                xs[u][t] = m < M ? eight_values(x + ((size_t)m * G + g) * K + (s0 + u) * 32 + 8 * quad, x_words)
+                xs[u][t] = m < M ? eight_values(x + ((size_t)m * G + g) * K + (s1 + u) * 32 + 8 * quad, x_words)
                                  : make_uint4(0, 0, 0, 0);
             }
         }
-        for (int u = 0; u < U; ++u) {
-            const int group = (s0 + u) * 32 / GS;
-            const float s_lo = static_cast<float>(scales_lo[group]), s_hi = static_cast<float>(scales_hi[group]);
-            const float b_lo = static_cast<float>(biases_lo[group]), b_hi = static_cast<float>(biases_hi[group]);
+        for (int u = 0; u < BATCH; ++u) {
             // A for the span's two k-tiles: bytes 0, 1 of each word at k 2 quad, 2 quad + 1, bytes 2, 3 at 8 more
             const uint32_t a0[4] = {code_pair<0>(x, lo[u].x), code_pair<0>(x, hi[u].x),
                                     code_pair<1>(x, lo[u].x), code_pair<1>(x, hi[u].x)};
@@ -1939,10 +1952,10 @@ _FEW_ROWS_MMA = """
                 mma_16816(x, dot, a1, xs[u][t].z, xs[u][t].w);
                 mma_16816(x, total, ones, xs[u][t].x, xs[u][t].y);
                 mma_16816(x, total, ones, xs[u][t].z, xs[u][t].w);
-                acc[t][0] += s_lo * dot[0] + b_lo * total[0];
-                acc[t][1] += s_lo * dot[1] + b_lo * total[1];
-                acc[t][2] += s_hi * dot[2] + b_hi * total[2];
-                acc[t][3] += s_hi * dot[3] + b_hi * total[3];
+                acc[t][0] += s_lo[u] * dot[0] + b_lo[u] * total[0];
+                acc[t][1] += s_lo[u] * dot[1] + b_lo[u] * total[1];
+                acc[t][2] += s_hi[u] * dot[2] + b_hi[u] * total[2];
+                acc[t][3] += s_hi[u] * dot[3] + b_hi[u] * total[3];
             }
         }
     }
