@@ -1424,6 +1424,21 @@ __device__ inline void load_floats(const T* p, float* v) {
 }
 
 template <typename T>
+T pointee(const T*);  // the type p points to, as decltype(pointee(p))
+
+// COUNT values from p as they are, on a word where p is on one: held as loaded, converted where used
+template <int COUNT, typename T>
+__device__ inline void load_values(const T* p, T* v) {
+    constexpr int BYTES = COUNT * sizeof(T) < 16 ? COUNT * sizeof(T) : 16, PER = BYTES / sizeof(T);
+    using W = typename Word<BYTES>::type;
+    if (reinterpret_cast<unsigned long long>(p) % BYTES) {
+        for (int j = 0; j < COUNT; ++j) v[j] = p[j];
+        return;
+    }
+    for (int i = 0; i < COUNT / PER; ++i) reinterpret_cast<W*>(v)[i] = reinterpret_cast<const W*>(p)[i];
+}
+
+template <typename T>
 __device__ inline void store(T* p, float v) { *p = static_cast<T>(v); }
 
 template <typename T>
@@ -1918,17 +1933,17 @@ _FEW_ROWS_MMA = """
     for (int s1 = s0; s1 < s0 + U; s1 += BATCH) {
         uint2 lo[BATCH], hi[BATCH];
         uint4 xs[BATCH][TILES];
-        float s_lo[BATCH], s_hi[BATCH], b_lo[BATCH], b_hi[BATCH];  // the spans' groups' scales and biases
+        using Scale = decltype(pointee(scales_lo));
+        alignas(16) Scale s_lo[BATCH], s_hi[BATCH], b_lo[BATCH], b_hi[BATCH];  // the spans' groups' scales, biases
         if (GS == 32) {  // a span a group: the step's in one word each
-            load_floats<BATCH>(scales_lo + s1, s_lo);
-            load_floats<BATCH>(scales_hi + s1, s_hi);
-            load_floats<BATCH>(biases_lo + s1, b_lo);
-            load_floats<BATCH>(biases_hi + s1, b_hi);
+            load_values<BATCH>(scales_lo + s1, s_lo);
+            load_values<BATCH>(scales_hi + s1, s_hi);
+            load_values<BATCH>(biases_lo + s1, b_lo);
+            load_values<BATCH>(biases_hi + s1, b_hi);
         } else {
             for (int u = 0; u < BATCH; ++u) {
                 const int group = (s1 + u) * 32 / GS;
-                s_lo[u] = static_cast<float>(scales_lo[group]), s_hi[u] = static_cast<float>(scales_hi[group]);
-                b_lo[u] = static_cast<float>(biases_lo[group]), b_hi[u] = static_cast<float>(biases_hi[group]);
+                s_lo[u] = scales_lo[group], s_hi[u] = scales_hi[group], b_lo[u] = biases_lo[group], b_hi[u] = biases_hi[group];
             }
         }
         for (int u = 0; u < BATCH; ++u) {
@@ -1952,10 +1967,12 @@ _FEW_ROWS_MMA = """
                 mma_16816(x, dot, a1, xs[u][t].z, xs[u][t].w);
                 mma_16816(x, total, ones, xs[u][t].x, xs[u][t].y);
                 mma_16816(x, total, ones, xs[u][t].z, xs[u][t].w);
-                acc[t][0] += s_lo[u] * dot[0] + b_lo[u] * total[0];
-                acc[t][1] += s_lo[u] * dot[1] + b_lo[u] * total[1];
-                acc[t][2] += s_hi[u] * dot[2] + b_hi[u] * total[2];
-                acc[t][3] += s_hi[u] * dot[3] + b_hi[u] * total[3];
+                const float sl = static_cast<float>(s_lo[u]), sh = static_cast<float>(s_hi[u]);
+                const float bl = static_cast<float>(b_lo[u]), bh = static_cast<float>(b_hi[u]);
+                acc[t][0] += sl * dot[0] + bl * total[0];
+                acc[t][1] += sl * dot[1] + bl * total[1];
+                acc[t][2] += sh * dot[2] + bh * total[2];
+                acc[t][3] += sh * dot[3] + bh * total[3];
             }
         }
     }
