@@ -904,6 +904,20 @@ def test_few_rows_pair_is_each_product_alone(dtype):
         assert np.abs(np.array(a.astype(mx.float32)) - want).max() <= tolerance * np.abs(want).max()
 
 
+
+def test_few_rows_tensor_core_samples_are_exact():
+    """The tensor-core body's self-check allows 1e-4 of the largest output, less than its output's rounding to
+    bfloat16: each sample's products, in float64 over the codes as bytes, are exact in x's dtype and are
+    what the definition gives."""
+    import numpy as np
+
+    for x, w, scales, biases, group_size in kernels._few_rows_exact_samples():
+        codes = np.array(w).view(np.uint8).astype(np.float64)
+        affine = [np.repeat(np.array(a.astype(mx.float32), np.float64), group_size, -1) for a in (scales, biases)]
+        want = np.einsum("mgk,gok->mgo", np.array(x.astype(mx.float32), np.float64), codes * affine[0] + affine[1])
+        assert (np.array(mx.array(want.astype(np.float32)).astype(x.dtype).astype(mx.float32)) == want).all()
+        assert (np.array(kernels.few_rows_reference(x, w, scales, biases, group_size)) == want).all()
+
 def test_few_rows_definition_matches_quantized_matmul():
     """The kernel's definition, on any device, against mx.quantized_matmul; no kernel on the CPU."""
     import numpy as np

@@ -2090,16 +2090,19 @@ def _few_rows_exact_samples():
     """x in bfloat16 and in float16 through the tensor-core body, every output exact in both (one value of
     x a row and group, a power of two times codes less 128), so that the output's rounding costs nothing
     against the definition's float32; two tiles of rows, two groups of maps, spans of two quantization
-    groups."""
+    groups of 32, and of one of 64."""
     rows, groups, out, inp = 11, 2, 16, 128
     rng = np.random.default_rng(5)
     w = mx.array(rng.integers(0, 256, (groups, out, inp), dtype=np.uint8).view(np.uint32))
-    scales = 2.0 ** -rng.integers(6, 10, (groups, out, inp // 32))
     x = np.zeros((rows, groups, inp), np.float32)
     for m in range(rows):
         x[m, np.arange(groups), rng.integers(0, inp, groups)] = rng.choice([-2.0, -1.0, 1.0, 2.0], groups)
-    scales, biases = mx.array(scales, mx.float16), mx.array(-128 * scales, mx.float16)
-    return [(mx.array(x, dtype), w, scales, biases, 32) for dtype in (mx.bfloat16, mx.float16)]
+    samples = []
+    for dtype, group_size in ((mx.bfloat16, 32), (mx.float16, 32), (mx.bfloat16, 64)):
+        scales = 2.0 ** -rng.integers(6, 10, (groups, out, inp // group_size))
+        samples.append((mx.array(x, dtype), w, mx.array(scales, mx.float16), mx.array(-128 * scales, mx.float16),
+                        group_size))
+    return samples
 
 
 FEW_ROWS_MMA = Kernel("few_rows_q8_tensor_cores", few_rows_reference, _few_rows_exact_samples, 1e-4)
