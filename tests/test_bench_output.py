@@ -192,7 +192,6 @@ def test_gguf_rows_bench_says_when_the_kernel_is_off(monkeypatch):
         bench_kernels.bench_gguf_rows(a)
 
 
-
 @pytest.mark.parametrize("rows", ["0", "17", "1,x"])
 def test_few_rows_bench_refuses_row_counts_the_kernel_does_not_take(capsys, rows):
     with pytest.raises(SystemExit) as done:
@@ -210,6 +209,25 @@ def test_few_rows_bench_says_when_the_kernel_is_off(monkeypatch):
     a = argparse.Namespace(rows=[1], dtype="bfloat16", launches=1, repeats=1)
     with pytest.raises(SystemExit, match="kernel is off"):
         bench_kernels.bench_few_rows(a)
+
+
+def test_kernel_names_keep_their_template_arguments_and_lose_their_parameters():
+    """MLX's kernels of one name differ by their template arguments (two gathers of a verify): the profile
+    keeps them apart."""
+    from ds4_mlx.tools.bench_kernels import _short
+
+    gather = "void mlx::core::cu::gather<float, unsigned int, 2, 1, int>(float const*, float*, int)"
+    assert _short(gather) == "void mlx::core::cu::gather<float, unsigned int, 2, 1, int>"
+    anonymous = "void (anonymous namespace)::softmax<float,\n 256>(float const*, float*)"
+    assert _short(anonymous) == "void (anonymous namespace)::softmax<float, 256>"
+    assert _short("k" * 150) == "k" * 99 + "~"
+
+
+def test_kernels_bench_refuses_a_negative_count_to_list(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "kernels", "--top", "-1"])
+    assert done.value.code == 2 and "0 or more" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("name", list(QUICK))
 def test_stdout_holds_the_figures_alone(capsys, name):

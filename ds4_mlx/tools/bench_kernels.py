@@ -43,8 +43,11 @@ def _kind(name):
     return "other"
 
 
-def _short(name, width=70):
-    name = re.sub(r"<.*", "", name)  # template arguments
+def _short(name, width=100):
+    """A kernel's name without its parameter list; its template arguments stay (they tell MLX's kernels of
+    one name apart: a gather's element type and dimensions)."""
+    name = name.replace("(anonymous namespace)", "{anonymous}").split("(")[0]
+    name = " ".join(name.replace("{anonymous}", "(anonymous namespace)").split())
     return name if len(name) <= width else name[: width - 1] + "~"
 
 
@@ -121,7 +124,7 @@ def _host_times(step, repeats):
     return {"host_ms": statistics.median(host) * 1000, "step_ms": statistics.median(total) * 1000}
 
 
-def _kernels(step, repeats):
+def _kernels(step, repeats, top):
     import torch.profiler as tp
 
     with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
@@ -140,11 +143,11 @@ def _kernels(step, repeats):
         kinds[_kind(name)][0] += calls
         kinds[_kind(name)][1] += us
     per = lambda calls, us: {"calls": calls / repeats, "us": us / repeats}
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    listed = sorted(by_name.items(), key=lambda kv: -kv[1][1])[: top or None]
     return {"kernels": sum(c for c, _ in by_name.values()) / repeats,
             "gpu_ms": sum(u for _, u in by_name.values()) / repeats / 1000,
             "kinds": {k: per(*v) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
-            "top": [{"name": _short(n), "kind": _kind(n), **per(*v)} for n, v in top]}
+            "top": [{"name": _short(n), "kind": _kind(n), **per(*v)} for n, v in listed]}
 
 
 def bench_kernels(a):
@@ -160,7 +163,7 @@ def bench_kernels(a):
             out, settle = step()
             mx.eval(out)
             settle()
-        row = {"shape": label, **_host_times(step, a.repeats), **_kernels(step, a.repeats)}
+        row = {"shape": label, **_host_times(step, a.repeats), **_kernels(step, a.repeats, a.top)}
         results.append(row)
         print(f"{label}: {row['step_ms']:.2f} ms a step (host {row['host_ms']:.2f}), "
               f"{row['kernels']:.0f} kernels, {row['gpu_ms']:.2f} ms of GPU time", file=sys.stderr, flush=True)
@@ -177,6 +180,7 @@ def options(q):
     q.add_argument("--shapes", default="decode,verify:6,decode:8",
                    help="comma-separated: decode (one token), decode:B (B streams in one step), verify:K")
     q.add_argument("--repeats", type=int, default=8, help="steps timed and profiled per shape")
+    q.add_argument("--top", type=_count, default=25, help="kernels listed by name, most GPU time first (0: all)")
 
 
 def bench_gguf_rows(a):
@@ -313,6 +317,12 @@ def _pair_counts(text):
         raise argparse.ArgumentTypeError(f"{text!r}: at most {GGUF_ROWS_MAX_PAIRS} pairs (past that decode "
                                          "takes another path)")
     return counts
+
+
+def _count(text):
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number, 0 or more")
+    return int(text)
 
 
 def _positive(text):
