@@ -218,6 +218,76 @@ def test_fp4_rounding_kernel_matches_float64(shape):
     assert got.dtype == mx.float32 and np.array_equal(np.array(got), fp4_e2m1_then_f16(np.array(x)))
 
 
+def index_scores_float64(qi, w, rows, visible):
+    """The indexer's scores in float64 with numpy: each head's product with each row, ReLU, weighted over the
+    heads; rows at or past a query's visible count -inf."""
+    import numpy as np
+
+    qi, w, rows = (np.array(a.astype(mx.float32), np.float64) for a in (qi, w, rows))
+    scores = np.einsum("th,thc->tc", w, np.maximum(np.einsum("thd,tcd->thc", qi, rows), 0))
+    return np.where(np.arange(rows.shape[1])[None, :] < np.array(visible)[:, None], scores, -np.inf)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,columns,dtype,pooled", [(1, 2048, mx.float32, False), (6, 2048, mx.float16, False),
+                                                    (3, 16384, mx.bfloat16, True), (16, 301, mx.float32, True)])
+def test_index_scores_kernel_matches_float64(T, columns, dtype, pooled):
+    """The real indexer's widths (64 heads of 128): a decoded token, a verify's rows, sessions of a pool reading
+    their own rows of its flat buffer (some of them seeing none or part of them)."""
+    import numpy as np
+
+    qi, w = mx.random.normal((T, 64, 128), key=mx.random.key(T)), mx.random.normal((T, 64), key=mx.random.key(9))
+    sessions = 3 if pooled else 1
+    rows = mx.random.normal((sessions * columns, 128), key=mx.random.key(columns)).astype(dtype)
+    pool_rows = mx.array(np.arange(T) % sessions, mx.int32)
+    visible = mx.array(np.linspace(0, columns, T).astype(np.int32) if pooled else [columns - t for t in range(T)],
+                       mx.int32)
+    got = on_cuda(kernels._index_scores_cuda, qi, w, rows, visible, pool_rows, columns)
+    own = np.array(rows.astype(mx.float32)).reshape(sessions, columns, 128)[np.array(pool_rows)]
+    want = index_scores_float64(qi, w, mx.array(own), visible)
+    got = np.array(got)
+    assert got.shape == (T, columns) and np.array_equal(np.isinf(got), np.isinf(want))
+    finite = ~np.isinf(want)
+    assert np.abs(got[finite] - want[finite]).max(initial=0) <= 1e-5 * np.abs(want[finite]).max(initial=1)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,columns,k,levels", [(1, 2048, 512, 0), (6, 2048, 512, 7), (2, 43813, 512, 50),
+                                                (3, 300, 512, 4), (4, 5000, 4096, 3)])
+def test_top_rows_kernel_is_a_stable_sort(T, columns, k, levels):
+    """The picks are numpy's stable sort of the negated scores, cut at k, in its order: distinct scores, or few
+    values (long runs of equal ones across the k-th, both zeros among them), masked rows, fewer rows than k."""
+    import numpy as np
+
+    rng = np.random.default_rng(columns + levels)
+    if levels:
+        palette = np.concatenate([[-1.5, -0.0, 0.0, 2.0, 7.0, -np.inf, 0.25], np.arange(43) / 4.0])[:levels]
+        scores = rng.choice(palette, (T, columns)).astype(np.float32)
+    else:
+        scores = rng.standard_normal((T, columns)).astype(np.float32)
+    scores[:, columns - columns // 5 :] = -np.inf  # the rows past a session's visible ones
+    got = on_cuda(kernels._top_rows_cuda, mx.array(scores), k)
+    want = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+    assert got.dtype == mx.uint32 and np.array_equal(np.array(got), want)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+def test_indexer_picks_of_the_kernels_are_the_plain_paths():
+    """`index_top_rows` against the same scores and sort as MLX ops, on a pool's flat rows."""
+    import numpy as np
+
+    T, columns = 4, 3000
+    qi, w = mx.random.normal((T, 64, 128), key=mx.random.key(1)), mx.random.normal((T, 64), key=mx.random.key(2))
+    rows = mx.random.normal((2 * columns, 128), key=mx.random.key(3))
+    visible, pool_rows = mx.array([3000, 2999, 700, 513], mx.int32), mx.array([0, 1, 1, 0], mx.int32)
+    got = on_cuda(kernels.index_top_rows, qi, w, rows, visible, 512, pool_rows, columns)
+    with mx.stream(mx.cpu):
+        want = kernels.top_rows_reference(kernels.index_scores_reference(qi, w, rows, visible, pool_rows, columns), 512)
+    # near-equal scores may sum to either order: the picks agree on all but a few
+    same = np.mean([len(set(a) & set(b)) / 512 for a, b in zip(np.array(got), np.array(want))])
+    assert got.shape == (T, 512) and same > 0.99
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("use", ["queries", "kv", "output", "indexer", "float32"])
 def test_norm_rope_kernel_matches_reference(use):

@@ -9,8 +9,8 @@ from ds4_mlx.cache.slots import BatchSlots, RingSlots, Slots
 from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
-from ds4_mlx.models.kernels import (attend, decode_attention, fp4_rounding, fused_decode_attention, kv_rounding,
-                                    norm_rope)
+from ds4_mlx.models.kernels import (attend, decode_attention, fp4_rounding, fused_decode_attention, index_top_rows,
+                                    kv_rounding, norm_rope)
 from ds4_mlx.models.linear import GroupedLinear, Linear, pair_product
 from ds4_mlx.models.numerics import Rope, counting, hadamard, write_rows
 
@@ -88,7 +88,7 @@ class Attention(nn.Module):
                                             slots.index_frontier, arrays, "index_frontier", "index_rows",
                                             _index_rounding(quant_sim))
                 if slots.selecting:
-                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible[:, None])
+                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible)
         if slots.tokens == 1 or slots.tokens <= FUSED_ROWS and fused_decode_attention(self.head_dim):
             # a decoded token, or a verify's rows: the fused kernel reads the window from the ring in place
             return decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
@@ -118,8 +118,8 @@ class Attention(nn.Module):
                                                  slots.index_write, slots.index_block, arrays, "index_frontier",
                                                  "index_rows", _index_rounding(quant_sim))
                 if slots.selecting:
-                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows[slots.own_rows],
-                                              slots.visible[:, None])
+                    selected = self._top_rows(rows["index_q"], rows["index_w"], index_rows, slots.visible,
+                                              (slots.pool_rows, slots.own_rows))
         out = decode_attention(rows["q"], ring, kv, compressed, selected, slots.positions, self.sinks,
                                self.args.sliding_window, self.ratio, slots.visible, slots.picks, slots.pool_rows,
                                per_session=(slots.raw_capacity, slots.buffer_rows))
@@ -207,12 +207,20 @@ class Attention(nn.Module):
         qi = _index_rounding(quant_sim)(qi)
         return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
 
-    def _top_rows(self, qi, w, index_rows, visible):
-        """The index_topk rows of `index_rows` [C, dim] (or each query's own, [T, C, dim]) with the highest
-        scores for each query (`_index_query`), rows at or past `visible` [T, 1] excluded."""
+    def _top_rows(self, qi, w, index_rows, visible, pooled=None):
+        """The index_topk rows of `index_rows` [C, dim] with the highest scores for each query (`_index_query`),
+        rows at or past `visible` [T] excluded. `pooled`: (pool_rows [T], own_rows [T, C]) where `index_rows`
+        is a pool's flat buffer, each query's rows its session's. Two launches on CUDA for a few queries."""
         idx, args = self.indexer, self.args
         T = qi.shape[0]
-        C = index_rows.shape[-2]
+        pool_rows, own_rows = pooled or (None, None)
+        C = index_rows.shape[0] if own_rows is None else own_rows.shape[1]
+        picked = index_top_rows(qi, w, index_rows, visible, args.index_topk, pool_rows, C)
+        if picked is not None:
+            return picked
+        if own_rows is not None:
+            index_rows = index_rows[own_rows]  # [T, C, dim]
+        visible = visible[:, None]
         # ReLU per head, weighted over heads; in tiles of rows so [T, heads, rows] stays ~256 MB
         tile = max(1, INDEXER_TILE_BYTES // (4 * T * idx.n_heads))
         scores = mx.concatenate([(w[:, None, :] @ mx.maximum(qi @ index_rows[..., i : i + tile, :].swapaxes(-1, -2),

@@ -764,6 +764,240 @@ def fp4_rounding(x):
 
 
 # ---------------------------------------------------------------------------------------------
+# The indexer's picks for a few queries, in two launches where MLX takes five and a copy (two products, the
+# ReLU, the mask, a sort): the scores (one warp four rows at a time, a lane two of the 64 heads, the query
+# held transposed in shared memory), then a stable top-k of each query's scores (one block a query: a
+# radix select of the k-th key, the keys below it and the lowest rows equal to it, a bitonic sort of
+# those by key and row). A query may read its own session's rows of a pool's flat buffer.
+
+
+def index_scores_reference(qi, w, rows, visible, pool_rows, columns):
+    """qi float32 [T, heads, dim], head weights w [T, heads]; query t scores rows pool_rows[t] * columns + c
+    of `rows` [*, dim] for c < columns (the ReLU of each head's product, weighted over the heads); columns at
+    or past visible[t] are -inf. -> [T, columns] float32."""
+    own = rows[pool_rows[:, None] * columns + counting(columns)[None, :]]
+    scores = (w[:, None, :] @ mx.maximum(qi @ own.swapaxes(-1, -2), 0))[:, 0]
+    return mx.where(counting(columns)[None, :] < visible[:, None], scores, -mx.inf)
+
+
+_INDEX_SCORES_CUDA = """
+    constexpr int HL = NH / 32, WARPS = 4, ROWS = 8;  // a lane's heads; a warp's rows, four at a time
+    __shared__ float q_t[D * (NH + 1)];  // [dim][head], a row padded so that the transposing writes spread
+    __shared__ float weight[NH];
+    __shared__ float staged[WARPS][4][D];
+    const int t = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int i = threadIdx.x; i < NH * D; i += WARPS * 32) q_t[(i % D) * (NH + 1) + i / D] = qi[(size_t)t * NH * D + i];
+    for (int i = threadIdx.x; i < NH; i += WARPS * 32) weight[i] = w[(size_t)t * NH + i];
+    __syncthreads();
+    const int seen = visible[t];
+    const size_t base = (size_t)pool_rows[t] * COLUMNS;
+    const int first = (blockIdx.x * WARPS + warp) * ROWS;
+    for (int r0 = first; r0 < first + ROWS && r0 < COLUMNS; r0 += 4) {
+        const float masked = __int_as_float(0xff800000);  // -inf
+        float s[4] = {masked, masked, masked, masked};
+        if (r0 < seen) {
+            for (int j = 0; j < 4; ++j)
+                for (int d = lane; d < D; d += 32)
+                    staged[warp][j][d] = r0 + j < seen ? static_cast<float>(rows[(base + r0 + j) * D + d]) : 0.0f;
+            __syncwarp();
+            float acc[4][HL] = {};
+            for (int d = 0; d < D; ++d) {
+                float q[HL];
+                for (int h = 0; h < HL; ++h) q[h] = q_t[d * (NH + 1) + lane + 32 * h];
+                for (int j = 0; j < 4; ++j) {
+                    const float r = staged[warp][j][d];
+                    for (int h = 0; h < HL; ++h) acc[j][h] = fmaf(q[h], r, acc[j][h]);
+                }
+            }
+            for (int j = 0; j < 4; ++j) {
+                float v = 0.0f;
+                for (int h = 0; h < HL; ++h) v += fmaxf(acc[j][h], 0.0f) * weight[lane + 32 * h];
+                for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+                if (r0 + j < seen) s[j] = v;
+            }
+            __syncwarp();
+        }
+        for (int j = 0; j < 4; ++j)
+            if (lane == j && r0 + j < COLUMNS) scores[(size_t)t * COLUMNS + r0 + j] = s[j];
+    }
+"""
+_INDEX_SCORES_WARPS, _INDEX_SCORES_ROWS = 4, 8  # the kernel's WARPS and ROWS
+
+
+@lru_cache(maxsize=None)
+def _index_scores_kernel():
+    return mx.fast.cuda_kernel(name="ds4_index_scores", input_names=["qi", "w", "rows", "visible", "pool_rows"],
+                               output_names=["scores"], source=_INDEX_SCORES_CUDA)
+
+
+def _index_scores_cuda(qi, w, rows, visible, pool_rows, columns):
+    T, heads, dim = qi.shape
+    inputs = [qi, w, rows, visible.astype(mx.int32), pool_rows.astype(mx.int32)]
+    blocks = -(-columns // (_INDEX_SCORES_WARPS * _INDEX_SCORES_ROWS))
+    return _index_scores_kernel()(
+        inputs=inputs, template=[("NH", heads), ("D", dim), ("COLUMNS", columns), *_dtype_keys(inputs)],
+        grid=(blocks * 32 * _INDEX_SCORES_WARPS, T, 1), threadgroup=(32 * _INDEX_SCORES_WARPS, 1, 1),
+        output_shapes=[(T, columns)], output_dtypes=[mx.float32])[0]
+
+
+def _index_scores_sample():
+    """Three queries on a pool of two sessions' 21 rows (one sees them all, one a few, one none), and two
+    on one session's float16 rows."""
+    pooled = (_random(3, 32, 16), _random(3, 32), _random(42, 16), mx.array([21, 6, 0], mx.int32),
+              mx.array([1, 0, 1], mx.int32), 21)
+    shared = (_random(2, 64, 128, seed=1), _random(2, 64, seed=1), _random(37, 128, seed=1).astype(mx.float16),
+              mx.array([37, 30], mx.int32), mx.array([0, 0], mx.int32), 37)
+    return [pooled, shared]
+
+
+def _finite_and_masked(inputs, scores):
+    """Scores compared as their finite values and where they are -inf (a difference of two -inf is NaN)."""
+    masked = mx.isinf(scores)
+    return mx.where(masked, 0.0, scores), masked.astype(mx.float32)
+
+
+INDEX_SCORES = Kernel("index_scores", index_scores_reference, _index_scores_sample, 1e-4, compared=_finite_and_masked)
+INDEX_SCORES.launches["cuda"] = _index_scores_cuda
+
+
+def top_rows_reference(scores, k):
+    """Each query's k rows of the highest scores [T, C] (of equal ones the lowest row first), in that order:
+    MLX's stable sort. -> [T, min(k, C)] uint32."""
+    return mx.argsort(-scores, axis=-1)[:, :k]
+
+
+_TOP_ROWS_CUDA = """
+    constexpr int THREADS = 1024;
+    __shared__ unsigned hist[256];
+    __shared__ unsigned long long picked[KP];  // key << 32 | row
+    __shared__ unsigned warp_counts[THREADS / 32];
+    __shared__ unsigned found[2];
+    const int t = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const float* s = scores + (size_t)t * C;
+    auto key = [&](int c) {  // ascending keys: descending scores, -0 as +0
+        unsigned u = __float_as_uint(s[c]);
+        if (u == 0x80000000u) u = 0u;
+        return (u & 0x80000000u) ? u : ~(u | 0x80000000u);
+    };
+    // the K-th smallest key, a byte at a time from the top: `prefix` its bytes so far, `want` its rank among
+    // the keys that begin with them
+    unsigned prefix = 0u, mask = 0u, want = K;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += THREADS) hist[i] = 0u;
+        __syncthreads();
+        for (int c = tid; c < C; c += THREADS) {
+            const unsigned k = key(c);
+            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (warp == 0) {  // the byte whose keys hold the want-th: a scan of the counts, 8 a lane
+            unsigned mine[8], sum = 0u;
+            for (int i = 0; i < 8; ++i) { mine[i] = hist[lane * 8 + i]; sum += mine[i]; }
+            unsigned inclusive = sum;
+            for (int o = 1; o < 32; o *= 2) {
+                const unsigned v = __shfl_up_sync(0xffffffff, inclusive, o);
+                if (lane >= o) inclusive += v;
+            }
+            const int owner = __ffs(__ballot_sync(0xffffffff, inclusive >= want)) - 1;
+            if (lane == owner) {
+                unsigned below = inclusive - sum;
+                int i = 0;
+                while (below + mine[i] < want) below += mine[i++];
+                found[0] = prefix | (unsigned)(lane * 8 + i) << shift;
+                found[1] = want - below;
+            }
+        }
+        __syncthreads();
+        prefix = found[0], want = found[1], mask |= 255u << shift;
+        __syncthreads();
+    }
+    // the keys below the K-th in any order (the sort orders them), then the `want` lowest rows at it
+    const unsigned below_count = K - want;
+    if (tid == 0) found[0] = 0u;
+    __syncthreads();
+    for (int c = tid; c < C; c += THREADS) {
+        const unsigned k = key(c);
+        if (k < prefix) picked[atomicAdd(&found[0], 1u)] = (unsigned long long)k << 32 | (unsigned)c;
+    }
+    unsigned taken = 0u;
+    for (int c0 = 0; c0 < C && taken < want; c0 += THREADS) {
+        const int c = c0 + tid;
+        const bool tie = c < C && key(c) == prefix;
+        const unsigned ballot = __ballot_sync(0xffffffff, tie);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        unsigned before = 0u, total = 0u;
+        for (int i = 0; i < THREADS / 32; ++i) { before += i < warp ? warp_counts[i] : 0u; total += warp_counts[i]; }
+        const unsigned rank = taken + before + __popc(ballot & ((1u << lane) - 1u));
+        if (tie && rank < want) picked[below_count + rank] = (unsigned long long)prefix << 32 | (unsigned)c;
+        taken += total;
+        __syncthreads();
+    }
+    for (int i = K + tid; i < KP; i += THREADS) picked[i] = ~0ull;
+    for (int size = 2; size <= KP; size *= 2)  // bitonic: ascending by key, then row
+        for (int stride = size / 2; stride > 0; stride /= 2) {
+            __syncthreads();
+            for (int i = tid; i < KP / 2; i += THREADS) {
+                const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+                const unsigned long long a = picked[lo], b = picked[hi];
+                if ((a > b) == ((lo & size) == 0)) picked[lo] = b, picked[hi] = a;
+            }
+        }
+    __syncthreads();
+    for (int i = tid; i < K; i += THREADS) picks[(size_t)t * K + i] = (unsigned)picked[i];
+"""
+TOP_ROWS_MAX = 4096  # picks a query: KP keys of 8 bytes fill 32 KB of shared memory
+
+
+@lru_cache(maxsize=None)
+def _top_rows_kernel():
+    return mx.fast.cuda_kernel(name="ds4_top_rows", input_names=["scores"], output_names=["picks"],
+                               source=_TOP_ROWS_CUDA)
+
+
+def _top_rows_cuda(scores, k):
+    T, C = scores.shape
+    K = min(k, C)
+    return _top_rows_kernel()(
+        inputs=[scores], template=[("C", C), ("K", K), ("KP", 1 << (K - 1).bit_length())],
+        grid=(1024 * T, 1, 1), threadgroup=(1024, 1, 1), output_shapes=[(T, K)], output_dtypes=[mx.uint32])[0]
+
+
+def _top_rows_sample():
+    """Scores of few distinct values (long runs of ties at the k-th), both zeros, masked rows; more rows than
+    a block's threads, and fewer rows than k."""
+    levels = mx.array([-2.0, -0.0, 0.0, 0.5, 3.0, -mx.inf])
+    many = levels[mx.random.randint(0, 6, (3, 2500), key=mx.random.key(3))]
+    few = levels[mx.random.randint(0, 6, (2, 40), key=mx.random.key(4))]
+    return [(many, 512), (many[:, :700], 64), (few, 64)]
+
+
+TOP_ROWS = Kernel("top_rows", top_rows_reference, _top_rows_sample, 0.0)
+TOP_ROWS.launches["cuda"] = _top_rows_cuda
+
+
+@lru_cache(maxsize=64)
+def _first_rows(n):
+    """[n] int32 zeros as data: every query reads the rows from the first on."""
+    return mx.array(np.zeros(n, np.int32))
+
+
+def index_top_rows(qi, w, rows, visible, k, pool_rows=None, columns=None):
+    """`top_rows_reference(index_scores_reference(...), k)` in two launches on CUDA for a few queries (the
+    rows from row 0 on where `pool_rows` is None, `columns` of them, all by default); None where the kernels do
+    not apply (the caller runs its own path)."""
+    T, heads, dim = qi.shape
+    columns = rows.shape[0] if columns is None else columns
+    shared_bytes = 4 * (dim * (heads + 1) + heads + _INDEX_SCORES_WARPS * 4 * dim)
+    fits = (T <= FEW_ROWS_MAX and heads % 32 == 0 and shared_bytes <= 48 * 1024 and min(k, columns) <= TOP_ROWS_MAX
+            and qi.dtype == w.dtype == mx.float32 and visible.shape == (T,))
+    if not fits or INDEX_SCORES.backend() is None or TOP_ROWS.backend() is None:
+        return None
+    scores = _index_scores_cuda(qi, w, rows, visible, _first_rows(T) if pool_rows is None else pool_rows, columns)
+    return _top_rows_cuda(scores, k)
+
+
+# ---------------------------------------------------------------------------------------------
 # The hyper-connections' mixing weights for a few tokens: RMS-normalised flattened streams times `fn`.
 # A matrix product over [1, 16384] x [16384, 24] is a matrix-vector product with 24 rows, which keeps
 # 24 warps busy for ~23 us on the H200; here one block an output (it recomputes the norm: 64 KB of L2).
