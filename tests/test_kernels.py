@@ -828,6 +828,8 @@ def test_gguf_expert_rows_match_the_plain_experts():
     x = mx.random.normal((3, 512), key=mx.random.key(4)).astype(mx.bfloat16)
     chosen = mx.array([[0, 5], [7, 1], [3, 3]], mx.int32)
     got = on_cuda(gguf_expert_rows, experts, x, chosen, 2.0)
+    weights = mx.array([[0.5, 1.5], [-0.25, 2.0], [1.0, 0.75]], mx.float32)
+    weighted = on_cuda(gguf_expert_rows, experts, x, chosen, 2.0, weights)
 
     def plain():
         e, rows = experts, x[:, None, None, :]
@@ -842,6 +844,9 @@ def test_gguf_expert_rows_match_the_plain_experts():
     assert got.shape == want.shape == (3, 2, 512) and got.dtype == mx.bfloat16
     err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
     assert err <= 2e-2 * float(mx.abs(want.astype(mx.float32)).max())  # bfloat16 roundings of h and y
+    want = want.astype(mx.float32) * weights[..., None]
+    assert weighted.dtype == mx.bfloat16
+    assert float(mx.abs(weighted.astype(mx.float32) - want).max()) <= 2e-2 * float(mx.abs(want).max())
 
 
 def test_gguf_rows_definition_matches_gguf():
@@ -917,8 +922,8 @@ def test_few_rows_kernel_matches_dequantized_product(groups, out, inp, dtype):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_few_rows_glu_and_add_match_float64(dtype):
     """The shared expert's two fused forms at real widths: gate and up with the clamped SwiGLU (4096 -> 2048),
-    and down plus the routed experts' sum (2048 -> 4096), against float64 over MLX's dequantization; each
-    row the same bits whatever the number of rows beside it."""
+    and down plus the routed experts' sum (2048 -> 4096; or plus their six rows, summed in the launch),
+    against float64 over MLX's dequantization; each row the same bits whatever the number of rows beside it."""
     import numpy as np
 
     def float64(w, scales, biases):
@@ -937,11 +942,15 @@ def test_few_rows_glu_and_add_match_float64(dtype):
     want_glu = g / (1 + np.exp(-g)) * u
     want_add = np.array(addend.astype(mx.float32), np.float64)[:, 0] + np.array(
         h.astype(mx.float32), np.float64)[:, 0] @ float64(*down).T
+    terms = mx.random.normal((16, 6, 4096), key=mx.random.key(4)).astype(dtype)
+    want_terms = want_add - np.array(addend.astype(mx.float32), np.float64)[:, 0] + np.array(
+        terms.astype(mx.float32), np.float64).sum(axis=1)
     tolerance = 1e-5 if dtype == mx.float32 else 1e-2
     for rows in (16, 1, 6, 9):
         glu = on_cuda(kernels.few_rows_glu, x[:rows], (*gate, 32, 8, "affine"), (*up, 32, 8, "affine"), limit)
         added = on_cuda(lambda *a: kernels.few_rows(*a, addend=addend[:rows]), h[:rows], *down, 32, 8, "affine")
-        for got, want in ((glu, want_glu), (added, want_add)):
+        summed = on_cuda(lambda *a: kernels.few_rows(*a, addend=terms[:rows]), h[:rows], *down, 32, 8, "affine")
+        for got, want in ((glu, want_glu), (added, want_add), (summed, want_terms)):
             assert got.shape == (rows, 1, want.shape[-1]) and got.dtype == dtype
             assert np.abs(np.array(got.astype(mx.float32))[:, 0] - want[:rows]).max() <= tolerance * np.abs(want).max()
         if rows == 16:
@@ -1023,6 +1032,8 @@ def test_shared_expert_without_biases_takes_the_plain_path():
     got = swiglu_product(gate, up, x, 7.0)
     assert mx.allclose(got, want, rtol=1e-5, atol=0) and float(mx.abs(want).max()) > 1
     assert mx.allclose(plus_product(down, got, addend), addend + product(down, got), rtol=1e-5, atol=0)
+    terms = mx.stack([addend, 2 * addend, -addend], axis=1)  # a token's routed rows, summed first
+    assert mx.allclose(plus_product(down, got, terms), 2 * addend + product(down, got), rtol=1e-5, atol=0)
 
 
 def _recorded_launches(monkeypatch, *factories):

@@ -1889,19 +1889,22 @@ _GGUF_ROWS_CUDA = """
     if (lane == 0 && GLU) {
         store(y + (size_t)pair * OUT + first, clamped_swiglu(acc[0], acc[1], LIMIT));
     } else if (lane == 0) {
-        for (int r = 0; r < rows; ++r) store(y + (size_t)pair * OUT + first + r, acc[r]);
+        for (int r = 0; r < rows; ++r) store(y + (size_t)pair * OUT + first + r, acc[r] * PAIR_WEIGHT);
     }
 """
 _GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
 
 
 @lru_cache(maxsize=None)
-def _gguf_rows_kernel(limit=None):
-    """The rows kernel; with `limit`, its GLU form (gate and up matrices, the clamped SwiGLU of the two)."""
+def _gguf_rows_kernel(limit=None, weighted=False):
+    """The rows kernel; with `limit`, its GLU form (gate and up matrices, the clamped SwiGLU of the two);
+    `weighted`: each pair's row times its weight (`pair_weights`) before the rounding."""
     glu = limit is not None
     defines = f"#define GLU {int(glu)}\n#define LIMIT {float(limit or 0)!r}f\n" + ("" if glu else "#define up_w w\n")
-    return mx.fast.cuda_kernel(name="ds4_gguf_expert_rows" + (f"_glu_{abs(hash(limit))}" if glu else ""),
-                               input_names=["x", "w", "indices", "lattice", "ksigns"] + (["up_w"] if glu else []),
+    defines += f"#define PAIR_WEIGHT {'pair_weights[pair]' if weighted else '1.0f'}\n"
+    name = "ds4_gguf_expert_rows" + (f"_glu_{abs(hash(limit))}" if glu else "") + ("_weighted" if weighted else "")
+    return mx.fast.cuda_kernel(name=name, input_names=["x", "w", "indices", "lattice", "ksigns"] + (["up_w"] if glu else [])
+                               + (["pair_weights"] if weighted else []),
                                output_names=["y"], source=defines + _GGUF_ROWS_CUDA, header=_LOADS)
 
 
@@ -1923,18 +1926,20 @@ def _gguf_rows_warps(codec, inp, itemsize, row_bytes):
                 None)
 
 
-def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None):
+def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None, weights=None):
     """x [X, in] (X divides P), w uint8 [E, out, row bytes], indices [P] -> [P, out] in x's dtype: pair p's
     row of x (row p // (P / X)) through expert indices[p]; with `up` (w's shape) and `limit`, the clamped
-    SwiGLU of that (the gate) and the same through `up`."""
+    SwiGLU of that (the gate) and the same through `up`; with `weights` (float32 [P]), pair p's row times
+    weights[p]."""
     from ds4_mlx.models import gguf_blocks
 
     (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
     warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
     inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns] + ([] if up is None else [up])
+    inputs += [] if weights is None else [weights.astype(mx.float32)]
     outs_a_block = warps * (2 if up is None else 1)
-    return _gguf_rows_kernel(limit)(
+    return _gguf_rows_kernel(limit, weights is not None)(
         inputs=inputs,
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])), ("WARPS", warps),
@@ -1943,14 +1948,16 @@ def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None):
         output_shapes=[(pairs, out)], output_dtypes=[x.dtype])[0]
 
 
-def gguf_rows_reference(x, w, indices, codec):
+def gguf_rows_reference(x, w, indices, codec, weights=None):
     """`_gguf_rows_cuda`'s definition: each pair's expert dequantized (`gguf_blocks.dequantize`), then its
-    product with its row of x, in float32, rounded to x's dtype."""
+    product with its row of x, in float32 (times its weight, float32 [P], where given), rounded to x's
+    dtype."""
     from ds4_mlx.models import gguf_blocks
 
-    weights = gguf_blocks.dequantize(w[indices], codec)  # [P, out, in]
+    matrices = gguf_blocks.dequantize(w[indices], codec)  # [P, out, in]
     rows = mx.repeat(x.astype(mx.float32), indices.size // x.shape[0], axis=0)
-    return (rows[:, None, :] @ weights.swapaxes(-1, -2))[:, 0, :].astype(x.dtype)
+    y = (rows[:, None, :] @ matrices.swapaxes(-1, -2))[:, 0, :]
+    return (y if weights is None else y * weights.astype(mx.float32)[:, None]).astype(x.dtype)
 
 
 def _gguf_rows_sample(codec):
@@ -1960,10 +1967,17 @@ def _gguf_rows_sample(codec):
     return _random(2, 512), w, mx.array([2, 0, 1, 2], mx.uint32), codec  # two pairs a row of x
 
 
+def _gguf_rows_weighted_sample(codec):
+    return (*_gguf_rows_sample(codec), mx.array([0.5, -1.25, 2.0, 0.125], mx.float32))
+
+
 GGUF_ROWS = {codec: Kernel(f"gguf_rows_{codec}", gguf_rows_reference, partial(_gguf_rows_sample, codec), 1e-4)
              for codec in _GGUF_CODECS}
-for _kernel in GGUF_ROWS.values():
-    _kernel.launches["cuda"] = _gguf_rows_cuda
+GGUF_ROWS_WEIGHTED = {codec: Kernel(f"gguf_rows_weighted_{codec}", gguf_rows_reference,
+                                    partial(_gguf_rows_weighted_sample, codec), 1e-4) for codec in _GGUF_CODECS}
+for _kernel in (*GGUF_ROWS.values(), *GGUF_ROWS_WEIGHTED.values()):
+    _kernel.launches["cuda"] = lambda x, w, indices, codec, weights=None: _gguf_rows_cuda(x, w, indices, codec,
+                                                                                          weights=weights)
 GGUF_ROWS_MAX_PAIRS = 64  # past this a prefill chunk's dequantize-then-product reads each expert once
 
 
@@ -1992,13 +2006,13 @@ def _gguf_rows_apply(kernel, x, w, indices, codec):
                 or _gguf_rows_warps(codec, x.shape[1], x.itemsize, w.shape[-1]) is None or kernel.backend() is None)
 
 
-def gguf_rows(x, w, indices, codec):
+def gguf_rows(x, w, indices, codec, weights=None):
     """`gguf_rows_reference`, one kernel on CUDA for up to GGUF_ROWS_MAX_PAIRS pairs; None where the kernel
     does not apply (the caller then runs its own path)."""
-    kernel = GGUF_ROWS.get(codec)
+    kernel = (GGUF_ROWS if weights is None else GGUF_ROWS_WEIGHTED).get(codec)
     if not _gguf_rows_apply(kernel, x, w, indices, codec):
         return None
-    return kernel.launches[kernel.backend()](x, w, indices, codec)
+    return kernel.launches[kernel.backend()](x, w, indices, codec, weights)
 
 
 def gguf_rows_glu(x, gate, up, indices, codec, limit):
@@ -2227,7 +2241,11 @@ _FEW_ROWS_TAIL = """
             for (int k = 0; k < WARPS; ++k) u += partial[k][OUT_R * M + i];
             v = clamped_swiglu(v, u, LIMIT);
         }
-        if (ADD) v = static_cast<float>(addend[at]) + rounded_as(y, v);
+        if (ADD) {  // the addend's terms summed, then the two rounded as the plain sums are
+            float terms = 0.0f;
+            for (int j = 0; j < TERMS; ++j) terms += static_cast<float>(addend[((size_t)(i % M) * TERMS + j) * N + out0 + i / M]);
+            v = rounded_as(y, terms) + rounded_as(y, v);
+        }
         store((second_map ? y2 : y) + at, v);
     }
 """
@@ -2246,7 +2264,7 @@ def _few_rows_kernel(variant="plain", limit=0.0, tensor_cores=False):
     up = "up_" if variant in ("glu", "pair") else ""  # the second map's arrays: the first's, where there is none
     defines += f"#define UP_W {up}w\n#define UP_SCALES {up}scales\n#define UP_BIASES {up}biases\n"
     if variant != "add":
-        defines += "#define addend y\n"
+        defines += "#define addend y\n#define TERMS 1\n"
     if variant != "pair":
         defines += "#define y2 y\n#define N2 N\n"
     name = "ds4_few_rows_q8" + ("_mma" if tensor_cores else "") + ("" if variant == "plain" else f"_{variant}") + (
@@ -2287,7 +2305,8 @@ def _few_rows_launch(variant, x, w, scales, biases, group_size, extra=(), limit=
     y = _few_rows_kernel(variant, limit, tensor_cores)(
         inputs=inputs,
         template=[("M", M), ("G", G), ("K", K), ("N", N), ("GS", group_size), ("R", rows), ("WARPS", warps),
-                  ("U", span_steps), *([("N2", N2)] if variant == "pair" else []), *_dtype_keys(inputs)],
+                  ("U", span_steps), *([("N2", N2)] if variant == "pair" else []),
+                  *([("TERMS", extra[0].size // (M * N))] if variant == "add" else []), *_dtype_keys(inputs)],
         grid=((N + N2) // out_rows * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=shapes, output_dtypes=[x.dtype] * len(shapes))
     return tuple(y) if variant == "pair" else y[0]
@@ -2377,12 +2396,20 @@ FEW_ROWS_PAIR.launches["cuda"] = _few_rows_pair_cuda
 
 
 def few_rows_add_reference(x, w, scales, biases, group_size, addend):
-    """addend [M, groups, out] plus `few_rows_reference`'s product, float32."""
-    return addend.astype(mx.float32) + few_rows_reference(x, w, scales, biases, group_size)
+    """The sum of addend's terms plus `few_rows_reference`'s product, float32: addend [M, terms, outputs] (the
+    outputs of every group), or the product's shape (one term)."""
+    product = few_rows_reference(x, w, scales, biases, group_size)
+    terms = addend.astype(mx.float32).reshape(product.shape[0], -1, product[0].size).sum(axis=1)
+    return terms.reshape(product.shape) + product
 
 
-FEW_ROWS_ADD = Kernel("few_rows_q8_add", few_rows_add_reference,
-                      lambda: (*_few_rows_sample(), _random(3, 2, 6, seed=10)), 1e-4)
+def _few_rows_add_sample():
+    """An addend of one term on two groups of maps, and one of six terms (a token's routed experts) on a map."""
+    return [(*_few_rows_sample(), _random(3, 2, 6, seed=10)),
+            (_random(3, 1, 256, seed=12), *_quantized(11, 1, 16, 256), 32, _random(3, 6, 16, seed=13))]
+
+
+FEW_ROWS_ADD = Kernel("few_rows_q8_add", few_rows_add_reference, _few_rows_add_sample, 1e-4)
 FEW_ROWS_ADD.launches["cuda"] = lambda x, w, scales, biases, group_size, addend: _few_rows_launch(
     "add", x, w, scales, biases, group_size, (addend,))
 
@@ -2395,8 +2422,8 @@ def _few_rows_apply(kernel, x, w, scales, biases, group_size, bits, mode):
 
 def few_rows(x, w, scales, biases, group_size, bits, mode, addend=None):
     """`few_rows_reference` (in x's dtype), one kernel on CUDA for up to FEW_ROWS_MAX rows of 8-bit affine
-    maps; with `addend` (x's dtype), `addend` plus that, rounded as the plain sum is. None where the kernel
-    does not apply (the caller then runs its own path)."""
+    maps; with `addend` (x's dtype; [M, terms, out] or the product's shape), the sum of its terms plus that,
+    rounded as the plain sums are. None where the kernel does not apply (the caller then runs its own path)."""
     kernel = FEW_ROWS if addend is None else FEW_ROWS_ADD
     if not _few_rows_apply(kernel, x, w, scales, biases, group_size, bits, mode):
         return None

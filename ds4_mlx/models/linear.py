@@ -153,12 +153,13 @@ def swiglu_product(gate, up, x, limit):
 
 
 def plus_product(layer, x, addend):
-    """addend + layer(x); one launch for a few rows of an 8-bit layer, rounded as the plain sum is."""
+    """addend + layer(x), where addend is x's rows of the output [..., out] or of several terms to sum first
+    [..., terms, out]; one launch for a few rows of an 8-bit layer, rounded as the plain sums are."""
     rows = _few_rows_of(x, layer) if addend.dtype == x.dtype else None
     y = None if rows is None else kernels.few_rows(rows, *_one_map(layer), addend=reshaped(addend, rows.shape[0], -1))
     if y is not None:
-        return y.reshape(addend.shape)
-    return addend + layer(x)
+        return y.reshape(x.shape[:-1] + addend.shape[-1:])
+    return (addend.sum(axis=-2) if addend.ndim > x.ndim else addend) + layer(x)
 
 
 def grouped_product(x, w):
@@ -324,17 +325,19 @@ def gguf_gather_product(x, w, indices, codec, sorted_indices):
     return x @ gguf_dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
 
 
-def gguf_expert_rows(experts, x, chosen, limit):
+def gguf_expert_rows(experts, x, chosen, limit, weights=None):
     """The routed experts of a few tokens, [T, k, out]: x [T, in] through the GGUF experts `chosen` [T, k] in
-    two launches of the rows kernel (gate, up and SwiGLU; then down) that read x and their results as they are.
-    None where the kernels do not take them (the caller's own path)."""
+    two launches of the rows kernel (gate, up and SwiGLU; then down, each row times its weight [T, k] where
+    given) that read x and their results as they are. None where the kernels do not take them (the caller's
+    own path)."""
     gate, up, down = experts["gate"], experts["up"], experts["down"]
     if (not all(isinstance(m, GGUFSwitchLinear) for m in (gate, up, down)) or gate.gguf_type != up.gguf_type
             or (gguf_blocks.path() == "kquant" and x.dtype != mx.float32)):
         return None
     pairs = reshaped(chosen, -1)
     h = kernels.gguf_rows_glu(x, gate.weight, up.weight, pairs, gate.gguf_type, limit)
-    y = None if h is None else kernels.gguf_rows(h, down.weight, pairs, down.gguf_type)
+    y = None if h is None else kernels.gguf_rows(h, down.weight, pairs, down.gguf_type,
+                                                 None if weights is None else reshaped(weights, -1))
     return None if y is None else reshaped(y, *chosen.shape, -1)
 
 

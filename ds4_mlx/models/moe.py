@@ -52,6 +52,8 @@ class MoE(nn.Module):
         args = self.args
         chosen, weights = self._route(x, ids)
         y = self._fused_experts(x, chosen, weights)
+        if y is None:  # GGUF experts' rows, each times its weight: the shared product's launch sums them
+            y = gguf_expert_rows(self.experts, x, chosen, args.swiglu_limit, weights)
         if y is None:
             routed = self._experts(x, chosen)
             y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
@@ -90,8 +92,7 @@ class MoE(nn.Module):
         """[T, H] with chosen experts [T, k] -> [T, k, H]; rows sorted by expert for big batches."""
         T, k = chosen.shape
         if T * k < FEW_PAIRS:
-            y = gguf_expert_rows(self.experts, x, chosen, self.args.swiglu_limit)
-            return self._glu(x[:, None, None, :], chosen, False)[:, :, 0, :] if y is None else y
+            return self._glu(x[:, None, None, :], chosen, False)[:, :, 0, :]
         flat = chosen.flatten()
         order = mx.argsort(flat)
         xs, idx = x[order // k], flat[order]
