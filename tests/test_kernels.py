@@ -289,6 +289,33 @@ def test_indexer_picks_of_the_kernels_are_the_plain_paths():
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,dtype,maps", [(1, mx.bfloat16, 3), (6, mx.float32, 3), (16, mx.bfloat16, 2),
+                                          (3, mx.float16, 1)])
+def test_logged_rows_kernel_matches_float64(T, dtype, maps):
+    """A compressed layer's logged rows at the real widths (4096 -> the ratio-4 compressor's 2048 kv and score
+    values, the indexer compressor's 512, the indexer's 64 head weights; the heavy compressor's 1024), against
+    float64 of the same inputs with each product rounded to x's dtype."""
+    import numpy as np
+
+    sizes = {3: (2048, 512, 64), 2: (2048, 512), 1: (1024,)}[maps]
+    x = mx.random.normal((T, 4096), key=mx.random.key(T)).astype(dtype)
+    ws = [(0.02 * mx.random.normal((n, 4096), key=mx.random.key(n))).astype(dtype) for n in sizes]
+    extras = [mx.random.normal((4, n), key=mx.random.key(n + 1)) for n in sizes[:2]] + [0.011] * (maps == 3)
+    in_blocks = mx.array(np.arange(T) % 4, mx.int32)
+    got = on_cuda(kernels.logged_rows, x, in_blocks, list(zip(ws, extras)))
+    assert got is not None and len(got) == maps
+    xs = np.array(x.astype(mx.float32), np.float64)
+    for y, w, extra in zip(got, ws, extras):
+        product = xs @ np.array(w.astype(mx.float32), np.float64).T
+        with mx.stream(mx.cpu):
+            product = np.array(mx.array(product.astype(np.float32)).astype(dtype).astype(mx.float32), np.float64)
+        want = product + np.array(extra)[np.array(in_blocks)] if isinstance(extra, mx.array) else product * extra
+        ulp = 0.0 if dtype == mx.float32 else 2.0 ** -7  # a product's rounding may go either way
+        bound = ulp * np.abs(product) + 1e-5 * np.abs(product).max()
+        assert y.dtype == mx.float32 and np.all(np.abs(np.array(y) - want) <= bound)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
 @pytest.mark.parametrize("use", ["queries", "kv", "output", "indexer", "float32"])
 def test_norm_rope_kernel_matches_reference(use):
     """Real widths: a token's 64 query heads of 512 (normed, no weight), its kv row (normed with a

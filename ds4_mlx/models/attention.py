@@ -10,8 +10,8 @@ from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
 from ds4_mlx.models.kernels import (attend, decode_attention, fp4_rounding, fused_decode_attention, index_top_rows,
-                                    kv_rounding, norm_rope)
-from ds4_mlx.models.linear import GroupedLinear, Linear, pair_product
+                                    kv_rounding, logged_rows, norm_rope)
+from ds4_mlx.models.linear import GroupedLinear, Linear, TransposedLinear, pair_product
 from ds4_mlx.models.numerics import Rope, counting, hadamard, write_rows
 
 
@@ -51,13 +51,26 @@ class Attention(nn.Module):
         compressed blocks; `selecting`: some session's indexer picks its rows. -> rows by name, [N, ...] each."""
         qr, q, kv = self._project(x, positions)
         rows = {"q": q, "kv": self._store_kv(kv, quant_sim)}
-        if self.kind != SLIDING:
-            rows["frontier"] = self.compressor.project(x, in_blocks)
-            if self.kind == CSA:
-                rows["index_frontier"] = self.indexer.compressor.project(x, in_blocks)
-                if selecting:
-                    rows["index_q"], rows["index_w"] = self._index_query(qr, x, positions, quant_sim)
+        if self.kind == SLIDING:
+            return rows
+        selecting = selecting and self.kind == CSA
+        rows["frontier"], *indexer = self._logged(x, in_blocks, selecting)
+        if self.kind == CSA:
+            rows["index_frontier"] = indexer[0]
+            if selecting:
+                rows["index_q"], rows["index_w"] = self._index_query(qr, positions, quant_sim), indexer[1]
         return rows
+
+    def _logged(self, x, in_blocks, selecting):
+        """What the compressors log of x (`Compressor.project`) and, where the indexer selects, its head
+        weights: one launch on CUDA for a few tokens (`kernels.logged_rows`)."""
+        compressors = [self.compressor] + ([self.indexer.compressor] if self.kind == CSA else [])
+        maps = [(c.kv_gate, c.ape) for c in compressors] + ([(self.indexer.proj, self._index_scale)] if selecting else [])
+        logged = logged_rows(x, in_blocks, [(_plain_weight(layer), extra) for layer, extra in maps])
+        if logged is not None:
+            return logged
+        head_weights = [self.indexer.proj(x).astype(mx.float32) * self._index_scale] if selecting else []
+        return [c.project(x, in_blocks) for c in compressors] + head_weights
 
     def attend(self, rows, steps, quant_sim, attend_one):
         """Each session's cache part of the step (`attend_one`: `_attend_one` or its compiled graph) on its
@@ -198,14 +211,17 @@ class Attention(nn.Module):
         low = self.o_a(out)  # each head group has its own projection
         return self.o_b(low.reshape(T, -1))
 
-    def _index_query(self, qr, x, positions, quant_sim):
-        """The indexer's queries [T, heads, dim] and head weights [T, heads] of tokens at `positions`."""
+    @property
+    def _index_scale(self):
+        return (self.indexer.head_dim * self.indexer.n_heads) ** -0.5
+
+    def _index_query(self, qr, positions, quant_sim):
+        """The indexer's queries [T, heads, dim] of tokens at `positions`."""
         idx = self.indexer
         T = qr.shape[0]
         qi = norm_rope(idx.q_b(qr), self.rope, positions, idx.head_dim, shape=(T, idx.n_heads, idx.head_dim),
                        dtype=mx.float32)
-        qi = _index_rounding(quant_sim)(qi)
-        return qi, idx.proj(x).astype(mx.float32) * (idx.head_dim * idx.n_heads) ** -0.5
+        return _index_rounding(quant_sim)(qi)
 
     def _top_rows(self, qi, w, index_rows, visible, pooled=None):
         """The index_topk rows of `index_rows` [C, dim] with the highest scores for each query (`_index_query`),
@@ -230,6 +246,12 @@ class Attention(nn.Module):
         # a stable sort, not a partition: the choice and its order (ties to the lower row) are the same
         # whatever rows past the visible ones there are, so a session's rows in a pool choose as it does alone
         return mx.argsort(-scores, axis=-1)[:, : args.index_topk]
+
+
+def _plain_weight(layer):
+    """A dense float layer's weight [out, in] as the file holds it (row-contiguous, no copy), or None for a
+    quantized one."""
+    return layer.weight.T if isinstance(layer, TransposedLinear) else None
 
 
 def _index_rounding(quant_sim):

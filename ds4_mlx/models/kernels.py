@@ -998,6 +998,130 @@ def index_top_rows(qi, w, rows, visible, k, pool_rows=None, columns=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# What a compressed layer's tokens log from themselves, for a few tokens: each compressor's kv and score
+# row (x through its stacked matrix, in the product's dtype, as float32 plus the score offsets of the
+# token's place in its block) and the indexer's head weights (x through its map, times a scale). Three
+# products, two gathers of offsets and three element-wise kernels as MLX ops; here one launch over the maps
+# laid end to end (a block two rows of one map for up to 8 tokens, a thread 16-byte words of the rows).
+
+
+def logged_rows_reference(x, in_blocks, maps):
+    """x [T, H] through each map (w [N, H], then offsets [m, N] float32 read at row in_blocks[t], or a float
+    scale): -> a tuple of [T, N] float32, x @ w.T in the product's dtype, then plus the offsets or times the
+    scale."""
+    out = []
+    for w, extra in maps:
+        y = (x @ w.T).astype(mx.float32)
+        out.append(y + extra[in_blocks] if isinstance(extra, mx.array) else y * extra)
+    return tuple(out)
+
+
+_LOGGED_ROWS_CUDA = """
+    constexpr int PER = 16 / sizeof(w0[0]), WORDS = H / PER, STEPS = (WORDS + GROUP - 1) / GROUP;
+    const int tid = threadIdx.x, first = blockIdx.y * BATCH;
+    const int tokens = TOKENS - first < BATCH ? TOKENS - first : BATCH;
+    int row = blockIdx.x * ROWS, map = 0;  // the block's rows: rows `row` on of map `map`
+    if (MAPS > 1 && row >= N0) row -= N0, map = 1;
+    if (MAPS > 2 && map == 1 && row >= N1) row -= N1, map = 2;
+    const auto* w = map == 0 ? w0 : map == 1 ? W1 : W2;
+    const int n = map == 0 ? N0 : map == 1 ? N1 : N2;
+    uint4 words[STEPS][ROWS];  // every word of the block's rows this thread reads, in flight at once
+    for (int s = 0; s < STEPS; ++s)
+        for (int r = 0; r < ROWS; ++r)
+            if (tid + s * GROUP < WORDS) words[s][r] = reinterpret_cast<const uint4*>(w + (size_t)(row + r) * H)[tid + s * GROUP];
+    float acc[ROWS][BATCH] = {};
+    for (int t = 0; t < tokens; ++t)
+        for (int s = 0; s < STEPS; ++s) {
+            const int c = tid + s * GROUP;
+            if (c >= WORDS) break;
+            float v[PER];
+            load_floats<PER>(x + (size_t)(first + t) * H + c * PER, v);
+            for (int r = 0; r < ROWS; ++r) {
+                const auto* e = reinterpret_cast<const decltype(pointee(w0))*>(&words[s][r]);
+                for (int j = 0; j < PER; ++j) acc[r][t] += static_cast<float>(e[j]) * v[j];
+            }
+        }
+    __shared__ float part[GROUP / 32][ROWS * BATCH];
+    for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < BATCH; ++t) {
+            for (int d = 16; d > 0; d /= 2) acc[r][t] += __shfl_xor_sync(0xffffffff, acc[r][t], d);
+            if (tid % 32 == 0) part[tid / 32][r * BATCH + t] = acc[r][t];
+        }
+    __syncthreads();
+    if (tid >= ROWS * BATCH || tid % BATCH >= tokens) return;
+    const int t = first + tid % BATCH, col = row + tid / BATCH;
+    float v = 0.0f;
+    for (int k = 0; k < GROUP / 32; ++k) v += part[k][tid];
+    v = rounded_as(x, v);  // the product in x's dtype, as MLX's
+    if (map == 0) y0[(size_t)t * N0 + col] = v + ape0[(size_t)in_blocks[t] * N0 + col];
+    else if (map == 1) Y1[(size_t)t * N1 + col] = v + APE1[(size_t)in_blocks[t] * N1 + col];
+    else Y2[(size_t)t * N2 + col] = v * SCALE;
+"""
+_LOGGED_GROUP, _LOGGED_ROWS, _LOGGED_BATCH = 128, 2, 8
+
+
+@lru_cache(maxsize=None)
+def _logged_rows_kernel(maps, scale):
+    """The kernel for `maps` maps: one or two compressors' (offsets), then the indexer's (`scale`)."""
+    inputs, outputs = ["x", "in_blocks", "w0", "ape0"], ["y0"]
+    defines = f"#define MAPS {maps}\n#define SCALE {float(scale)!r}f\n"
+    if maps > 1:
+        inputs += ["w1", "ape1"]
+        outputs += ["y1"]
+    if maps > 2:
+        inputs += ["w2"]
+        outputs += ["y2"]
+    # the names a kernel of fewer maps lacks stand for the first map's (those lines are never reached)
+    defines += "".join(f"#define {name.upper()} {name if name in inputs + outputs else name[:-1] + '0'}\n"
+                       for name in ("w1", "ape1", "y1", "w2", "y2"))
+    return mx.fast.cuda_kernel(name=f"ds4_logged_rows_{maps}_{abs(hash(scale))}", input_names=inputs,
+                               output_names=outputs, source=defines + _LOGGED_ROWS_CUDA, header=_LOADS)
+
+
+def _logged_rows_cuda(x, in_blocks, maps):
+    T, H = x.shape
+    batch = min(T, _LOGGED_BATCH)
+    scale = maps[2][1] if len(maps) > 2 else 0.0
+    inputs = [x, in_blocks.astype(mx.int32)]
+    for w, extra in maps:
+        inputs += [w] + ([extra.astype(mx.float32)] if isinstance(extra, mx.array) else [])
+    sizes = [w.shape[0] for w, _ in maps] + [0] * (3 - len(maps))
+    return tuple(_logged_rows_kernel(len(maps), scale)(
+        inputs=inputs,
+        template=[("TOKENS", T), ("H", H), ("N0", sizes[0]), ("N1", sizes[1]), ("N2", sizes[2]), ("ROWS", _LOGGED_ROWS),
+                  ("BATCH", batch), ("GROUP", _LOGGED_GROUP), *_dtype_keys(inputs)],
+        grid=(sum(sizes) // _LOGGED_ROWS * _LOGGED_GROUP, -(-T // batch), 1), threadgroup=(_LOGGED_GROUP, 1, 1),
+        output_shapes=[(T, w.shape[0]) for w, _ in maps], output_dtypes=[mx.float32] * len(maps)))
+
+
+def _logged_rows_sample():
+    """Two compressors and the indexer's map for 9 tokens (two batches), and one compressor for one token."""
+    x, blocks = _random(9, 256), mx.array([0, 1, 2, 3, 0, 1, 2, 3, 1], mx.int32)
+    three = ((_random(16, 256, seed=1), _random(4, 16, seed=2)), (_random(8, 256, seed=3), _random(4, 8, seed=4)),
+             (_random(6, 256, seed=5), 0.125))
+    return [(x, blocks, three), (x[:1], blocks[:1], three[:1])]
+
+
+LOGGED_ROWS = Kernel("logged_rows", logged_rows_reference, _logged_rows_sample, 1e-4)
+LOGGED_ROWS.launches["cuda"] = _logged_rows_cuda
+
+
+def logged_rows(x, in_blocks, maps):
+    """`logged_rows_reference` in one launch on CUDA for a few tokens: up to two compressors' maps (offsets)
+    then at most one scaled; None where the kernel does not apply (a quantized map: None for its w; other
+    dtypes; the caller then runs its own path)."""
+    T, H = x.shape
+    kinds = [isinstance(extra, mx.array) for _, extra in maps]
+    fits = (T <= FEW_ROWS_MAX and 1 <= len(maps) <= 3 and kinds[: min(2, len(maps))] == [True] * min(2, len(maps))
+            and (len(maps) < 3 or not kinds[2]) and all(w is not None and w.dtype == x.dtype and w.shape[1] == H
+                                                         and w.shape[0] % _LOGGED_ROWS == 0 for w, _ in maps)
+            and (H * x.itemsize) % 16 == 0 and in_blocks is not None)
+    if not fits or LOGGED_ROWS.backend() is None:
+        return None
+    return LOGGED_ROWS.launches["cuda"](x, in_blocks, maps)
+
+
+# ---------------------------------------------------------------------------------------------
 # The hyper-connections' mixing weights for a few tokens: RMS-normalised flattened streams times `fn`.
 # A matrix product over [1, 16384] x [16384, 24] is a matrix-vector product with 24 rows, which keeps
 # 24 warps busy for ~23 us on the H200; here one block an output (it recomputes the norm: 64 KB of L2).
