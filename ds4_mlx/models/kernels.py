@@ -489,7 +489,7 @@ def _decode_attention_cuda(q, ring, fresh, rows, selected, pos, sinks, window, r
     B, nh, hd = q.shape
     i32 = mx.int32
     if visible is None:
-        visible = rows_visible(pos, ratio) if ratio else mx.zeros_like(pos)
+        visible = rows_visible(pos, ratio) if ratio else _first_rows(B)
     visible = visible.astype(i32).reshape(B)
     if rows is None:  # sliding window only: placeholders the kernel never reads
         rows = ring
@@ -978,7 +978,8 @@ TOP_ROWS.launches["cuda"] = _top_rows_cuda
 
 @lru_cache(maxsize=64)
 def _first_rows(n):
-    """[n] int32 zeros as data: every query reads the rows from the first on."""
+    """[n] int32 zeros as data (no node of a step's graph): every query reads the rows from the first on, and
+    a sliding layer's tokens see no compressed rows."""
     return mx.array(np.zeros(n, np.int32))
 
 
