@@ -342,6 +342,24 @@ def test_norm_rope_kernel_matches_reference(use):
     assert err <= (1e-5 if use == "float32" else 2 ** -7) * top, f"max |diff| {err:.2e}"
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("T,dtype", [(1, mx.bfloat16), (6, mx.float32)])
+def test_norm_rope_pair_is_each_launch_alone(T, dtype):
+    """The queries' heads and the kv row in one launch: the same bits as each in its own (real widths)."""
+    from ds4_mlx.models.numerics import Rope
+
+    positions = mx.arange(8185, 8185 + T).astype(mx.int32)
+    rope, key = Rope(64, 160000.0), mx.random.key(T)
+    q = mx.random.normal((T, 64 * 512), key=key).astype(dtype)
+    kv = mx.random.normal((T, 512), key=mx.random.key(1)).astype(dtype)
+    weight = (1 + 0.1 * mx.random.normal((512,), key=mx.random.key(2))).astype(dtype)
+    got = on_cuda(kernels.norm_rope_pair, q, kv, rope, positions, 512, (None, 1e-6), (weight, 1e-6), (T, 64, 512))
+    alone = (on_cuda(kernels.norm_rope, q, rope, positions, 512, (None, 1e-6), False, (T, 64, 512)),
+             on_cuda(kernels.norm_rope, kv, rope, positions, 512, (weight, 1e-6)))
+    for g, a in zip(got, alone):
+        assert g.shape == a.shape and g.dtype == a.dtype and mx.array_equal(g, a).item()
+
+
 def test_decode_attention_of_a_verify_is_each_row_decoded_in_turn():
     """A verify's rows (`consecutive`: one session's positions p, p + 1, ..., their fresh rows not yet in
     the ring) attend as if decoded one at a time, each after the rows before it were written into the ring;

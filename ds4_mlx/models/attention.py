@@ -10,7 +10,7 @@ from ds4_mlx.models.args import CSA, SLIDING, ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
 from ds4_mlx.models.kernels import (attend, decode_attention, fp4_rounding, fused_decode_attention, index_top_rows,
-                                    kv_rounding, logged_rows, norm_rope)
+                                    kv_rounding, logged_rows, norm_rope, norm_rope_pair)
 from ds4_mlx.models.linear import GroupedLinear, Linear, TransposedLinear, pair_product
 from ds4_mlx.models.numerics import Rope, counting, hadamard, write_rows
 
@@ -199,8 +199,9 @@ class Attention(nn.Module):
         low, kv = pair_product(self.q_a, self.kv, x)
         qr = self.q_a_norm(low)
         nh, hd = self.n_heads, self.head_dim
-        q = norm_rope(self.q_b(qr), self.rope, positions, hd, (None, self.args.rms_norm_eps), shape=(T, nh, hd))
-        return qr, q, norm_rope(kv, self.rope, positions, hd, (self.kv_norm.weight, self.kv_norm.eps))
+        q, kv = norm_rope_pair(self.q_b(qr), kv, self.rope, positions, hd, (None, self.args.rms_norm_eps),
+                               (self.kv_norm.weight, self.kv_norm.eps), shape=(T, nh, hd))
+        return qr, q, kv
 
     @compiled
     def _project_out(self, out, positions):

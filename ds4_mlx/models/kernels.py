@@ -533,14 +533,21 @@ def norm_rope_reference(x, rope, positions, width, norm=None, inverse=False, sha
 
 # A lane holds VALUES contiguous features (whole pairs) of its warp's row. Rounded as the MLX ops are:
 # the normed value to x's dtype, then times the weight in it; the rotation in float32 from those, to x's
-# dtype, then to the output's.
+# dtype, then to the output's. The pair form takes a second array's rows after the first's (the kv row
+# after the queries' heads: one launch), with their own weight, a row a token.
 _NORM_ROPE_CUDA = """
     constexpr int VALUES = D < 64 ? 2 : D / 32, PAIRS = VALUES / 2, FIRST_ROTATED = (D - ROTATED) / 2;
-    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= ROWS) return;
+    const int all_rows = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (all_rows >= ROWS + ROWS2) return;
+    const bool second = all_rows >= ROWS;
+    const int row = second ? all_rows - ROWS : all_rows;
+    const auto* x_in = second ? X2 : x;
+    const auto* scale = second ? WEIGHT2 : weight;
+    auto* y_out = second ? Y2 : y;
+    const bool weighted = second ? WEIGHTED2 : WEIGHTED;
     const bool mine = lane * VALUES < D;  // narrow rows leave lanes idle
     float v[VALUES] = {};
-    if (mine) load_floats<VALUES>(x + (size_t)row * D + lane * VALUES, v);
+    if (mine) load_floats<VALUES>(x_in + (size_t)row * D + lane * VALUES, v);
     if (NORM) {
         float squares = 0.0f;
         for (int i = 0; i < VALUES; ++i) squares += v[i] * v[i];
@@ -548,10 +555,10 @@ _NORM_ROPE_CUDA = """
         const float normalizer = rsqrtf(squares / D + EPS);
         for (int i = 0; i < VALUES && mine; ++i) {
             v[i] = rounded_as(x, v[i] * normalizer);
-            if (WEIGHTED) v[i] = rounded_as(x, static_cast<float>(weight[lane * VALUES + i]) * v[i]);
+            if (weighted) v[i] = rounded_as(x, static_cast<float>(scale[lane * VALUES + i]) * v[i]);
         }
     }
-    const float position = (INVERSE ? -1.0f : 1.0f) * static_cast<float>(positions[row / HEADS]);
+    const float position = (INVERSE ? -1.0f : 1.0f) * static_cast<float>(positions[second ? row : row / HEADS]);
     for (int p = 0; p < PAIRS; ++p) {
         const int pair = lane * PAIRS + p;
         float a = v[2 * p], b = v[2 * p + 1];
@@ -563,16 +570,21 @@ _NORM_ROPE_CUDA = """
         }
     }
     if (mine)
-        for (int i = 0; i < VALUES; ++i) store(y + (size_t)row * D + lane * VALUES + i, rounded_as(x, v[i]));
+        for (int i = 0; i < VALUES; ++i) store(y_out + (size_t)row * D + lane * VALUES + i, rounded_as(x, v[i]));
 """
 _NORM_ROPE_WARPS = 4
 
 
 @lru_cache(maxsize=None)
-def _norm_rope_kernel(eps):
-    return mx.fast.cuda_kernel(name=f"ds4_norm_rope_{abs(hash(eps))}",
-                               input_names=["x", "weight", "periods", "positions"], output_names=["y"],
-                               source=f"#define EPS {float(eps)!r}f\n" + _NORM_ROPE_CUDA, header=_LOADS)
+def _norm_rope_kernel(eps, pair=False):
+    # the single form's second array is none: its names stand for the first's (never reached)
+    single = "#define X2 x\n#define WEIGHT2 weight\n#define Y2 y\n#define ROWS2 0\n#define WEIGHTED2 0\n"
+    return mx.fast.cuda_kernel(name=f"ds4_norm_rope{'_pair' if pair else ''}_{abs(hash(eps))}",
+                               input_names=["x", "weight", "periods", "positions"] + (["x2", "weight2"] if pair else []),
+                               output_names=["y"] + (["y2"] if pair else []),
+                               source=f"#define EPS {float(eps)!r}f\n" + ("#define X2 x2\n#define WEIGHT2 weight2\n"
+                                                                         "#define Y2 y2\n" if pair else single)
+                               + _NORM_ROPE_CUDA, header=_LOADS)
 
 
 def _norm_rope_cuda(x, rope, positions, width, norm=None, inverse=False, shape=None, dtype=None):
@@ -586,6 +598,50 @@ def _norm_rope_cuda(x, rope, positions, width, norm=None, inverse=False, shape=N
                   ("WARPS", _NORM_ROPE_WARPS), *_dtype_keys(inputs), ("Y_TYPE", x.dtype if dtype is None else dtype)],
         grid=(-(-rows // _NORM_ROPE_WARPS) * _NORM_ROPE_WARPS * 32, 1, 1), threadgroup=(_NORM_ROPE_WARPS * 32, 1, 1),
         output_shapes=[x.shape if shape is None else shape], output_dtypes=[x.dtype if dtype is None else dtype])[0]
+
+
+def norm_rope_pair_reference(x, x2, rope, positions, width, norm, norm2, shape=None):
+    """(`norm_rope_reference` of x with `norm` in `shape`, and of x2 [T, width] with `norm2`)."""
+    return (norm_rope_reference(x, rope, positions, width, norm, shape=shape),
+            norm_rope_reference(x2, rope, positions, width, norm2))
+
+
+def _norm_rope_pair_cuda(x, x2, rope, positions, width, norm, norm2, shape=None):
+    rows = x.size // width
+    (weight, eps), weight2 = norm, norm2[0]
+    inputs = [x, x if weight is None else weight.astype(x.dtype), rope.periods, positions.astype(mx.int32), x2,
+              x2 if weight2 is None else weight2.astype(x.dtype)]
+    return tuple(_norm_rope_kernel(eps, pair=True)(
+        inputs=inputs,
+        template=[("D", width), ("ROTATED", rope.dim), ("ROWS", rows), ("ROWS2", x2.shape[0]),
+                  ("HEADS", rows // x.shape[0]), ("NORM", True), ("WEIGHTED", weight is not None),
+                  ("WEIGHTED2", weight2 is not None), ("INVERSE", False), ("WARPS", _NORM_ROPE_WARPS),
+                  *_dtype_keys(inputs), ("Y_TYPE", x.dtype)],
+        grid=(-(-(rows + x2.shape[0]) // _NORM_ROPE_WARPS) * _NORM_ROPE_WARPS * 32, 1, 1),
+        threadgroup=(_NORM_ROPE_WARPS * 32, 1, 1),
+        output_shapes=[x.shape if shape is None else shape, x2.shape], output_dtypes=[x.dtype, x.dtype]))
+
+
+def _norm_rope_pair_sample():
+    from ds4_mlx.models.numerics import Rope
+
+    rope, positions = Rope(16, 10000.0), mx.array([5, 900, 70000], mx.int32)
+    return (_random(3, 256), _random(3, 64, seed=1), rope, positions, 64, (None, 1e-6), (1 + 0.1 * _random(64), 1e-6),
+            (3, 4, 64))
+
+
+NORM_ROPE_PAIR = Kernel("norm_rope_pair", norm_rope_pair_reference, _norm_rope_pair_sample, 1e-2)
+NORM_ROPE_PAIR.launches["cuda"] = _norm_rope_pair_cuda
+
+
+def norm_rope_pair(x, x2, rope, positions, width, norm, norm2, shape=None):
+    """`norm_rope_pair_reference`: two arrays of rows at the same positions normed (each its own weight, one
+    eps) and rotated in one kernel on CUDA where `norm_rope` would take each."""
+    fits = (norm[1] == norm2[1] and x.dtype == x2.dtype and x2.shape == (x.shape[0], width)
+            and _norm_rope_fits(x, positions, width))
+    if not fits or NORM_ROPE_PAIR.backend() is None:
+        return (norm_rope(x, rope, positions, width, norm, shape=shape), norm_rope(x2, rope, positions, width, norm2))
+    return NORM_ROPE_PAIR.launches["cuda"](x, x2, rope, positions, width, norm, norm2, shape)
 
 
 def _norm_rope_sample():
