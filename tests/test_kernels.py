@@ -701,6 +701,22 @@ def test_a_kernel_wrong_in_one_of_its_forms_turns_itself_off(monkeypatch, capsys
     assert kernel.backend() == "fake"
 
 
+def test_every_self_check_runs_with_its_definition_as_the_launch(monkeypatch, capsys):
+    """On any device, each kernel's samples, definition and comparison go through its self-check, with the
+    definition standing in for the launch: a sample or comparison that could not run would turn a right
+    kernel off on a GPU."""
+    monkeypatch.setattr(kernels, "backend", lambda: "fake")
+    monkeypatch.setattr(kernels, "_enabled", True)
+    every = [k for k in vars(kernels).values() if isinstance(k, kernels.Kernel)]
+    every += [k for table in vars(kernels).values() if isinstance(table, dict) for k in table.values()
+              if isinstance(k, kernels.Kernel)]
+    assert len(every) >= 20
+    for kernel in every:
+        monkeypatch.setattr(kernel, "verdicts", {})
+        monkeypatch.setitem(kernel.launches, "fake", kernel.definition)
+        assert kernel.backend() == "fake", (kernel.name, capsys.readouterr().err)
+
+
 def test_the_routers_self_check_takes_any_order_of_the_same_experts(monkeypatch, capsys):
     """The definition leaves the order of the chosen experts open: a launch that returns them in another
     order (with their weights) passes; one that swaps an expert for another does not."""

@@ -906,8 +906,9 @@ def _index_scores_sample():
     return [pooled, shared]
 
 
-def _finite_and_masked(inputs, scores):
+def _finite_and_masked(inputs, result):
     """Scores compared as their finite values and where they are -inf (a difference of two -inf is NaN)."""
+    (scores,) = result
     masked = mx.isinf(scores)
     return mx.where(masked, 0.0, scores), masked.astype(mx.float32)
 
