@@ -360,6 +360,62 @@ def test_norm_rope_pair_is_each_launch_alone(T, dtype):
         assert g.shape == a.shape and g.dtype == a.dtype and mx.array_equal(g, a).item()
 
 
+def pooled_rows_float64(fresh, ring, block, in_blocks, open_row, weight, periods, ratio, overlap, eps):
+    """The compressor's pooled row of each token's open block in float64 with numpy (but the rotation's angle):
+    its own row from fresh (as the ring holds it), the per-channel softmax over the block's rows, the RMS norm,
+    the rotation of the last pairs to the block's first position."""
+    import numpy as np
+
+    B, n = block.shape
+    d, W = weight.size, fresh.shape[1] // 2
+    logged = np.array(ring.astype(mx.float32), np.float64)[np.array(block)]
+    logged[np.arange(B), n - ratio + np.array(in_blocks)] = np.array(fresh.astype(ring.dtype).astype(mx.float32))
+    kv, score = logged[..., :W], logged[..., W:]
+    if overlap:
+        before = (np.arange(n) < ratio)[None, :, None]
+        kv = np.where(before, kv[..., :d], kv[..., d:])
+        valid = (np.array(open_row) >= 1)[:, None, None]
+        score = np.where(before, np.where(valid, score[..., :d], -np.inf), score[..., d:])
+    e = np.exp(score - score.max(axis=1, keepdims=True))
+    pooled = (e / e.sum(axis=1, keepdims=True) * kv).sum(axis=1)
+    y = pooled / np.sqrt((pooled ** 2).mean(axis=1, keepdims=True) + eps) * np.array(weight.astype(mx.float32))
+    periods = np.array(periods, np.float32)
+    first = d // 2 - periods.size
+    # the angle as the kernels and MLX's RoPE take it, in float32 (at position 2^18 that alone is ~1e-2 off)
+    theta = ((np.array(open_row) * ratio).astype(np.float32)[:, None] * (np.float32(1) / periods)[None, :]).astype(
+        np.float64)
+    a, b = y[:, 2 * first :: 2].copy(), y[:, 2 * first + 1 :: 2].copy()
+    y[:, 2 * first :: 2], y[:, 2 * first + 1 :: 2] = a * np.cos(theta) - b * np.sin(theta), a * np.sin(theta) + b * np.cos(theta)
+    return y
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("head_dim,ratio,dtype", [(512, 4, mx.float32), (128, 4, mx.float32), (512, 128, mx.float16)])
+def test_pooled_rows_kernel_matches_float64(head_dim, ratio, dtype):
+    """A pooled step's compressor rows at the real widths (the ratio-4 compressor's 512 channels and the
+    indexer compressor's 128, overlapping; the heavy ratio's 128 rows of 512), 5 tokens of a pool of 3
+    sessions' rings, one token's block the first (no block before it)."""
+    import numpy as np
+
+    from ds4_mlx.models.numerics import Rope
+
+    overlap = ratio == 4
+    n, width = (2 if overlap else 1) * ratio, (2 if overlap else 1) * head_dim
+    capacity, B = n + 8, 5
+    rng = np.random.default_rng(head_dim + ratio)
+    ring = mx.array(rng.standard_normal((3 * capacity, 2 * width)), dtype)
+    sessions = np.array([0, 1, 2, 0, 1])
+    block = mx.array(sessions[:, None] * capacity + rng.integers(0, capacity, (B, n)), mx.int32)
+    fresh = mx.array(rng.standard_normal((B, 2 * width)), mx.float32)
+    in_blocks, open_row = mx.array(rng.integers(0, ratio, B), mx.int32), mx.array([0, 3, 70, 2047, 5], mx.int32)
+    weight, rope = mx.array(1 + 0.1 * rng.standard_normal(head_dim), mx.bfloat16), Rope(64, 160000.0)
+    got = on_cuda(kernels.pooled_rows, fresh, ring, block, in_blocks, open_row, weight, rope, ratio, overlap, 1e-6)
+    want = pooled_rows_float64(fresh, ring, block, in_blocks, open_row, weight, np.array(rope.periods), ratio, overlap,
+                               1e-6)
+    assert got.shape == (B, head_dim) and got.dtype == mx.float32
+    assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_decode_attention_of_a_verify_is_each_row_decoded_in_turn():
     """A verify's rows (`consecutive`: one session's positions p, p + 1, ..., their fresh rows not yet in
     the ring) attend as if decoded one at a time, each after the rows before it were written into the ring;

@@ -144,10 +144,9 @@ class Attention(nn.Module):
         """`_compress` for one token of each session: pool every session's open block (rows of positions
         still to come are junk) and write it as the block's row, which is read only once the block is
         complete (so no graph depends on which sessions complete one). -> the pooled buffer [S * rows, width]."""
-        arrays[ring], pooled = compressor.step_each(fresh, arrays[ring], write, block, slots.in_blocks,
-                                                    slots.open_row)
-        finished = rounding(self._finish(compressor, pooled, slots.open_row * compressor.ratio))
-        arrays[buffer] = write_rows(arrays[buffer], slots.row_write, finished)
+        arrays[ring], finished = compressor.step_each(fresh, arrays[ring], write, block, slots.in_blocks,
+                                                      slots.open_row, self.rope)
+        arrays[buffer] = write_rows(arrays[buffer], slots.row_write, rounding(finished))
         return arrays[buffer]
 
     def _attend_rows(self, q, window, compressed, selected, slots: Slots):

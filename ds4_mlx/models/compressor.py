@@ -7,6 +7,7 @@ import mlx.nn as nn
 from ds4_mlx.cache.geometry import overlaps
 from ds4_mlx.cache.slots import RingSlots, Slots
 from ds4_mlx.models.args import ModelArgs
+from ds4_mlx.models.kernels import pool_blocks_reference, pooled_rows
 from ds4_mlx.models.linear import TransposedLinear
 from ds4_mlx.models.numerics import counting, write_rows
 
@@ -50,32 +51,21 @@ class Compressor(nn.Module):
         prev_valid = (slots.first_row + blocks >= 1)[:, None, None]  # the very first block has none before it
         return ring, self.pool(source[mx.maximum(tokens, 0)], prev_valid)
 
-    def step_each(self, fresh, ring, write, block, in_blocks, open_row):
+    def step_each(self, fresh, ring, write, block, in_blocks, open_row, rope):
         """`step` for one token of each of B sessions whose rings are a pool's, flat [S * capacity, 2 * width]:
         log row b of `fresh` [B, 2 * width] at row `write`[b] of `ring`, and pool each token's block, whose
-        positions are the rows `block` [B, m] of `ring` (with overlap [B, 2m], the block before first). -> (the
-        rings written, pooled rows [B, head_dim] before norm and RoPE: junk where a block is not complete yet)."""
-        m, n = self.ratio, block.shape[1]
-        fresh = fresh.astype(ring.dtype)
-        logged = ring[block]  # read before the write (a ring of just the reach may take a row the block reads)
-        own = (counting(n)[None, :] == (n - m + in_blocks)[:, None])[..., None]  # each token's own row
-        logged = mx.where(own, fresh[:, None, :], logged)
-        ring = write_rows(ring, write, fresh)
-        return ring, self.pool(logged, (open_row >= 1)[:, None, None] if self.overlap else None)
+        positions are the rows `block` [B, m] of `ring` (with overlap [B, 2m], the block before first), then
+        norm it and rotate it (`rope`) to the block's first position. -> (the rings written, those rows [B,
+        head_dim]: junk where a block is not complete yet). One launch on CUDA (`kernels.pooled_rows`)."""
+        # read before the write (a ring of just the reach may take a row the block reads)
+        finished = pooled_rows(fresh, ring, block, in_blocks, open_row, self.norm.weight, rope, self.ratio,
+                               self.overlap, self.norm.eps)
+        return write_rows(ring, write, fresh), finished
 
     def pool(self, logged, prev_valid=None):
         """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap, each
         block comes after the one before it ([n, 2 * ratio, ...]), whose scores count only where `prev_valid`."""
-        W, d = self.width, self.head_dim
-        kv, score = logged[..., :W], logged[..., W:]
-        if self.overlap:
-            # the block before gives the first half of the channels and the block itself the second: a select
-            # by row, which fuses, where concatenating the halves would copy each
-            before = (counting(logged.shape[1]) < self.ratio)[None, :, None]
-            kv = mx.where(before, kv[..., :d], kv[..., d:])
-            score = mx.where(before, mx.where(prev_valid, score[..., :d], -mx.inf), score[..., d:])
-        weights = mx.softmax(score.astype(mx.float32), axis=1)
-        return (weights * kv).sum(axis=1)
+        return pool_blocks_reference(logged, self.ratio, self.head_dim, self.overlap, prev_valid)
 
 
 class Indexer(nn.Module):

@@ -1180,6 +1180,132 @@ def logged_rows(x, in_blocks, maps):
 
 
 # ---------------------------------------------------------------------------------------------
+# A pooled step's compressor rows (one decoded token of each of B sessions): each token's open block
+# pooled from its ring's rows (its own row fresh), normed and rotated to the block's first position. As
+# MLX ops that is a gather, the own row's select, the halves' selects, a softmax, a product and a sum,
+# the norm and the rotation, every step and compressor; here one launch, a block a token and a thread a
+# pair of channels, the softmax in three passes over the rows as MLX takes it (maximum, sum, weights).
+
+
+def pool_blocks_reference(logged, ratio, head_dim, overlap, prev_valid=None):
+    """Logged rows of whole blocks [n, rows, 2 * width] -> pooled rows [n, head_dim] (`Compressor.pool`): a
+    per-channel softmax of the scores over the rows weighting the kv values; with overlap (width twice the
+    head dim) each block comes after the one before it, which gives the first half of the channels and whose
+    scores count only where `prev_valid`."""
+    W, d = logged.shape[-1] // 2, head_dim
+    kv, score = logged[..., :W], logged[..., W:]
+    if overlap:
+        # the block before gives the first half of the channels and the block itself the second: a select
+        # by row, which fuses, where concatenating the halves would copy each
+        before = (counting(logged.shape[1]) < ratio)[None, :, None]
+        kv = mx.where(before, kv[..., :d], kv[..., d:])
+        score = mx.where(before, mx.where(prev_valid, score[..., :d], -mx.inf), score[..., d:])
+    weights = mx.softmax(score.astype(mx.float32), axis=1)
+    return (weights * kv).sum(axis=1)
+
+
+def pooled_rows_reference(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
+    """Each token's open block pooled (`pool_blocks_reference`: the ring's rows `block` [B, n], the token's
+    own row, n - ratio + in_blocks[b], from `fresh` [B, 2 * width]), normed with `norm_weight` and rotated to
+    the block's first position, open_row * ratio: -> [B, head_dim] float32."""
+    n = block.shape[1]
+    logged = ring[block]
+    own = (counting(n)[None, :] == (n - ratio + in_blocks)[:, None])[..., None]
+    logged = mx.where(own, fresh.astype(ring.dtype)[:, None, :], logged)
+    pooled = pool_blocks_reference(logged, ratio, norm_weight.shape[0], overlap,
+                                   (open_row >= 1)[:, None, None] if overlap else None)
+    return norm_rope_reference(pooled, rope, open_row * ratio, pooled.shape[-1],
+                               (norm_weight.astype(pooled.dtype), eps))
+
+
+_POOLED_ROWS_CUDA = """
+    constexpr int W = OVERLAP ? 2 * D : D, FIRST_ROTATED = (D - ROTATED) / 2, WARPS = (D / 2 + 31) / 32;
+    const int b = blockIdx.x, pair = threadIdx.x, lane = pair % 32;
+    const int own = N - M + in_blocks[b];
+    const bool prev_valid = !OVERLAP || open_row[b] >= 1;
+    const float minus_inf = __int_as_float(0xff800000);
+    auto row = [&](int r) { return ring + (size_t)block[(size_t)b * N + r] * (2 * W); };
+    auto value = [&](int r, int at) {  // row r's value `at`: the token's own from `fresh`, as the ring holds it
+        return r == own ? rounded_as(ring, static_cast<float>(fresh[(size_t)b * 2 * W + at]))
+                        : static_cast<float>(row(r)[at]);
+    };
+    float v[2];
+    for (int k = 0; k < 2; ++k) {
+        const int c = 2 * pair + k;
+        auto half = [&](int r) { return OVERLAP && r >= M ? D : 0; };
+        auto score = [&](int r) { return OVERLAP && r < M && !prev_valid ? minus_inf : value(r, W + half(r) + c); };
+        float top = minus_inf, total = 0.0f, sum = 0.0f;
+        for (int r = 0; r < N; ++r) top = fmaxf(top, score(r));
+        for (int r = 0; r < N; ++r) total += expf(score(r) - top);
+        for (int r = 0; r < N; ++r) sum += expf(score(r) - top) / total * value(r, half(r) + c);
+        v[k] = sum;
+    }
+    __shared__ float squares[WARPS];
+    float s = v[0] * v[0] + v[1] * v[1];
+    for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
+    if (lane == 0) squares[pair / 32] = s;
+    __syncthreads();
+    s = 0.0f;
+    for (int w = 0; w < WARPS; ++w) s += squares[w];
+    const float normalizer = rsqrtf(s / D + EPS);
+    for (int k = 0; k < 2; ++k) v[k] = static_cast<float>(weight[2 * pair + k]) * (v[k] * normalizer);
+    if (pair >= FIRST_ROTATED) {
+        const float theta = static_cast<float>(open_row[b] * M) * (1.0f / periods[pair - FIRST_ROTATED]);
+        const float c = cos(theta), sn = sin(theta), a = v[0];
+        v[0] = a * c - v[1] * sn;
+        v[1] = a * sn + v[1] * c;
+    }
+    y[(size_t)b * D + 2 * pair] = v[0];
+    y[(size_t)b * D + 2 * pair + 1] = v[1];
+"""
+
+
+@lru_cache(maxsize=None)
+def _pooled_rows_kernel(eps):
+    return mx.fast.cuda_kernel(name=f"ds4_pooled_rows_{abs(hash(eps))}",
+                               input_names=["fresh", "ring", "block", "in_blocks", "open_row", "weight", "periods"],
+                               output_names=["y"], source=f"#define EPS {float(eps)!r}f\n" + _POOLED_ROWS_CUDA,
+                               header=_LOADS)
+
+
+def _pooled_rows_cuda(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
+    B, n = block.shape
+    d = norm_weight.shape[0]
+    inputs = [fresh, ring, block.astype(mx.int32), in_blocks.astype(mx.int32), open_row.astype(mx.int32), norm_weight,
+              rope.periods]  # the weight read in its dtype: a cast would be a launch every step
+    return _pooled_rows_kernel(eps)(
+        inputs=inputs, template=[("N", n), ("M", ratio), ("D", d), ("OVERLAP", overlap), ("ROTATED", rope.dim),
+                                 *_dtype_keys(inputs)],
+        grid=(B * d // 2, 1, 1), threadgroup=(d // 2, 1, 1), output_shapes=[(B, d)], output_dtypes=[mx.float32])[0]
+
+
+def _pooled_rows_sample():
+    """Three tokens of a pool of two sessions' rings (8 rows of 2 x 2 x 32 values): the overlapping kind (the
+    first token's block with none before it), then the plain kind over a ring of float16."""
+    from ds4_mlx.models.numerics import Rope
+
+    rope, ring = Rope(16, 10000.0), _random(16, 128)
+    block = mx.array([[0, 0, 0, 0, 0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 0, 1, 2, 3]], mx.int32)
+    overlapping = (_random(3, 128, seed=1), ring, block, mx.array([1, 3, 0], mx.int32), mx.array([0, 5, 9], mx.int32),
+                   1 + 0.1 * _random(32, seed=2), rope, 4, True, 1e-6)
+    plain = (_random(2, 64, seed=3), ring.reshape(32, 64).astype(mx.float16), block[:2], mx.array([7, 2], mx.int32),
+             mx.array([3, 1], mx.int32), 1 + 0.1 * _random(32, seed=4), rope, 8, False, 1e-6)
+    return [overlapping, plain]
+
+
+POOLED_ROWS = Kernel("pooled_rows", pooled_rows_reference, _pooled_rows_sample, 1e-4)
+POOLED_ROWS.launches["cuda"] = _pooled_rows_cuda
+
+
+def pooled_rows(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
+    """`pooled_rows_reference`, one launch on CUDA (a head dim of pairs a block of threads holds)."""
+    d = norm_weight.shape[0]
+    if d % 2 or d // 2 > 1024 or fresh.shape[-1] != 2 * d * (2 if overlap else 1) or POOLED_ROWS.backend() is None:
+        return pooled_rows_reference(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps)
+    return POOLED_ROWS.launches["cuda"](fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps)
+
+
+# ---------------------------------------------------------------------------------------------
 # The hyper-connections' mixing weights for a few tokens: RMS-normalised flattened streams times `fn`.
 # A matrix product over [1, 16384] x [16384, 24] is a matrix-vector product with 24 rows, which keeps
 # 24 warps busy for ~23 us on the H200; here one block an output (it recomputes the norm: 64 KB of L2).
