@@ -360,21 +360,19 @@ def test_norm_rope_pair_is_each_launch_alone(T, dtype):
         assert g.shape == a.shape and g.dtype == a.dtype and mx.array_equal(g, a).item()
 
 
-def pooled_rows_float64(fresh, ring, block, in_blocks, open_row, weight, periods, ratio, overlap, eps):
-    """The compressor's pooled row of each token's open block in float64 with numpy (but the rotation's angle):
-    its own row from fresh (as the ring holds it), the per-channel softmax over the block's rows, the RMS norm,
-    the rotation of the last pairs to the block's first position."""
+def finished_rows_float64(logged, rows, weight, periods, ratio, overlap, eps):
+    """A compressor's finished rows in float64 with numpy (but the rotation's angle): the per-channel softmax
+    over each block's logged rows [n, span, 2 * width], the RMS norm, the rotation of the last pairs to the
+    block's first position (blocks `rows`)."""
     import numpy as np
 
-    B, n = block.shape
-    d, W = weight.size, fresh.shape[1] // 2
-    logged = np.array(ring.astype(mx.float32), np.float64)[np.array(block)]
-    logged[np.arange(B), n - ratio + np.array(in_blocks)] = np.array(fresh.astype(ring.dtype).astype(mx.float32))
+    n, d = logged.shape[0], weight.size
+    W = logged.shape[-1] // 2
     kv, score = logged[..., :W], logged[..., W:]
     if overlap:
-        before = (np.arange(n) < ratio)[None, :, None]
+        before = (np.arange(logged.shape[1]) < ratio)[None, :, None]
         kv = np.where(before, kv[..., :d], kv[..., d:])
-        valid = (np.array(open_row) >= 1)[:, None, None]
+        valid = (np.array(rows) >= 1)[:, None, None]
         score = np.where(before, np.where(valid, score[..., :d], -np.inf), score[..., d:])
     e = np.exp(score - score.max(axis=1, keepdims=True))
     pooled = (e / e.sum(axis=1, keepdims=True) * kv).sum(axis=1)
@@ -382,11 +380,27 @@ def pooled_rows_float64(fresh, ring, block, in_blocks, open_row, weight, periods
     periods = np.array(periods, np.float32)
     first = d // 2 - periods.size
     # the angle as the kernels and MLX's RoPE take it, in float32 (at position 2^18 that alone is ~1e-2 off)
-    theta = ((np.array(open_row) * ratio).astype(np.float32)[:, None] * (np.float32(1) / periods)[None, :]).astype(
+    theta = ((np.array(rows) * ratio).astype(np.float32)[:, None] * (np.float32(1) / periods)[None, :]).astype(
         np.float64)
     a, b = y[:, 2 * first :: 2].copy(), y[:, 2 * first + 1 :: 2].copy()
     y[:, 2 * first :: 2], y[:, 2 * first + 1 :: 2] = a * np.cos(theta) - b * np.sin(theta), a * np.sin(theta) + b * np.cos(theta)
     return y
+
+
+def _compressor_case(head_dim, ratio, dtype, B):
+    """A ring of a pool of 3 sessions at the real widths, fresh rows, a norm weight and the compressors' RoPE."""
+    import numpy as np
+
+    from ds4_mlx.models.numerics import Rope
+
+    overlap = ratio == 4
+    n, width = (2 if overlap else 1) * ratio, (2 if overlap else 1) * head_dim
+    capacity = n + 8
+    rng = np.random.default_rng(head_dim + ratio)
+    ring = mx.array(rng.standard_normal((3 * capacity, 2 * width)), dtype)
+    fresh = mx.array(rng.standard_normal((B, 2 * width)), mx.float32)
+    weight = mx.array(1 + 0.1 * rng.standard_normal(head_dim), mx.bfloat16)
+    return rng, overlap, n, capacity, ring, fresh, weight, Rope(64, 160000.0)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
@@ -397,22 +411,41 @@ def test_pooled_rows_kernel_matches_float64(head_dim, ratio, dtype):
     sessions' rings, one token's block the first (no block before it)."""
     import numpy as np
 
-    from ds4_mlx.models.numerics import Rope
-
-    overlap = ratio == 4
-    n, width = (2 if overlap else 1) * ratio, (2 if overlap else 1) * head_dim
-    capacity, B = n + 8, 5
-    rng = np.random.default_rng(head_dim + ratio)
-    ring = mx.array(rng.standard_normal((3 * capacity, 2 * width)), dtype)
-    sessions = np.array([0, 1, 2, 0, 1])
-    block = mx.array(sessions[:, None] * capacity + rng.integers(0, capacity, (B, n)), mx.int32)
-    fresh = mx.array(rng.standard_normal((B, 2 * width)), mx.float32)
+    B = 5
+    rng, overlap, n, capacity, ring, fresh, weight, rope = _compressor_case(head_dim, ratio, dtype, B)
+    block = mx.array(np.array([0, 1, 2, 0, 1])[:, None] * capacity + rng.integers(0, capacity, (B, n)), mx.int32)
     in_blocks, open_row = mx.array(rng.integers(0, ratio, B), mx.int32), mx.array([0, 3, 70, 2047, 5], mx.int32)
-    weight, rope = mx.array(1 + 0.1 * rng.standard_normal(head_dim), mx.bfloat16), Rope(64, 160000.0)
     got = on_cuda(kernels.pooled_rows, fresh, ring, block, in_blocks, open_row, weight, rope, ratio, overlap, 1e-6)
-    want = pooled_rows_float64(fresh, ring, block, in_blocks, open_row, weight, np.array(rope.periods), ratio, overlap,
-                               1e-6)
+    logged = np.array(ring.astype(mx.float32), np.float64)[np.array(block)]
+    logged[np.arange(B), n - ratio + np.array(in_blocks)] = np.array(fresh.astype(dtype).astype(mx.float32))
+    want = finished_rows_float64(logged, open_row, weight, np.array(rope.periods), ratio, overlap, 1e-6)
     assert got.shape == (B, head_dim) and got.dtype == mx.float32
+    assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
+@pytest.mark.parametrize("head_dim,ratio,dtype,T", [(512, 4, mx.float32, 6), (128, 4, mx.float32, 6),
+                                                    (512, 128, mx.float16, 300)])
+def test_completed_rows_kernel_matches_float64(head_dim, ratio, dtype, T):
+    """The blocks a step completes at the real widths: a verify's 6 rows completing two ratio-4 blocks (the
+    indexer compressor's too), a prefill piece of 300 tokens completing two heavy blocks; their rows in
+    the ring (a ring slot) or among the step's own (-1 - the row), as `RingSlots.blocks` gives them."""
+    import numpy as np
+
+    from ds4_mlx.cache.slots import block_sources
+
+    rng, overlap, n, capacity, ring, fresh, weight, rope = _compressor_case(head_dim, ratio, dtype, T)
+    ring = ring[:capacity] if ratio == 4 else mx.concatenate([ring] * 3)[: 3 * ratio]  # one session's ring
+    start = 8186 if ratio == 4 else 16384 - 50
+    first, last = start // ratio, (start + T) // ratio
+    sources = block_sources(start, first, last, ratio, ring.shape[0])
+    rows = mx.arange(first, last).astype(mx.int32)
+    got = on_cuda(kernels.completed_rows, fresh, ring, sources, rows, weight, rope, ratio, overlap, 1e-6)
+    s = np.array(sources)
+    logged = np.where((s < 0)[..., None], np.array(fresh.astype(dtype).astype(mx.float32), np.float64)[np.maximum(-1 - s, 0)],
+                      np.array(ring.astype(mx.float32), np.float64)[np.maximum(s, 0)])
+    want = finished_rows_float64(logged, rows, weight, np.array(rope.periods), ratio, overlap, 1e-6)
+    assert (s < 0).any() and (s >= 0).any() and got.shape == (last - first, head_dim)
     assert np.abs(np.array(got) - want).max() <= 1e-5 * np.abs(want).max()
 
 

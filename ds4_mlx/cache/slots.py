@@ -14,8 +14,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.cache.geometry import (frontier_start, in_block, overlaps, ring_slot, rows_done, rows_visible,
-                                    window_reach)
+from ds4_mlx.cache.geometry import in_block, overlaps, ring_slot, rows_done, rows_visible, window_reach
 
 
 class RingSlots(NamedTuple):
@@ -23,13 +22,15 @@ class RingSlots(NamedTuple):
     position order), and the slots its last rows go to (at most the ring's capacity of them)."""
     read: mx.array
     write: mx.array  # [k, 1]: a write's index as `numerics.write_rows` takes it
+    # a compressor's ring: [blocks, span] the rows of each block the step completes (with overlap the block
+    # before it first), a ring slot (>= 0) or -1 - the step's row (its tokens' own rows); None: none complete
+    blocks: Optional[mx.array] = None
 
 
 class Slots(NamedTuple):
     tokens: int  # T, the step's tokens, at positions start .. start + T - 1
     window: int  # the sliding window
     pooled: int  # compressed rows the step completes (0: it only logs compressor rows)
-    pool_offset: int  # where the first completed block starts in the compressor's read rows
     selecting: bool  # the indexer picks the compressed rows (more are visible than index_topk)
     rows: int  # compressed rows the step reads: its count rounded up to a whole bucket, a function of the
     # position alone (what the buffers held before does not change the shapes, so nor the numbers)
@@ -62,6 +63,15 @@ def ring_slots(start, tokens, back, capacity):
                      _write_index([ring_slot(p, capacity) for p in range(first_written, start + tokens)]))
 
 
+def block_sources(start, first, last, ratio, capacity):
+    """`RingSlots.blocks` of a compressor ring of `capacity` rows for the blocks first .. last - 1 that a step
+    from position `start` completes. A position before 0 (the block before the first) reads position 0,
+    whose scores the pooling then drops."""
+    span = 2 * ratio if overlaps(ratio) else ratio
+    positions = [[max(p, 0) for p in range((j + 1) * ratio - span, (j + 1) * ratio)] for j in range(first, last)]
+    return _ints([[ring_slot(p, capacity) if p < start else start - 1 - p for p in row] for row in positions])
+
+
 @lru_cache(maxsize=64)  # the layers of one kind share a step's slots: made once a step, not once a layer
 def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=0, index_capacity=0,
                index_topk=0, row_bucket=1):
@@ -72,16 +82,19 @@ def make_slots(start, tokens, *, window, ratio, raw_capacity, frontier_capacity=
     # one shape for every step of T tokens
     raw = ring_slots(start, tokens, window_reach(window), raw_capacity)
     if not ratio:
-        return Slots(tokens, window, 0, 0, False, 0, positions, None, None, None, raw, None, None)
+        return Slots(tokens, window, 0, False, 0, positions, None, None, None, raw, None, None)
     first, last = rows_done(start, ratio), rows_done(end, ratio)
-    lo = frontier_start(start, ratio)
-    pool_back = start - lo if last > first else 0  # nothing to pool: only log
-    frontier = ring_slots(start, tokens, pool_back, frontier_capacity)
-    index = ring_slots(start, tokens, pool_back, index_capacity) if index_capacity else None
+    # a compressor's ring is read only through the blocks the step completes
+    frontier = ring_slots(start, tokens, 0, frontier_capacity)
+    index = ring_slots(start, tokens, 0, index_capacity) if index_capacity else None
+    if last > first:
+        frontier = frontier._replace(blocks=block_sources(start, first, last, ratio, frontier_capacity))
+        if index is not None:
+            index = index._replace(blocks=block_sources(start, first, last, ratio, index_capacity))
     visible = [rows_visible(p, ratio) for p in range(start, end)]
     picks = np.array(visible) > index_topk if index_capacity else np.zeros(tokens, bool)
     rows = -(-last // row_bucket) * row_bucket
-    return Slots(tokens, window, last - first, first * ratio - lo, bool(picks[-1]), rows, positions,
+    return Slots(tokens, window, last - first, bool(picks[-1]), rows, positions,
                  _ints([in_block(p, ratio) for p in range(start, end)]), _ints(visible), mx.array(first, mx.int32),
                  raw, frontier, index, mx.array(picks) if picks[-1] and not picks.all() else None)
 

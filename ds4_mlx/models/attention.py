@@ -172,17 +172,11 @@ class Attention(nn.Module):
         """A compressor's part of a step on the named arrays: log its rows, pool the blocks the step
         completes into finished rows of `buffer`. -> the buffer's first `slots.rows` rows (rows from a
         token's visible count on are not valid for it)."""
-        arrays[ring], pooled = compressor.step(fresh, arrays[ring], at, slots)
-        if pooled is not None:
-            rows = slots.first_row + counting(slots.pooled)
-            finished = rounding(self._finish(compressor, pooled, rows * compressor.ratio))
-            arrays[buffer] = write_rows(arrays[buffer], rows, finished)
+        rows = slots.first_row + counting(slots.pooled) if slots.pooled else None
+        arrays[ring], finished = compressor.step(fresh, arrays[ring], at, rows, self.rope)
+        if finished is not None:
+            arrays[buffer] = write_rows(arrays[buffer], rows, rounding(finished))
         return arrays[buffer][: slots.rows]
-
-    def _finish(self, compressor, pooled, positions):
-        """Pooled rows [n, dim] normed and rotated to the positions [n] of their blocks' first tokens."""
-        norm = compressor.norm
-        return norm_rope(pooled, self.rope, positions, pooled.shape[-1], (norm.weight.astype(pooled.dtype), norm.eps))
 
     def _store_kv(self, kv, quant_sim):
         """kv rows [n, hd] as the cache holds them: under `quant_sim`, ds4's rounding (in float16, the cache's

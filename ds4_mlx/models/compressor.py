@@ -5,11 +5,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ds4_mlx.cache.geometry import overlaps
-from ds4_mlx.cache.slots import RingSlots, Slots
+from ds4_mlx.cache.slots import RingSlots
 from ds4_mlx.models.args import ModelArgs
-from ds4_mlx.models.kernels import pool_blocks_reference, pooled_rows
+from ds4_mlx.models.kernels import completed_rows, pool_blocks_reference, pooled_rows
 from ds4_mlx.models.linear import TransposedLinear
-from ds4_mlx.models.numerics import counting, write_rows
+from ds4_mlx.models.numerics import write_rows
 
 
 class Compressor(nn.Module):
@@ -33,23 +33,16 @@ class Compressor(nn.Module):
         a softmax)."""
         return self.kv_gate(xn).astype(mx.float32) + self.ape[in_blocks]
 
-    def step(self, fresh, ring, at: RingSlots, slots: Slots):
+    def step(self, fresh, ring, at: RingSlots, rows, rope):
         """Log a step's rows `fresh` [T, 2 * width] (`project`'s) in the ring's rows array, and pool the blocks
-        the step completes. -> (the ring's rows written, pooled rows [slots.pooled, head_dim] before norm and
-        RoPE, or None)."""
-        m = self.ratio
-        fresh = fresh.astype(ring.dtype)
-        source = mx.concatenate([ring[at.read], fresh]) if slots.pooled else None  # read before the write
-        ring = write_rows(ring, at.write, fresh[fresh.shape[0] - at.write.shape[0] :])
-        if not slots.pooled:
-            return ring, None
-        blocks = counting(slots.pooled)
-        span = 2 * m if self.overlap else m  # with overlap, each block comes after the one before it
-        tokens = slots.pool_offset + blocks[:, None] * m + counting(span)[None, :] - (span - m)  # in `source`
-        if not self.overlap:
-            return ring, self.pool(source[tokens])
-        prev_valid = (slots.first_row + blocks >= 1)[:, None, None]  # the very first block has none before it
-        return ring, self.pool(source[mx.maximum(tokens, 0)], prev_valid)
+        the step completes (`at.blocks`; their rows `rows` [n] of the buffer, or None), norm them and rotate
+        them (`rope`) to their first positions. -> (the ring's rows written, those rows [n, head_dim] or None).
+        One launch on CUDA (`kernels.completed_rows`)."""
+        finished = None
+        if rows is not None:  # read before the write (a ring of just the reach may take a row a block reads)
+            finished = completed_rows(fresh, ring, at.blocks, rows, self.norm.weight, rope, self.ratio, self.overlap,
+                                      self.norm.eps)
+        return write_rows(ring, at.write, fresh[fresh.shape[0] - at.write.shape[0] :]), finished
 
     def step_each(self, fresh, ring, write, block, in_blocks, open_row, rope):
         """`step` for one token of each of B sessions whose rings are a pool's, flat [S * capacity, 2 * width]:

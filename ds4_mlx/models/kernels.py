@@ -1180,11 +1180,13 @@ def logged_rows(x, in_blocks, maps):
 
 
 # ---------------------------------------------------------------------------------------------
-# A pooled step's compressor rows (one decoded token of each of B sessions): each token's open block
-# pooled from its ring's rows (its own row fresh), normed and rotated to the block's first position. As
-# MLX ops that is a gather, the own row's select, the halves' selects, a softmax, a product and a sum,
-# the norm and the rotation, every step and compressor; here one launch, a block a token and a thread a
-# pair of channels, the softmax in three passes over the rows as MLX takes it (maximum, sum, weights).
+# A compressor's finished rows: a pooled step's (one decoded token of each of B sessions: each token's
+# open block pooled from its ring's rows, its own row fresh), or the blocks a step of one session
+# completes (a verify's, a prefill chunk's: their rows in the ring or among the step's own), normed and
+# rotated to the block's first position. As MLX ops that is a gather (or two and a concatenation), the
+# own row's select, the halves' selects, a softmax, a product and a sum, the norm and the rotation; here
+# one launch, a block a pooled row and a thread a pair of channels, the softmax in three passes over the
+# rows as MLX takes it (maximum, sum, weights).
 
 
 def pool_blocks_reference(logged, ratio, head_dim, overlap, prev_valid=None):
@@ -1204,6 +1206,14 @@ def pool_blocks_reference(logged, ratio, head_dim, overlap, prev_valid=None):
     return (weights * kv).sum(axis=1)
 
 
+def _finished_rows(logged, rows, norm_weight, rope, ratio, overlap, eps):
+    """Logged rows of blocks [n, span, 2 * width] pooled, normed and rotated to their blocks' first positions
+    (blocks `rows` [n]) -> [n, head_dim] float32."""
+    pooled = pool_blocks_reference(logged, ratio, norm_weight.shape[0], overlap,
+                                   (rows >= 1)[:, None, None] if overlap else None)
+    return norm_rope_reference(pooled, rope, rows * ratio, pooled.shape[-1], (norm_weight.astype(pooled.dtype), eps))
+
+
 def pooled_rows_reference(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
     """Each token's open block pooled (`pool_blocks_reference`: the ring's rows `block` [B, n], the token's
     own row, n - ratio + in_blocks[b], from `fresh` [B, 2 * width]), normed with `norm_weight` and rotated to
@@ -1212,22 +1222,31 @@ def pooled_rows_reference(fresh, ring, block, in_blocks, open_row, norm_weight, 
     logged = ring[block]
     own = (counting(n)[None, :] == (n - ratio + in_blocks)[:, None])[..., None]
     logged = mx.where(own, fresh.astype(ring.dtype)[:, None, :], logged)
-    pooled = pool_blocks_reference(logged, ratio, norm_weight.shape[0], overlap,
-                                   (open_row >= 1)[:, None, None] if overlap else None)
-    return norm_rope_reference(pooled, rope, open_row * ratio, pooled.shape[-1],
-                               (norm_weight.astype(pooled.dtype), eps))
+    return _finished_rows(logged, open_row, norm_weight, rope, ratio, overlap, eps)
+
+
+def completed_rows_reference(fresh, ring, sources, rows, norm_weight, rope, ratio, overlap, eps):
+    """The blocks a step of T tokens completes (`RingSlots.blocks` [n, span]: ring rows, or -1 - a row of the
+    step's `fresh` [T, 2 * width]) pooled, normed and rotated to their first positions (blocks `rows` [n]):
+    -> [n, head_dim] float32."""
+    theirs = fresh.astype(ring.dtype)[mx.maximum(-1 - sources, 0)]
+    logged = mx.where((sources < 0)[..., None], theirs, ring[mx.maximum(sources, 0)])
+    return _finished_rows(logged, rows, norm_weight, rope, ratio, overlap, eps)
 
 
 _POOLED_ROWS_CUDA = """
     constexpr int W = OVERLAP ? 2 * D : D, FIRST_ROTATED = (D - ROTATED) / 2, WARPS = (D / 2 + 31) / 32;
     const int b = blockIdx.x, pair = threadIdx.x, lane = pair % 32;
-    const int own = N - M + in_blocks[b];
+    const int own = SOURCES ? -1 : N - M + in_blocks[b];
     const bool prev_valid = !OVERLAP || open_row[b] >= 1;
     const float minus_inf = __int_as_float(0xff800000);
-    auto row = [&](int r) { return ring + (size_t)block[(size_t)b * N + r] * (2 * W); };
-    auto value = [&](int r, int at) {  // row r's value `at`: the token's own from `fresh`, as the ring holds it
-        return r == own ? rounded_as(ring, static_cast<float>(fresh[(size_t)b * 2 * W + at]))
-                        : static_cast<float>(row(r)[at]);
+    // row r's value `at`: a ring row's, or one of the step's own rows from `fresh`, as the ring holds it (the
+    // pooled form: the token's own row; else a negative slot, -1 - the step's row)
+    auto value = [&](int r, int at) {
+        const int slot = block[(size_t)b * N + r];
+        const bool fresh_row = SOURCES ? slot < 0 : r == own;
+        return fresh_row ? rounded_as(ring, static_cast<float>(fresh[(size_t)(SOURCES ? -1 - slot : b) * 2 * W + at]))
+                         : static_cast<float>(ring[(size_t)slot * 2 * W + at]);
     };
     float v[2];
     for (int k = 0; k < 2; ++k) {
@@ -1268,14 +1287,15 @@ def _pooled_rows_kernel(eps):
                                header=_LOADS)
 
 
-def _pooled_rows_cuda(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
+def _pooled_rows_cuda(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps, sources=False):
+    """The launch of both forms: with `sources`, `block` holds `RingSlots.blocks` and `in_blocks` is unread."""
     B, n = block.shape
     d = norm_weight.shape[0]
     inputs = [fresh, ring, block.astype(mx.int32), in_blocks.astype(mx.int32), open_row.astype(mx.int32), norm_weight,
               rope.periods]  # the weight read in its dtype: a cast would be a launch every step
     return _pooled_rows_kernel(eps)(
         inputs=inputs, template=[("N", n), ("M", ratio), ("D", d), ("OVERLAP", overlap), ("ROTATED", rope.dim),
-                                 *_dtype_keys(inputs)],
+                                 ("SOURCES", sources), *_dtype_keys(inputs)],
         grid=(B * d // 2, 1, 1), threadgroup=(d // 2, 1, 1), output_shapes=[(B, d)], output_dtypes=[mx.float32])[0]
 
 
@@ -1297,12 +1317,40 @@ POOLED_ROWS = Kernel("pooled_rows", pooled_rows_reference, _pooled_rows_sample, 
 POOLED_ROWS.launches["cuda"] = _pooled_rows_cuda
 
 
-def pooled_rows(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
-    """`pooled_rows_reference`, one launch on CUDA (a head dim of pairs a block of threads holds)."""
+def _completed_rows_sample():
+    """Two blocks a step of 6 tokens completes on one session's ring of 16 rows, some of their rows the
+    step's own (the overlapping kind, the first block with none before it); one of the plain kind."""
+    *_, norm_weight, rope, _, _, eps = _pooled_rows_sample()[0]
+    ring, fresh = _random(16, 128), _random(6, 128, seed=5)
+    sources = mx.array([[0, 0, 0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, -1, -2, -3]], mx.int32)
+    plain = (fresh[:, :64], ring.reshape(32, 64).astype(mx.float16), mx.array([[9, 10, 11, -1, -2, -3, -4, -5]],
+             mx.int32), mx.array([7], mx.int32), norm_weight, rope, 8, False, eps)
+    return [(fresh, ring, sources, mx.array([0, 1], mx.int32), norm_weight, rope, 4, True, eps), plain]
+
+
+COMPLETED_ROWS = Kernel("completed_rows", completed_rows_reference, _completed_rows_sample, 1e-4)
+COMPLETED_ROWS.launches["cuda"] = lambda fresh, ring, sources, rows, *rest: _pooled_rows_cuda(
+    fresh, ring, sources, rows, rows, *rest, sources=True)
+
+
+def _finishes_in_one_launch(kernel, fresh, norm_weight, overlap):
+    """Whether the finished-rows kernel takes a compressor of this head dim (pairs a block of threads holds)."""
     d = norm_weight.shape[0]
-    if d % 2 or d // 2 > 1024 or fresh.shape[-1] != 2 * d * (2 if overlap else 1) or POOLED_ROWS.backend() is None:
+    return d % 2 == 0 and d // 2 <= 1024 and fresh.shape[-1] == 2 * d * (2 if overlap else 1) and kernel.backend()
+
+
+def pooled_rows(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
+    """`pooled_rows_reference`, one launch on CUDA."""
+    if not _finishes_in_one_launch(POOLED_ROWS, fresh, norm_weight, overlap):
         return pooled_rows_reference(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps)
     return POOLED_ROWS.launches["cuda"](fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps)
+
+
+def completed_rows(fresh, ring, sources, rows, norm_weight, rope, ratio, overlap, eps):
+    """`completed_rows_reference`, one launch on CUDA."""
+    if not _finishes_in_one_launch(COMPLETED_ROWS, fresh, norm_weight, overlap):
+        return completed_rows_reference(fresh, ring, sources, rows, norm_weight, rope, ratio, overlap, eps)
+    return COMPLETED_ROWS.launches["cuda"](fresh, ring, sources, rows, norm_weight, rope, ratio, overlap, eps)
 
 
 # ---------------------------------------------------------------------------------------------
