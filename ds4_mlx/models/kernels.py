@@ -1099,17 +1099,9 @@ _LOGGED_ROWS_CUDA = """
                 for (int j = 0; j < PER; ++j) acc[r][t] += static_cast<float>(e[j]) * v[j];
             }
         }
-    __shared__ float part[GROUP / 32][ROWS * BATCH];
-    for (int r = 0; r < ROWS; ++r)
-        for (int t = 0; t < BATCH; ++t) {
-            for (int d = 16; d > 0; d /= 2) acc[r][t] += __shfl_xor_sync(0xffffffff, acc[r][t], d);
-            if (tid % 32 == 0) part[tid / 32][r * BATCH + t] = acc[r][t];
-        }
-    __syncthreads();
+    float v = block_sums<ROWS, BATCH, GROUP>(acc, tid);
     if (tid >= ROWS * BATCH || tid % BATCH >= tokens) return;
     const int t = first + tid % BATCH, col = row + tid / BATCH;
-    float v = 0.0f;
-    for (int k = 0; k < GROUP / 32; ++k) v += part[k][tid];
     v = rounded_as(x, v);  // the product in x's dtype, as MLX's
     if (map == 0) y0[(size_t)t * N0 + col] = v + ape0[(size_t)in_blocks[t] * N0 + col];
     else if (map == 1) Y1[(size_t)t * N1 + col] = v + APE1[(size_t)in_blocks[t] * N1 + col];
@@ -1630,18 +1622,8 @@ _ROUTER_LOGITS_CUDA = """
             }
         }
     }
-    __shared__ float part[GROUP / 32][ROWS * BATCH];
-    for (int r = 0; r < ROWS; ++r)
-        for (int t = 0; t < BATCH; ++t) {
-            for (int d = 16; d > 0; d /= 2) acc[r][t] += __shfl_xor_sync(0xffffffff, acc[r][t], d);
-            if (tid % 32 == 0) part[tid / 32][r * BATCH + t] = acc[r][t];
-        }
-    __syncthreads();
-    if (tid < ROWS * BATCH && tid % BATCH < tokens) {
-        float sum = 0.0f;
-        for (int w = 0; w < GROUP / 32; ++w) sum += part[w][tid];
-        logits[(size_t)(first + tid % BATCH) * E + row + tid / BATCH] = sum;
-    }
+    const float sum = block_sums<ROWS, BATCH, GROUP>(acc, tid);
+    if (tid < ROWS * BATCH && tid % BATCH < tokens) logits[(size_t)(first + tid % BATCH) * E + row + tid / BATCH] = sum;
 """
 
 # The score of a logit, sqrt(softplus) with softplus as MLX's logaddexp(logit, 0)
@@ -2053,6 +2035,22 @@ __device__ inline void copies_done() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
+}
+
+// The sums over a block of GROUP threads of each one's acc[ROWS][BATCH]: thread i < ROWS * BATCH gets that of
+// row i / BATCH and token i % BATCH (the others 0), warp by warp in order
+template <int ROWS, int BATCH, int GROUP>
+__device__ inline float block_sums(float (&acc)[ROWS][BATCH], int tid) {
+    __shared__ float part[GROUP / 32][ROWS * BATCH];
+    for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < BATCH; ++t) {
+            for (int d = 16; d > 0; d /= 2) acc[r][t] += __shfl_xor_sync(0xffffffff, acc[r][t], d);
+            if (tid % 32 == 0) part[tid / 32][r * BATCH + t] = acc[r][t];
+        }
+    __syncthreads();
+    float sum = 0.0f;
+    for (int w = 0; w < GROUP / 32 && tid < ROWS * BATCH; ++w) sum += part[w][tid];
+    return sum;
 }
 
 // Byte j of `bytes` as a float, exactly and without an integer conversion: the byte set as the low bits of
