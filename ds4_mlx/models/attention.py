@@ -65,7 +65,8 @@ class Attention(nn.Module):
         """What the compressors log of x (`Compressor.project`) and, where the indexer selects, its head
         weights: one launch on CUDA for a few tokens (`kernels.logged_rows`)."""
         compressors = [self.compressor] + ([self.indexer.compressor] if self.kind == CSA else [])
-        maps = [(c.kv_gate, c.ape) for c in compressors] + ([(self.indexer.proj, self._index_scale)] if selecting else [])
+        maps = [(c.kv_gate, c.ape) for c in compressors]
+        maps += [(self.indexer.proj, self._index_scale)] if selecting else []
         logged = logged_rows(x, in_blocks, [(_plain_weight(layer), extra) for layer, extra in maps])
         if logged is not None:
             return logged

@@ -7,7 +7,7 @@ import mlx.nn as nn
 from ds4_mlx.cache.geometry import overlaps
 from ds4_mlx.cache.slots import RingSlots
 from ds4_mlx.models.args import ModelArgs
-from ds4_mlx.models.kernels import completed_rows, pool_blocks_reference, pooled_rows
+from ds4_mlx.models.kernels import completed_rows, pooled_rows
 from ds4_mlx.models.linear import TransposedLinear
 from ds4_mlx.models.numerics import write_rows
 
@@ -26,7 +26,6 @@ class Compressor(nn.Module):
         self.kv_gate = TransposedLinear(args.hidden_size, 2 * width)
         self.ape = mx.zeros((ratio, 2 * width))
         self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
-        self.width = width
 
     def project(self, xn, in_blocks):
         """The rows to log for tokens at offsets `in_blocks` in their blocks: kv | score, float32 (pooling is
@@ -54,11 +53,6 @@ class Compressor(nn.Module):
         finished = pooled_rows(fresh, ring, block, in_blocks, open_row, self.norm.weight, rope, self.ratio,
                                self.overlap, self.norm.eps)
         return write_rows(ring, write, fresh), finished
-
-    def pool(self, logged, prev_valid=None):
-        """Logged rows of whole blocks [n, ratio, 2 * width] -> pooled rows [n, head_dim]. With overlap, each
-        block comes after the one before it ([n, 2 * ratio, ...]), whose scores count only where `prev_valid`."""
-        return pool_blocks_reference(logged, self.ratio, self.head_dim, self.overlap, prev_valid)
 
 
 class Indexer(nn.Module):

@@ -580,7 +580,8 @@ def _norm_rope_kernel(eps, pair=False):
     # the single form's second array is none: its names stand for the first's (never reached)
     single = "#define X2 x\n#define WEIGHT2 weight\n#define Y2 y\n#define ROWS2 0\n#define WEIGHTED2 0\n"
     return mx.fast.cuda_kernel(name=f"ds4_norm_rope{'_pair' if pair else ''}_{abs(hash(eps))}",
-                               input_names=["x", "weight", "periods", "positions"] + (["x2", "weight2"] if pair else []),
+                               input_names=["x", "weight", "periods", "positions"]
+                               + (["x2", "weight2"] if pair else []),
                                output_names=["y"] + (["y2"] if pair else []),
                                source=f"#define EPS {float(eps)!r}f\n" + ("#define X2 x2\n#define WEIGHT2 weight2\n"
                                                                          "#define Y2 y2\n" if pair else single)
@@ -1086,7 +1087,8 @@ _LOGGED_ROWS_CUDA = """
     uint4 words[STEPS][ROWS];  // every word of the block's rows this thread reads, in flight at once
     for (int s = 0; s < STEPS; ++s)
         for (int r = 0; r < ROWS; ++r)
-            if (tid + s * GROUP < WORDS) words[s][r] = reinterpret_cast<const uint4*>(w + (size_t)(row + r) * H)[tid + s * GROUP];
+            if (tid + s * GROUP < WORDS)
+                words[s][r] = reinterpret_cast<const uint4*>(w + (size_t)(row + r) * H)[tid + s * GROUP];
     float acc[ROWS][BATCH] = {};
     for (int t = 0; t < tokens; ++t)
         for (int s = 0; s < STEPS; ++s) {
@@ -2257,9 +2259,9 @@ def _gguf_rows_kernel(limit=None, weighted=False):
     defines = f"#define GLU {int(glu)}\n#define LIMIT {float(limit or 0)!r}f\n" + ("" if glu else "#define up_w w\n")
     defines += f"#define PAIR_WEIGHT {'pair_weights[pair]' if weighted else '1.0f'}\n"
     name = "ds4_gguf_expert_rows" + (f"_glu_{abs(hash(limit))}" if glu else "") + ("_weighted" if weighted else "")
-    return mx.fast.cuda_kernel(name=name, input_names=["x", "w", "indices", "lattice", "ksigns"] + (["up_w"] if glu else [])
-                               + (["pair_weights"] if weighted else []),
-                               output_names=["y"], source=defines + _GGUF_ROWS_CUDA, header=_LOADS)
+    inputs = ["x", "w", "indices", "lattice", "ksigns"] + ["up_w"] * glu + ["pair_weights"] * weighted
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=["y"], source=defines + _GGUF_ROWS_CUDA,
+                               header=_LOADS)
 
 
 def _word(row_bytes):
@@ -2597,7 +2599,8 @@ _FEW_ROWS_TAIL = """
         }
         if (ADD) {  // the addend's terms summed, then the two rounded as the plain sums are
             float terms = 0.0f;
-            for (int j = 0; j < TERMS; ++j) terms += static_cast<float>(addend[((size_t)(i % M) * TERMS + j) * N + out0 + i / M]);
+            for (int j = 0; j < TERMS; ++j)
+                terms += static_cast<float>(addend[((size_t)(i % M) * TERMS + j) * N + out0 + i / M]);
             v = rounded_as(y, terms) + rounded_as(y, v);
         }
         store((second_map ? y2 : y) + at, v);
