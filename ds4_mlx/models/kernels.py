@@ -1294,16 +1294,17 @@ def _pooled_rows_cuda(fresh, ring, block, in_blocks, open_row, norm_weight, rope
 
 
 def _pooled_rows_sample():
-    """Three tokens of a pool of two sessions' rings (8 rows of 2 x 2 x 32 values): the overlapping kind (the
-    first token's block with none before it), then the plain kind over a ring of float16."""
+    """Three tokens of a pool of two sessions' rings (8 rows of 2 x 2 x 64 values): the overlapping kind (the
+    first token's block with none before it), then the plain kind over a ring of float16. A head dim of 64:
+    whole warps of pairs."""
     from ds4_mlx.models.numerics import Rope
 
-    rope, ring = Rope(16, 10000.0), _random(16, 128)
+    rope, ring = Rope(16, 10000.0), _random(16, 256)
     block = mx.array([[0, 0, 0, 0, 0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 0, 1, 2, 3]], mx.int32)
-    overlapping = (_random(3, 128, seed=1), ring, block, mx.array([1, 3, 0], mx.int32), mx.array([0, 5, 9], mx.int32),
-                   1 + 0.1 * _random(32, seed=2), rope, 4, True, 1e-6)
-    plain = (_random(2, 64, seed=3), ring.reshape(32, 64).astype(mx.float16), block[:2], mx.array([7, 2], mx.int32),
-             mx.array([3, 1], mx.int32), 1 + 0.1 * _random(32, seed=4), rope, 8, False, 1e-6)
+    overlapping = (_random(3, 256, seed=1), ring, block, mx.array([1, 3, 0], mx.int32), mx.array([0, 5, 9], mx.int32),
+                   1 + 0.1 * _random(64, seed=2), rope, 4, True, 1e-6)
+    plain = (_random(2, 128, seed=3), ring.reshape(32, 128).astype(mx.float16), block[:2], mx.array([7, 2], mx.int32),
+             mx.array([3, 1], mx.int32), 1 + 0.1 * _random(64, seed=4), rope, 8, False, 1e-6)
     return [overlapping, plain]
 
 
@@ -1315,9 +1316,9 @@ def _completed_rows_sample():
     """Two blocks a step of 6 tokens completes on one session's ring of 16 rows, some of their rows the
     step's own (the overlapping kind, the first block with none before it); one of the plain kind."""
     *_, norm_weight, rope, _, _, eps = _pooled_rows_sample()[0]
-    ring, fresh = _random(16, 128), _random(6, 128, seed=5)
+    ring, fresh = _random(16, 256), _random(6, 256, seed=5)
     sources = mx.array([[0, 0, 0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, -1, -2, -3]], mx.int32)
-    plain = (fresh[:, :64], ring.reshape(32, 64).astype(mx.float16), mx.array([[9, 10, 11, -1, -2, -3, -4, -5]],
+    plain = (fresh[:, :128], ring.reshape(32, 128).astype(mx.float16), mx.array([[9, 10, 11, -1, -2, -3, -4, -5]],
              mx.int32), mx.array([7], mx.int32), norm_weight, rope, 8, False, eps)
     return [(fresh, ring, sources, mx.array([0, 1], mx.int32), norm_weight, rope, 4, True, eps), plain]
 
@@ -1328,9 +1329,9 @@ COMPLETED_ROWS.launches["cuda"] = lambda fresh, ring, sources, rows, *rest: _poo
 
 
 def _finishes_in_one_launch(kernel, fresh, norm_weight, overlap):
-    """Whether the finished-rows kernel takes a compressor of this head dim (pairs a block of threads holds)."""
+    """Whether the finished-rows kernel takes a compressor of this head dim: its pairs whole warps of a block."""
     d = norm_weight.shape[0]
-    return d % 2 == 0 and d // 2 <= 1024 and fresh.shape[-1] == 2 * d * (2 if overlap else 1) and kernel.backend()
+    return d % 64 == 0 and d // 2 <= 1024 and fresh.shape[-1] == 2 * d * (2 if overlap else 1) and kernel.backend()
 
 
 def pooled_rows(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
