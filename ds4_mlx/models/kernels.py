@@ -1231,6 +1231,7 @@ def completed_rows_reference(fresh, ring, sources, rows, norm_weight, rope, rati
 _POOLED_ROWS_CUDA = """
     constexpr int W = OVERLAP ? 2 * D : D, FIRST_ROTATED = (D - ROTATED) / 2, WARPS = (D / 2 + 31) / 32;
     const int b = blockIdx.x, pair = threadIdx.x, lane = pair % 32;
+    const bool mine = pair < D / 2;  // the block is whole warps: the last one's spare lanes add zeros
     const int own = SOURCES ? -1 : N - M + in_blocks[b];
     const bool prev_valid = !OVERLAP || open_row[b] >= 1;
     const float minus_inf = __int_as_float(0xff800000);
@@ -1242,8 +1243,8 @@ _POOLED_ROWS_CUDA = """
         return fresh_row ? rounded_as(ring, static_cast<float>(fresh[(size_t)(SOURCES ? -1 - slot : b) * 2 * W + at]))
                          : static_cast<float>(ring[(size_t)slot * 2 * W + at]);
     };
-    float v[2];
-    for (int k = 0; k < 2; ++k) {
+    float v[2] = {0.0f, 0.0f};
+    for (int k = 0; k < 2 && mine; ++k) {
         const int c = 2 * pair + k;
         auto half = [&](int r) { return OVERLAP && r >= M ? D : 0; };
         auto score = [&](int r) { return OVERLAP && r < M && !prev_valid ? minus_inf : value(r, W + half(r) + c); };
@@ -1260,6 +1261,7 @@ _POOLED_ROWS_CUDA = """
     __syncthreads();
     s = 0.0f;
     for (int w = 0; w < WARPS; ++w) s += squares[w];
+    if (!mine) return;
     const float normalizer = rsqrtf(s / D + EPS);
     for (int k = 0; k < 2; ++k) v[k] = static_cast<float>(weight[2 * pair + k]) * (v[k] * normalizer);
     if (pair >= FIRST_ROTATED) {
@@ -1290,13 +1292,18 @@ def _pooled_rows_cuda(fresh, ring, block, in_blocks, open_row, norm_weight, rope
     return _pooled_rows_kernel(eps)(
         inputs=inputs, template=[("N", n), ("M", ratio), ("D", d), ("OVERLAP", overlap), ("ROTATED", rope.dim),
                                  ("SOURCES", sources), *_dtype_keys(inputs)],
-        grid=(B * d // 2, 1, 1), threadgroup=(d // 2, 1, 1), output_shapes=[(B, d)], output_dtypes=[mx.float32])[0]
+        grid=(B * _whole_warps(d // 2), 1, 1), threadgroup=(_whole_warps(d // 2), 1, 1), output_shapes=[(B, d)],
+        output_dtypes=[mx.float32])[0]
+
+
+def _whole_warps(threads):
+    return -(-threads // 32) * 32
 
 
 def _pooled_rows_sample():
     """Three tokens of a pool of two sessions' rings (8 rows of 2 x 2 x 64 values): the overlapping kind (the
-    first token's block with none before it), then the plain kind over a ring of float16. A head dim of 64:
-    whole warps of pairs."""
+    first token's block with none before it), then the plain kind over a ring of float16, at a head dim of 64
+    (whole warps of pairs) and 32 (a warp with spare lanes)."""
     from ds4_mlx.models.numerics import Rope
 
     rope, ring = Rope(16, 10000.0), _random(16, 256)
@@ -1305,7 +1312,9 @@ def _pooled_rows_sample():
                    1 + 0.1 * _random(64, seed=2), rope, 4, True, 1e-6)
     plain = (_random(2, 128, seed=3), ring.reshape(32, 128).astype(mx.float16), block[:2], mx.array([7, 2], mx.int32),
              mx.array([3, 1], mx.int32), 1 + 0.1 * _random(64, seed=4), rope, 8, False, 1e-6)
-    return [overlapping, plain]
+    narrow = (_random(2, 64, seed=3), ring.reshape(64, 64), block[:2], mx.array([7, 2], mx.int32),
+              mx.array([3, 1], mx.int32), 1 + 0.1 * _random(32, seed=4), rope, 8, False, 1e-6)
+    return [overlapping, plain, narrow]
 
 
 POOLED_ROWS = Kernel("pooled_rows", pooled_rows_reference, _pooled_rows_sample, 1e-4)
@@ -1329,9 +1338,9 @@ COMPLETED_ROWS.launches["cuda"] = lambda fresh, ring, sources, rows, *rest: _poo
 
 
 def _finishes_in_one_launch(kernel, fresh, norm_weight, overlap):
-    """Whether the finished-rows kernel takes a compressor of this head dim: its pairs whole warps of a block."""
+    """Whether the finished-rows kernel takes a compressor of this head dim (its pairs a block's threads)."""
     d = norm_weight.shape[0]
-    return d % 64 == 0 and d // 2 <= 1024 and fresh.shape[-1] == 2 * d * (2 if overlap else 1) and kernel.backend()
+    return d % 2 == 0 and d // 2 <= 1024 and fresh.shape[-1] == 2 * d * (2 if overlap else 1) and kernel.backend()
 
 
 def pooled_rows(fresh, ring, block, in_blocks, open_row, norm_weight, rope, ratio, overlap, eps):
