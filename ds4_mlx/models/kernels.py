@@ -1184,7 +1184,7 @@ def logged_rows(x, in_blocks, maps):
 
 
 def pool_blocks_reference(logged, ratio, head_dim, overlap, prev_valid=None):
-    """Logged rows of whole blocks [n, rows, 2 * width] -> pooled rows [n, head_dim] (`Compressor.pool`): a
+    """Logged rows of whole blocks [n, rows, 2 * width] -> pooled rows [n, head_dim] (a compressor's pooling): a
     per-channel softmax of the scores over the rows weighting the kv values; with overlap (width twice the
     head dim) each block comes after the one before it, which gives the first half of the channels and whose
     scores count only where `prev_valid`."""
