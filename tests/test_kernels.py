@@ -343,9 +343,11 @@ def test_norm_rope_kernel_matches_reference(use):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")
-@pytest.mark.parametrize("T,dtype", [(1, mx.bfloat16), (6, mx.float32)])
-def test_norm_rope_pair_is_each_launch_alone(T, dtype):
-    """The queries' heads and the kv row in one launch: the same bits as each in its own (real widths)."""
+@pytest.mark.parametrize("T,dtype,kv_dtype", [(1, mx.bfloat16, None), (6, mx.float32, None),
+                                              (6, mx.bfloat16, mx.float32)])
+def test_norm_rope_pair_is_each_launch_alone(T, dtype, kv_dtype):
+    """The queries' heads and the kv row in one launch (the kv row cast as its ring holds it, or not): the same
+    bits as each in its own (real widths)."""
     from ds4_mlx.models.numerics import Rope
 
     positions = mx.arange(8185, 8185 + T).astype(mx.int32)
@@ -353,9 +355,10 @@ def test_norm_rope_pair_is_each_launch_alone(T, dtype):
     q = mx.random.normal((T, 64 * 512), key=key).astype(dtype)
     kv = mx.random.normal((T, 512), key=mx.random.key(1)).astype(dtype)
     weight = (1 + 0.1 * mx.random.normal((512,), key=mx.random.key(2))).astype(dtype)
-    got = on_cuda(kernels.norm_rope_pair, q, kv, rope, positions, 512, (None, 1e-6), (weight, 1e-6), (T, 64, 512))
+    got = on_cuda(kernels.norm_rope_pair, q, kv, rope, positions, 512, (None, 1e-6), (weight, 1e-6), (T, 64, 512),
+                  kv_dtype)
     alone = (on_cuda(kernels.norm_rope, q, rope, positions, 512, (None, 1e-6), False, (T, 64, 512)),
-             on_cuda(kernels.norm_rope, kv, rope, positions, 512, (weight, 1e-6)))
+             on_cuda(kernels.norm_rope, kv, rope, positions, 512, (weight, 1e-6), False, None, kv_dtype))
     for g, a in zip(got, alone):
         assert g.shape == a.shape and g.dtype == a.dtype and mx.array_equal(g, a).item()
 

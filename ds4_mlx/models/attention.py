@@ -49,7 +49,7 @@ class Attention(nn.Module):
         """What the step's tokens compute from themselves alone, reading no cache (so the tokens of several
         sessions run it together): x [N, H] at `positions` [N], `in_blocks` [N] their offsets in their
         compressed blocks; `selecting`: some session's indexer picks its rows. -> rows by name, [N, ...] each."""
-        qr, q, kv = self._project(x, positions)
+        qr, q, kv = self._project(x, positions, not quant_sim)
         rows = {"q": q, "kv": self._store_kv(kv, quant_sim)}
         if self.kind == SLIDING:
             return rows
@@ -187,14 +187,17 @@ class Attention(nn.Module):
         return kv_rounding(kv, self.head_dim - self.args.qk_rope_head_dim, mx.float16)
 
     @compiled
-    def _project(self, x, positions):
-        """-> (q_a output [T, q_lora_rank], queries [T, nh, hd], kv rows [T, hd]) at `positions` [T]."""
+    def _project(self, x, positions, kv_in_float32):
+        """-> (q_a output [T, q_lora_rank], queries [T, nh, hd], kv rows [T, hd]) at `positions` [T]; the kv
+        rows in float32 where `kv_in_float32` (rounded to x's dtype all the same: the ring's dtype without
+        quant_sim, whose rounding takes them as they are)."""
         T = x.shape[0]
         low, kv = pair_product(self.q_a, self.kv, x)
         qr = self.q_a_norm(low)
         nh, hd = self.n_heads, self.head_dim
         q, kv = norm_rope_pair(self.q_b(qr), kv, self.rope, positions, hd, (None, self.args.rms_norm_eps),
-                               (self.kv_norm.weight, self.kv_norm.eps), shape=(T, nh, hd))
+                               (self.kv_norm.weight, self.kv_norm.eps), shape=(T, nh, hd),
+                               dtype2=mx.float32 if kv_in_float32 else None)
         return qr, q, kv
 
     @compiled

@@ -55,7 +55,7 @@ class DraftBlock(DecoderLayer):
         and the block's own T rows, where `mask` [T, S + T] (None: all of them). -> (streams, own rows)."""
         x, post, comb = self.attn_input(streams)
         attn = self.attn
-        _, q, kv = attn._project(x, start)
+        _, q, kv = attn._project(x, start, False)
         keys = mx.concatenate([context.astype(kv.dtype), kv]) if context is not None else kv
         T = x.shape[0]
         f32 = mx.float32

@@ -543,7 +543,6 @@ _NORM_ROPE_CUDA = """
     const int row = second ? all_rows - ROWS : all_rows;
     const auto* x_in = second ? X2 : x;
     const auto* scale = second ? WEIGHT2 : weight;
-    auto* y_out = second ? Y2 : y;
     const bool weighted = second ? WEIGHTED2 : WEIGHTED;
     const bool mine = lane * VALUES < D;  // narrow rows leave lanes idle
     float v[VALUES] = {};
@@ -569,8 +568,8 @@ _NORM_ROPE_CUDA = """
             v[2 * p + 1] = a * s + b * c;
         }
     }
-    if (mine)
-        for (int i = 0; i < VALUES; ++i) store(y_out + (size_t)row * D + lane * VALUES + i, rounded_as(x, v[i]));
+    const size_t at = (size_t)row * D + lane * VALUES;  // the two outputs' dtypes may differ
+    for (int i = 0; i < VALUES && mine; ++i) second ? store(Y2 + at + i, rounded_as(x, v[i])) : store(y + at + i, rounded_as(x, v[i]));
 """
 _NORM_ROPE_WARPS = 4
 
@@ -601,13 +600,13 @@ def _norm_rope_cuda(x, rope, positions, width, norm=None, inverse=False, shape=N
         output_shapes=[x.shape if shape is None else shape], output_dtypes=[x.dtype if dtype is None else dtype])[0]
 
 
-def norm_rope_pair_reference(x, x2, rope, positions, width, norm, norm2, shape=None):
-    """(`norm_rope_reference` of x with `norm` in `shape`, and of x2 [T, width] with `norm2`)."""
+def norm_rope_pair_reference(x, x2, rope, positions, width, norm, norm2, shape=None, dtype2=None):
+    """(`norm_rope_reference` of x with `norm` in `shape`, and of x2 [T, width] with `norm2`, cast to `dtype2`)."""
     return (norm_rope_reference(x, rope, positions, width, norm, shape=shape),
-            norm_rope_reference(x2, rope, positions, width, norm2))
+            norm_rope_reference(x2, rope, positions, width, norm2, dtype=dtype2))
 
 
-def _norm_rope_pair_cuda(x, x2, rope, positions, width, norm, norm2, shape=None):
+def _norm_rope_pair_cuda(x, x2, rope, positions, width, norm, norm2, shape=None, dtype2=None):
     rows = x.size // width
     (weight, eps), weight2 = norm, norm2[0]
     inputs = [x, x if weight is None else weight.astype(x.dtype), rope.periods, positions.astype(mx.int32), x2,
@@ -617,32 +616,36 @@ def _norm_rope_pair_cuda(x, x2, rope, positions, width, norm, norm2, shape=None)
         template=[("D", width), ("ROTATED", rope.dim), ("ROWS", rows), ("ROWS2", x2.shape[0]),
                   ("HEADS", rows // x.shape[0]), ("NORM", True), ("WEIGHTED", weight is not None),
                   ("WEIGHTED2", weight2 is not None), ("INVERSE", False), ("WARPS", _NORM_ROPE_WARPS),
-                  *_dtype_keys(inputs), ("Y_TYPE", x.dtype)],
+                  *_dtype_keys(inputs), ("Y_TYPE", x.dtype), ("Y2_TYPE", dtype2 or x.dtype)],
         grid=(-(-(rows + x2.shape[0]) // _NORM_ROPE_WARPS) * _NORM_ROPE_WARPS * 32, 1, 1),
         threadgroup=(_NORM_ROPE_WARPS * 32, 1, 1),
-        output_shapes=[x.shape if shape is None else shape, x2.shape], output_dtypes=[x.dtype, x.dtype]))
+        output_shapes=[x.shape if shape is None else shape, x2.shape], output_dtypes=[x.dtype, dtype2 or x.dtype]))
 
 
 def _norm_rope_pair_sample():
     from ds4_mlx.models.numerics import Rope
 
     rope, positions = Rope(16, 10000.0), mx.array([5, 900, 70000], mx.int32)
-    return (_random(3, 256), _random(3, 64, seed=1), rope, positions, 64, (None, 1e-6), (1 + 0.1 * _random(64), 1e-6),
-            (3, 4, 64))
+    return [(_random(3, 256), _random(3, 64, seed=1), rope, positions, 64, (None, 1e-6), (1 + 0.1 * _random(64), 1e-6),
+             (3, 4, 64)),
+            (_random(3, 256).astype(mx.bfloat16), _random(3, 64, seed=1).astype(mx.bfloat16), rope, positions, 64,
+             (None, 1e-6), (1 + 0.1 * _random(64), 1e-6), (3, 4, 64), mx.float32)]
 
 
 NORM_ROPE_PAIR = Kernel("norm_rope_pair", norm_rope_pair_reference, _norm_rope_pair_sample, 1e-2)
 NORM_ROPE_PAIR.launches["cuda"] = _norm_rope_pair_cuda
 
 
-def norm_rope_pair(x, x2, rope, positions, width, norm, norm2, shape=None):
+def norm_rope_pair(x, x2, rope, positions, width, norm, norm2, shape=None, dtype2=None):
     """`norm_rope_pair_reference`: two arrays of rows at the same positions normed (each its own weight, one
-    eps) and rotated in one kernel on CUDA where `norm_rope` would take each."""
+    eps) and rotated in one kernel on CUDA where `norm_rope` would take each; the second cast to `dtype2`
+    there (the kv row as its ring holds it: no cast of its own)."""
     fits = (norm[1] == norm2[1] and x.dtype == x2.dtype and x2.shape == (x.shape[0], width)
             and _norm_rope_fits(x, positions, width))
     if not fits or NORM_ROPE_PAIR.backend() is None:
-        return (norm_rope(x, rope, positions, width, norm, shape=shape), norm_rope(x2, rope, positions, width, norm2))
-    return NORM_ROPE_PAIR.launches["cuda"](x, x2, rope, positions, width, norm, norm2, shape)
+        return (norm_rope(x, rope, positions, width, norm, shape=shape),
+                norm_rope(x2, rope, positions, width, norm2, dtype=dtype2))
+    return NORM_ROPE_PAIR.launches["cuda"](x, x2, rope, positions, width, norm, norm2, shape, dtype2)
 
 
 def _norm_rope_sample():
