@@ -569,7 +569,8 @@ _NORM_ROPE_CUDA = """
         }
     }
     const size_t at = (size_t)row * D + lane * VALUES;  // the two outputs' dtypes may differ
-    for (int i = 0; i < VALUES && mine; ++i) second ? store(Y2 + at + i, rounded_as(x, v[i])) : store(y + at + i, rounded_as(x, v[i]));
+    for (int i = 0; i < VALUES && mine; ++i)
+        second ? store(Y2 + at + i, rounded_as(x, v[i])) : store(y + at + i, rounded_as(x, v[i]));
 """
 _NORM_ROPE_WARPS = 4
 
