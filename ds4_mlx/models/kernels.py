@@ -842,7 +842,7 @@ def index_scores_reference(qi, w, rows, visible, pool_rows, columns):
 
 
 _INDEX_SCORES_CUDA = """
-    constexpr int HL = NH / 32, WARPS = 4, ROWS = 8;  // a lane's heads; a warp's rows, four at a time
+    constexpr int HL = NH / 32;  // a lane's heads; a warp takes ROWS rows, four at a time
     __shared__ float q_t[D * (NH + 1)];  // [dim][head], a row padded so that the transposing writes spread
     __shared__ float weight[NH];
     __shared__ float staged[WARPS][4][D];
@@ -882,7 +882,7 @@ _INDEX_SCORES_CUDA = """
             if (lane == j && r0 + j < COLUMNS) scores[(size_t)t * COLUMNS + r0 + j] = s[j];
     }
 """
-_INDEX_SCORES_WARPS, _INDEX_SCORES_ROWS = 4, 8  # the kernel's WARPS and ROWS
+_INDEX_SCORES_WARPS, _INDEX_SCORES_ROWS = 4, 8  # warps a block, rows a warp
 
 
 @lru_cache(maxsize=None)
@@ -896,7 +896,8 @@ def _index_scores_cuda(qi, w, rows, visible, pool_rows, columns):
     inputs = [qi, w, rows, visible.astype(mx.int32), pool_rows.astype(mx.int32)]
     blocks = -(-columns // (_INDEX_SCORES_WARPS * _INDEX_SCORES_ROWS))
     return _index_scores_kernel()(
-        inputs=inputs, template=[("NH", heads), ("D", dim), ("COLUMNS", columns), *_dtype_keys(inputs)],
+        inputs=inputs, template=[("NH", heads), ("D", dim), ("COLUMNS", columns), ("WARPS", _INDEX_SCORES_WARPS),
+                                 ("ROWS", _INDEX_SCORES_ROWS), *_dtype_keys(inputs)],
         grid=(blocks * 32 * _INDEX_SCORES_WARPS, T, 1), threadgroup=(32 * _INDEX_SCORES_WARPS, 1, 1),
         output_shapes=[(T, columns)], output_dtypes=[mx.float32])[0]
 
@@ -929,7 +930,6 @@ def top_rows_reference(scores, k):
 
 
 _TOP_ROWS_CUDA = """
-    constexpr int THREADS = 1024;
     __shared__ unsigned hist[256];
     __shared__ unsigned long long picked[KP];  // key << 32 | row
     __shared__ unsigned warp_counts[THREADS / 32];
@@ -1009,6 +1009,7 @@ _TOP_ROWS_CUDA = """
     for (int i = tid; i < K; i += THREADS) picks[(size_t)t * K + i] = (unsigned)picked[i];
 """
 TOP_ROWS_MAX = 4096  # picks a query: KP keys of 8 bytes fill 32 KB of shared memory
+_TOP_ROWS_THREADS = 1024  # a block, a query
 
 
 @lru_cache(maxsize=None)
@@ -1021,8 +1022,10 @@ def _top_rows_cuda(scores, k):
     T, C = scores.shape
     K = min(k, C)
     return _top_rows_kernel()(
-        inputs=[scores], template=[("C", C), ("K", K), ("KP", 1 << (K - 1).bit_length())],
-        grid=(1024 * T, 1, 1), threadgroup=(1024, 1, 1), output_shapes=[(T, K)], output_dtypes=[mx.uint32])[0]
+        inputs=[scores],
+        template=[("C", C), ("K", K), ("KP", 1 << (K - 1).bit_length()), ("THREADS", _TOP_ROWS_THREADS)],
+        grid=(_TOP_ROWS_THREADS * T, 1, 1), threadgroup=(_TOP_ROWS_THREADS, 1, 1), output_shapes=[(T, K)],
+        output_dtypes=[mx.uint32])[0]
 
 
 def _top_rows_sample():
