@@ -917,7 +917,7 @@ def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, offset, dty
     """The kernel for routed experts kept in GGUF blocks against the `gguf` package's dequantization: each
     pair's row of x (consecutive pairs share one: a token's experts), x and the result in x's dtype. Rows
     a block takes need not divide the output rows, and an odd count leaves a warp one row; x may be a view
-    that starts `offset` values into its array, off a wide word."""
+    that starts `offset` values into its array, off a wide word. 16-bit x takes the tensor-core body."""
     import numpy as np
     import gguf.quants
     from gguf import GGMLQuantizationType as T
@@ -928,6 +928,7 @@ def test_gguf_rows_kernel_matches_gguf(codec, pairs, rows, out, inp, offset, dty
     x = mx.random.normal((rows * inp + offset,), key=mx.random.key(out)).astype(dtype)[offset:].reshape(rows, inp)
     indices = mx.random.randint(0, 16, (pairs,), key=mx.random.key(inp)).astype(mx.uint32)
     got = on_cuda(kernels.gguf_rows, x, w, indices, codec)
+    assert on_cuda(kernels._gguf_rows_tensor_cores, x, codec, w.shape[-1], False) == (dtype != mx.float32)
     values = gguf.quants.dequantize(np.array(w), T[codec.upper()])  # [16, out, inp]
     xs = np.repeat(np.array(x.astype(mx.float32), np.float64), pairs // rows, axis=0)
     want = np.einsum("pi,poi->po", xs, values[np.array(indices)].astype(np.float64))
@@ -956,6 +957,7 @@ def test_gguf_rows_glu_kernel_matches_gguf(codec, pairs, rows, out, dtype):
     x = mx.random.normal((rows, inp), key=mx.random.key(out)).astype(dtype)
     indices = mx.random.randint(0, 16, (pairs,), key=mx.random.key(inp)).astype(mx.uint32)
     got = on_cuda(kernels.gguf_rows_glu, x, gate, up, indices, codec, limit)
+    assert on_cuda(kernels._gguf_rows_tensor_cores, x, codec, gate.shape[-1], True) == (dtype != mx.float32)
     xs = np.repeat(np.array(x.astype(mx.float32), np.float64), pairs // rows, axis=0)
     g, u = (np.einsum("pi,poi->po", xs, gguf.quants.dequantize(np.array(m), T[codec.upper()])[np.array(indices)]
                       .astype(np.float64)) for m in (gate, up))
@@ -1273,7 +1275,8 @@ def test_few_rows_and_routed_experts_are_named_by_their_dtypes(monkeypatch):
 @pytest.mark.parametrize("variant", ["flash", "pro"])
 def test_gguf_rows_kernel_fits_every_real_width(variant):
     """The expert rows kernel stages x and each warp's rows in a block's shared memory: at V4 Flash's and
-    V4 PRO's widths, in every compute dtype, some block size fits (else decode takes the slow path)."""
+    V4 PRO's widths, in every compute dtype, some block size fits (else decode takes the slow path), and the
+    tensor-core body's block fits for 16-bit x."""
     from ds4_mlx.models import gguf_blocks
     from ds4_mlx.models.args import ModelArgs
     from ds4_mlx.models.variants import pro_args
@@ -1283,6 +1286,7 @@ def test_gguf_rows_kernel_fits_every_real_width(variant):
     for codec, inp in (("iq2_xxs", H), ("q2_k", inner)):
         for itemsize in (2, 4):
             assert kernels._gguf_rows_warps(codec, inp, itemsize, gguf_blocks.row_bytes(codec, inp)) is not None
+        assert kernels._gguf_rows_mma_fits(codec, inp, 2, gguf_blocks.row_bytes(codec, inp))  # bfloat16, float16
 
 
 def test_fused_verify_crossing_index_topk_matches_decoding_one_at_a_time(monkeypatch):

@@ -2116,6 +2116,47 @@ __device__ inline void mma_16816(const __half*, float c[4], const uint32_t a[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Codes under 128 as x's type through their bits (the GGUF rows kernel's tensor-core body): each code byte
+// under a high byte of 2^7 (bfloat16) or 2^10 (float16), that high byte's sign bit set where the code is
+// negative, less that power of two signed alike: exact.
+__device__ inline uint32_t power_bytes(const __nv_bfloat16*) { return 0x43434343u; }
+__device__ inline uint32_t power_bytes(const __half*) { return 0x64646464u; }
+
+// The high bytes of four codes whose signs are the 4 bits of `nibble` (bit k: code k negative)
+template <typename T>
+__device__ inline uint32_t sign_high_bytes(const T* x, uint32_t nibble) {
+    return ((nibble * 0x10204080u) & 0x80808080u) | power_bytes(x);  // bit k to bit 8 k + 7
+}
+
+__device__ inline uint32_t pair_less(const __nv_bfloat16*, uint32_t v, uint32_t c) {  // v - c, two at a time
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(c), "r"(0xBF80BF80u), "r"(v));
+    return d;
+}
+
+__device__ inline uint32_t pair_less(const __half*, uint32_t v, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(c), "r"(0xBC00BC00u), "r"(v));
+    return d;
+}
+
+// Codes B and B + 1 (bytes of `codes`) under bytes B and B + 1 of `high`, as a pair of x's type
+template <int B, typename T>
+__device__ inline uint32_t signed_pair(const T* x, uint32_t codes, uint32_t high) {
+    uint32_t v, power;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(codes), "r"(high), "n"(B | (4 + B) << 4 | (B + 1) << 8 | (5 + B) << 12));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(power) : "r"(high), "r"(0u), "n"(4 | B << 4 | 4 << 8 | (B + 1) << 12));
+    return pair_less(x, v, power);
+}
+
+// Codes B and B + 1 (non-negative) as a pair of x's type
+template <int B, typename T>
+__device__ inline uint32_t small_code_pair(const T* x, uint32_t codes) {
+    uint32_t v;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(codes), "r"(power_bytes(x)), "n"(B | 4 << 4 | (B + 1) << 8 | 5 << 12));
+    return pair_less(x, v, power_bytes(x) & 0xFF00FF00u);
+}
+
 // Eight 16-bit values from p as one word (`aligned`: p on 16 bytes; a row-contiguous view may start off one)
 template <typename T>
 __device__ inline uint4 eight_values(const T* p, bool aligned) {
@@ -2265,20 +2306,143 @@ _GGUF_ROWS_CUDA = """
         for (int r = 0; r < rows; ++r) store(y + (size_t)pair * OUT + first + r, acc[r] * PAIR_WEIGHT);
     }
 """
+# The rows kernel's tensor-core body, for bfloat16 and float16 x: a block of 4 warps takes 16 rows of one pair
+# (GLU: a tile's 8 rows of the gate matrix and the same 8 of the up one) as the A operand of m16n8k16 products,
+# the warps taking the row's blocks of 256 in turn, and x as B (every column the same row of x). A lane takes 8
+# values of a row in each span of 32 (IQ2_XXS: one lattice point; Q2_K: 4 codes in each of two groups of 16),
+# and the x beside them, so that both operands permute a span alike. Codes become x's type through their
+# bits: a code byte under a byte of 2^7 (bfloat16) or 2^10 (float16), the sign bit set from IQ2_XXS's signs,
+# then that power of two (signed alike) taken away, exactly. A span's or group's product is scaled in float32
+# into the running sums, as the float body scales its sums.
+_GGUF_ROWS_MMA_CUDA = """
+    typedef typename Word<WORD>::type word;
+    constexpr int WARPS = 4, OUTS = GLU ? 8 : 16, TILES = (OUT + OUTS - 1) / OUTS, ROW_BYTES = IN / 256 * BLOCK;
+    __shared__ __align__(16) uint8_t x_bytes[IN * sizeof(x[0])];
+    __shared__ __align__(16) uint8_t staged[16][STRIDE];
+    __shared__ __align__(16) uint2 grid_bytes[CODEC == 1 ? 256 : 1];
+    __shared__ uint8_t sign_bytes[CODEC == 1 ? 128 : 4];
+    __shared__ float partial[WARPS][16];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int pair = blockIdx.x / TILES, tile = blockIdx.x % TILES;
+    for (int r = warp; r < 16; r += WARPS) {  // A's rows; past the output's end, left unset and never stored
+        const int out_row = tile * OUTS + r % OUTS;
+        if (out_row >= OUT) continue;
+        const uint8_t* matrix = GLU && r >= 8 ? up_w : w;
+        const word* source = reinterpret_cast<const word*>(matrix + ((size_t)indices[pair] * OUT + out_row) * ROW_BYTES);
+        for (int i = lane; i < ROW_BYTES / WORD; i += 32) copy_word(reinterpret_cast<word*>(staged[r]) + i, source + i);
+    }
+    const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
+    if (reinterpret_cast<unsigned long long>(xv) % 16 == 0) {
+        for (int i = threadIdx.x; i < sizeof(x_bytes) / 16; i += WARPS * 32)
+            copy_word(reinterpret_cast<uint4*>(x_bytes) + i, reinterpret_cast<const uint4*>(xv) + i);
+    } else {  // a row-contiguous view may start off a word
+        for (int i = threadIdx.x; i < sizeof(x_bytes); i += WARPS * 32)
+            x_bytes[i] = reinterpret_cast<const uint8_t*>(xv)[i];
+    }
+    if (CODEC == 1) {
+        for (int i = threadIdx.x; i < 256 * 8 / 16; i += WARPS * 32)
+            copy_word(reinterpret_cast<uint4*>(grid_bytes) + i, reinterpret_cast<const uint4*>(lattice) + i);
+        for (int i = threadIdx.x; i < 128 / 16; i += WARPS * 32)
+            copy_word(reinterpret_cast<uint4*>(sign_bytes) + i, reinterpret_cast<const uint4*>(ksigns) + i);
+    }
+    copies_done();
+    __syncthreads();
+    const auto* xs = reinterpret_cast<decltype(&x[0])>(x_bytes);
+    const int row8 = lane / 4, quad = lane % 4;  // the fragments' groupID and threadID_in_group
+    const uint8_t* rows[2] = {staged[row8], staged[row8 + 8]};
+    float acc[2] = {0.0f, 0.0f};
+    for (int b = warp; b < IN / 256; b += WARPS) {
+        if (CODEC == 1) {
+            float d[2];
+            for (int r = 0; r < 2; ++r) d[r] = __half2float(*reinterpret_cast<const __half*>(rows[r] + b * BLOCK));
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                const uint4 xq = *reinterpret_cast<const uint4*>(xs + b * 256 + s * 32 + quad * 8);
+                uint32_t a[2][4];  // [k-tile][A register]
+                float db[2];
+                for (int r = 0; r < 2; ++r) {
+                    const uint8_t* sb = rows[r] + b * BLOCK + 2 + s * 8;
+                    const uint32_t aux = *reinterpret_cast<const uint16_t*>(sb + 4)
+                                       | (uint32_t)*reinterpret_cast<const uint16_t*>(sb + 6) << 16;
+                    db[r] = d[r] * (0.5f + small_int<0>(aux >> 28)) * 0.25f;
+                    const uint2 point = grid_bytes[sb[quad]];
+                    const uint32_t signs = sign_bytes[(aux >> (7 * quad)) & 127];
+                    const uint32_t high_lo = sign_high_bytes(x, signs & 0xF), high_hi = sign_high_bytes(x, signs >> 4);
+                    a[0][r] = signed_pair<0>(x, point.x, high_lo);
+                    a[0][r + 2] = signed_pair<2>(x, point.x, high_lo);
+                    a[1][r] = signed_pair<0>(x, point.y, high_hi);
+                    a[1][r + 2] = signed_pair<2>(x, point.y, high_hi);
+                }
+                float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_16816(x, dot, a[0], xq.x, xq.y);
+                mma_16816(x, dot, a[1], xq.z, xq.w);
+                acc[0] += db[0] * dot[0];
+                acc[1] += db[1] * dot[2];
+            }
+        } else {
+            uint32_t codes[2][4], scales[2][4];
+            float d[2], dmin[2];
+            for (int r = 0; r < 2; ++r) {
+                const uint8_t* blk = rows[r] + b * BLOCK;
+                for (int j = 0; j < 4; ++j) {  // j: the half of 128 (j / 2) and of 32 (j % 2) the codes are in
+                    codes[r][j] = *reinterpret_cast<const uint32_t*>(blk + 16 + (j / 2) * 32 + (j % 2) * 16 + quad * 4);
+                    scales[r][j] = *reinterpret_cast<const uint32_t*>(blk + j * 4);
+                }
+                d[r] = __half2float(*reinterpret_cast<const __half*>(blk + 80));
+                dmin[r] = __half2float(*reinterpret_cast<const __half*>(blk + 82));
+            }
+            // the block's sums of scale * code * x and of minimum * x: both factors small integers, exact in A
+            float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f}, low[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int g = 0; g < 16; ++g) {  // group g: x[16 g, 16 g + 16), codes g / 8 * 2 + g % 2 shifted by g % 8 / 2
+                const uint2 xq = *reinterpret_cast<const uint2*>(xs + b * 256 + g * 16 + quad * 4);
+                uint32_t a[4], m[4];
+                for (int r = 0; r < 2; ++r) {
+                    const uint32_t sc = scales[r][g / 4] >> (8 * (g % 4));
+                    const uint32_t c = (codes[r][g / 8 * 2 + g % 2] >> (2 * (g % 8 / 2))) & 0x03030303u;
+                    const uint32_t scaled = c * (sc & 0xF);  // each byte at most 3 * 15: no carries
+                    a[r] = small_code_pair<0>(x, scaled);
+                    a[r + 2] = small_code_pair<2>(x, scaled);
+                    m[r] = m[r + 2] = small_code_pair<0>(x, ((sc >> 4) & 0xF) * 0x101u);
+                }
+                mma_16816(x, dot, a, xq.x, xq.y);
+                mma_16816(x, low, m, xq.x, xq.y);
+            }
+            for (int r = 0; r < 2; ++r) acc[r] += d[r] * dot[2 * r] - dmin[r] * low[2 * r];
+        }
+    }
+    if (quad == 0) {  // every column of B is the same row of x: column 0's sums
+        partial[warp][row8] = acc[0];
+        partial[warp][row8 + 8] = acc[1];
+    }
+    __syncthreads();
+    const int out_row = tile * OUTS + threadIdx.x;
+    if (threadIdx.x >= OUTS || out_row >= OUT) return;
+    float v = 0.0f, u = 0.0f;
+    for (int k = 0; k < WARPS; ++k) v += partial[k][threadIdx.x];
+    if (GLU) {
+        for (int k = 0; k < WARPS; ++k) u += partial[k][threadIdx.x + 8];
+        store(y + (size_t)pair * OUT + out_row, clamped_swiglu(v, u, LIMIT));
+    } else {
+        store(y + (size_t)pair * OUT + out_row, v * PAIR_WEIGHT);
+    }
+"""
 _GGUF_CODECS = {"q2_k": 0, "iq2_xxs": 1}
 
 
 @lru_cache(maxsize=None)
-def _gguf_rows_kernel(limit=None, weighted=False):
+def _gguf_rows_kernel(limit=None, weighted=False, tensor_cores=False):
     """The rows kernel; with `limit`, its GLU form (gate and up matrices, the clamped SwiGLU of the two);
-    `weighted`: each pair's row times its weight (`pair_weights`) before the rounding."""
+    `weighted`: each pair's row times its weight (`pair_weights`) before the rounding; `tensor_cores`: the
+    body for bfloat16 and float16 x."""
     glu = limit is not None
     defines = f"#define GLU {int(glu)}\n#define LIMIT {float(limit or 0)!r}f\n" + ("" if glu else "#define up_w w\n")
     defines += f"#define PAIR_WEIGHT {'pair_weights[pair]' if weighted else '1.0f'}\n"
     name = "ds4_gguf_expert_rows" + (f"_glu_{abs(hash(limit))}" if glu else "") + ("_weighted" if weighted else "")
     inputs = ["x", "w", "indices", "lattice", "ksigns"] + ["up_w"] * glu + ["pair_weights"] * weighted
-    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=["y"], source=defines + _GGUF_ROWS_CUDA,
-                               header=_LOADS)
+    body = _GGUF_ROWS_MMA_CUDA if tensor_cores else _GGUF_ROWS_CUDA
+    return mx.fast.cuda_kernel(name=name + "_mma" * tensor_cores, input_names=inputs, output_names=["y"],
+                               source=defines + body, header=_LOADS)
 
 
 def _word(row_bytes):
@@ -2306,6 +2470,8 @@ def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None, weights=None):
     weights[p]."""
     from ds4_mlx.models import gguf_blocks
 
+    if _gguf_rows_tensor_cores(x, codec, w.shape[-1], up is not None):
+        return _gguf_rows_mma_cuda(x, w, indices, codec, up, limit, weights)
     (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
     warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
@@ -2372,6 +2538,69 @@ GGUF_ROWS_GLU = {codec: Kernel(f"gguf_rows_glu_{codec}", gguf_rows_glu_reference
 for _kernel in GGUF_ROWS_GLU.values():
     _kernel.launches["cuda"] = lambda x, gate, up, indices, codec, limit: _gguf_rows_cuda(x, gate, indices, codec,
                                                                                            up, limit)
+
+
+def _gguf_rows_stride(row_bytes):
+    """Bytes between the tensor-core body's staged rows: an odd number of 16-byte words, so that the 8 rows
+    of one load fall on different banks."""
+    words = -(-row_bytes // 16)
+    return 16 * (words + 1 - words % 2)
+
+
+def _gguf_rows_mma_fits(codec, inp, itemsize, row_bytes):
+    """Whether the tensor-core body's x, staged rows and tables fit a block's shared memory."""
+    tables = 256 * 8 + 128 if codec == "iq2_xxs" else 0
+    return inp * itemsize + 16 * _gguf_rows_stride(row_bytes) + tables + 4 * 16 * 4 <= _SHARED_BYTES
+
+
+def _gguf_rows_tensor_cores(x, codec, row_bytes, glu):
+    """Whether the tensor-core body takes x (bfloat16 or float16, fits, its self-check passed): a function of
+    the shapes and dtype, never of the pairs."""
+    return (x.dtype in (mx.bfloat16, mx.float16) and _gguf_rows_mma_fits(codec, x.shape[1], x.itemsize, row_bytes)
+            and (GGUF_ROWS_GLU_MMA if glu else GGUF_ROWS_MMA).backend() == "cuda")
+
+
+def _gguf_rows_mma_cuda(x, w, indices, codec, up=None, limit=None, weights=None):
+    """`_gguf_rows_cuda` through the tensor-core body (x bfloat16 or float16)."""
+    from ds4_mlx.models import gguf_blocks
+
+    (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
+    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
+    inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns] + ([] if up is None else [up])
+    inputs += [] if weights is None else [weights.astype(mx.float32)]
+    tiles = -(-out // (16 if up is None else 8))
+    return _gguf_rows_kernel(limit, weights is not None, tensor_cores=True)(
+        inputs=inputs,
+        template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
+                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])),
+                  ("STRIDE", _gguf_rows_stride(w.shape[-1])), *_dtype_keys(inputs)],
+        grid=(pairs * tiles * 128, 1, 1), threadgroup=(128, 1, 1), output_shapes=[(pairs, out)],
+        output_dtypes=[x.dtype])[0]
+
+
+def _gguf_rows_mma_samples(glu):
+    """`_gguf_rows_sample`'s inputs in bfloat16 and float16 for each codec (weighted, or through a second
+    matrix for the GLU form): a row of 512 (two blocks), 8 output rows (half a tile)."""
+    samples = []
+    for codec in _GGUF_CODECS:
+        x, w, indices, _ = _gguf_rows_sample(codec)
+        for dtype in (mx.bfloat16, mx.float16):
+            if glu:
+                samples.append(_gguf_rows_glu_sample(codec))
+                samples[-1] = (x.astype(dtype), *samples[-1][1:])
+            else:
+                samples.append((x.astype(dtype), w, indices, codec, _gguf_rows_weighted_sample(codec)[-1]))
+    return samples
+
+
+# x and the result 16-bit: the definition's float32 rounded to them may differ from the kernel's in the last bit
+GGUF_ROWS_MMA = Kernel("gguf_rows_tensor_cores", gguf_rows_reference, partial(_gguf_rows_mma_samples, False), 1e-2)
+GGUF_ROWS_MMA.launches["cuda"] = lambda x, w, indices, codec, weights=None: _gguf_rows_mma_cuda(
+    x, w, indices, codec, weights=weights)
+GGUF_ROWS_GLU_MMA = Kernel("gguf_rows_glu_tensor_cores", gguf_rows_glu_reference,
+                           partial(_gguf_rows_mma_samples, True), 1e-2)
+GGUF_ROWS_GLU_MMA.launches["cuda"] = lambda x, gate, up, indices, codec, limit: _gguf_rows_mma_cuda(
+    x, gate, indices, codec, up, limit)
 
 
 def _gguf_rows_apply(kernel, x, w, indices, codec):
