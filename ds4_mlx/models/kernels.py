@@ -2475,7 +2475,7 @@ def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None, weights=None):
     (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
     warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
-    inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns] + ([] if up is None else [up])
+    inputs = [x, w, indices, lattice, ksigns] + ([] if up is None else [up])
     inputs += [] if weights is None else [weights.astype(mx.float32)]
     outs_a_block = warps * (2 if up is None else 1)
     return _gguf_rows_kernel(limit, weights is not None)(
@@ -2566,7 +2566,7 @@ def _gguf_rows_mma_cuda(x, w, indices, codec, up=None, limit=None, weights=None)
 
     (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
-    inputs = [x, w, indices.astype(mx.uint32), lattice, ksigns] + ([] if up is None else [up])
+    inputs = [x, w, indices, lattice, ksigns] + ([] if up is None else [up])
     inputs += [] if weights is None else [weights.astype(mx.float32)]
     tiles = -(-out // (16 if up is None else 8))
     return _gguf_rows_kernel(limit, weights is not None, tensor_cores=True)(
