@@ -2056,6 +2056,24 @@ __device__ inline void copies_done() {
 #endif
 }
 
+// A pair's row of x and, where `tables`, IQ2_XXS's lattice and sign bytes, copied into a block's shared
+// memory by its `threads` threads (both bodies of the GGUF rows kernel); the caller waits (`copies_done`)
+template <typename T>
+__device__ inline void stage_row_and_tables(uint8_t* x_bytes, int bytes, const T* xv, uint2* grid_bytes,
+                                            uint8_t* sign_bytes, const uint8_t* lattice, const uint8_t* ksigns,
+                                            bool tables, int threads) {
+    if (reinterpret_cast<unsigned long long>(xv) % 16 == 0) {
+        for (int i = threadIdx.x; i < bytes / 16; i += threads)
+            copy_word(reinterpret_cast<uint4*>(x_bytes) + i, reinterpret_cast<const uint4*>(xv) + i);
+    } else {  // a row-contiguous view may start off a word
+        for (int i = threadIdx.x; i < bytes; i += threads) x_bytes[i] = reinterpret_cast<const uint8_t*>(xv)[i];
+    }
+    for (int i = threadIdx.x; tables && i < 256 * 8 / 16; i += threads)
+        copy_word(reinterpret_cast<uint4*>(grid_bytes) + i, reinterpret_cast<const uint4*>(lattice) + i);
+    for (int i = threadIdx.x; tables && i < 128 / 16; i += threads)
+        copy_word(reinterpret_cast<uint4*>(sign_bytes) + i, reinterpret_cast<const uint4*>(ksigns) + i);
+}
+
 // The sums over a block of GROUP threads of each one's acc[ROWS][BATCH]: thread i < ROWS * BATCH gets that of
 // row i / BATCH and token i % BATCH (the others 0), warp by warp in order
 template <int ROWS, int BATCH, int GROUP>
@@ -2144,7 +2162,8 @@ __device__ inline uint32_t pair_less(const __half*, uint32_t v, uint32_t c) {
 template <int B, typename T>
 __device__ inline uint32_t signed_pair(const T* x, uint32_t codes, uint32_t high) {
     uint32_t v, power;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(codes), "r"(high), "n"(B | (4 + B) << 4 | (B + 1) << 8 | (5 + B) << 12));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v)
+        : "r"(codes), "r"(high), "n"(B | (4 + B) << 4 | (B + 1) << 8 | (5 + B) << 12));
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(power) : "r"(high), "r"(0u), "n"(4 | B << 4 | 4 << 8 | (B + 1) << 12));
     return pair_less(x, v, power);
 }
@@ -2153,7 +2172,8 @@ __device__ inline uint32_t signed_pair(const T* x, uint32_t codes, uint32_t high
 template <int B, typename T>
 __device__ inline uint32_t small_code_pair(const T* x, uint32_t codes) {
     uint32_t v;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(codes), "r"(power_bytes(x)), "n"(B | 4 << 4 | (B + 1) << 8 | 5 << 12));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v)
+        : "r"(codes), "r"(power_bytes(x)), "n"(B | 4 << 4 | (B + 1) << 8 | 5 << 12));
     return pair_less(x, v, power_bytes(x) & 0xFF00FF00u);
 }
 
@@ -2232,19 +2252,8 @@ _GGUF_ROWS_CUDA = """
         for (int i = lane; i < ROW_WORDS; i += 32) copy_word(&staged[warp * 2 + r][i], source + i);
     }
     const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
-    if (reinterpret_cast<unsigned long long>(xv) % 16 == 0) {
-        for (int i = threadIdx.x; i < sizeof(x_bytes) / 16; i += WARPS * 32)
-            copy_word(reinterpret_cast<uint4*>(x_bytes) + i, reinterpret_cast<const uint4*>(xv) + i);
-    } else {  // a row-contiguous view may start off a word
-        for (int i = threadIdx.x; i < sizeof(x_bytes); i += WARPS * 32)
-            x_bytes[i] = reinterpret_cast<const uint8_t*>(xv)[i];
-    }
-    if (CODEC == 1) {
-        for (int i = threadIdx.x; i < 256 * 8 / 16; i += WARPS * 32)
-            copy_word(reinterpret_cast<uint4*>(grid_bytes) + i, reinterpret_cast<const uint4*>(lattice) + i);
-        for (int i = threadIdx.x; i < 128 / 16; i += WARPS * 32)
-            copy_word(reinterpret_cast<uint4*>(sign_bytes) + i, reinterpret_cast<const uint4*>(ksigns) + i);
-    }
+    stage_row_and_tables(x_bytes, sizeof(x_bytes), xv, grid_bytes, sign_bytes, lattice, ksigns, CODEC == 1,
+                         WARPS * 32);
     copies_done();
     __syncthreads();
     if (rows <= 0) return;
@@ -2320,7 +2329,7 @@ _GGUF_ROWS_MMA_CUDA = """
     __shared__ __align__(16) uint8_t x_bytes[IN * sizeof(x[0])];
     __shared__ __align__(16) uint8_t staged[16][STRIDE];
     __shared__ __align__(16) uint2 grid_bytes[CODEC == 1 ? 256 : 1];
-    __shared__ uint8_t sign_bytes[CODEC == 1 ? 128 : 4];
+    __shared__ __align__(16) uint8_t sign_bytes[CODEC == 1 ? 128 : 16];
     __shared__ float partial[WARPS][16];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int pair = blockIdx.x / TILES, tile = blockIdx.x % TILES;
@@ -2328,23 +2337,13 @@ _GGUF_ROWS_MMA_CUDA = """
         const int out_row = tile * OUTS + r % OUTS;
         if (out_row >= OUT) continue;
         const uint8_t* matrix = GLU && r >= 8 ? up_w : w;
-        const word* source = reinterpret_cast<const word*>(matrix + ((size_t)indices[pair] * OUT + out_row) * ROW_BYTES);
+        const size_t row = (size_t)indices[pair] * OUT + out_row;
+        const word* source = reinterpret_cast<const word*>(matrix + row * ROW_BYTES);
         for (int i = lane; i < ROW_BYTES / WORD; i += 32) copy_word(reinterpret_cast<word*>(staged[r]) + i, source + i);
     }
     const auto* xv = x + (size_t)(pair / (PAIRS / XROWS)) * IN;  // consecutive pairs share a row of x
-    if (reinterpret_cast<unsigned long long>(xv) % 16 == 0) {
-        for (int i = threadIdx.x; i < sizeof(x_bytes) / 16; i += WARPS * 32)
-            copy_word(reinterpret_cast<uint4*>(x_bytes) + i, reinterpret_cast<const uint4*>(xv) + i);
-    } else {  // a row-contiguous view may start off a word
-        for (int i = threadIdx.x; i < sizeof(x_bytes); i += WARPS * 32)
-            x_bytes[i] = reinterpret_cast<const uint8_t*>(xv)[i];
-    }
-    if (CODEC == 1) {
-        for (int i = threadIdx.x; i < 256 * 8 / 16; i += WARPS * 32)
-            copy_word(reinterpret_cast<uint4*>(grid_bytes) + i, reinterpret_cast<const uint4*>(lattice) + i);
-        for (int i = threadIdx.x; i < 128 / 16; i += WARPS * 32)
-            copy_word(reinterpret_cast<uint4*>(sign_bytes) + i, reinterpret_cast<const uint4*>(ksigns) + i);
-    }
+    stage_row_and_tables(x_bytes, sizeof(x_bytes), xv, grid_bytes, sign_bytes, lattice, ksigns, CODEC == 1,
+                         WARPS * 32);
     copies_done();
     __syncthreads();
     const auto* xs = reinterpret_cast<decltype(&x[0])>(x_bytes);
