@@ -11,7 +11,7 @@ from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.compressor import Compressor, Indexer
 from ds4_mlx.models.kernels import (attend, decode_attention, fp4_rounding, fused_decode_attention, index_top_rows,
                                     kv_rounding, logged_rows, norm_rope, norm_rope_pair)
-from ds4_mlx.models.linear import GroupedLinear, Linear, TransposedLinear, pair_product
+from ds4_mlx.models.linear import GroupedLinear, Linear, pair_product
 from ds4_mlx.models.numerics import Rope, counting, hadamard, write_rows
 
 
@@ -249,7 +249,7 @@ class Attention(nn.Module):
 def _plain_weight(layer):
     """A dense float layer's weight [out, in] as the file holds it (row-contiguous, no copy), or None for a
     quantized one."""
-    return layer.weight.T if isinstance(layer, TransposedLinear) else None
+    return layer.weight if isinstance(layer, Linear) else None
 
 
 def _index_rounding(quant_sim):

@@ -8,7 +8,7 @@ from ds4_mlx.cache.geometry import overlaps
 from ds4_mlx.cache.slots import RingSlots
 from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.kernels import completed_rows, pooled_rows
-from ds4_mlx.models.linear import TransposedLinear
+from ds4_mlx.models.linear import Linear, TransposedLinear
 from ds4_mlx.models.numerics import write_rows
 
 
@@ -23,7 +23,7 @@ class Compressor(nn.Module):
         width = head_dim * (2 if self.overlap else 1)
         # the file's kv and gate matrices stacked, and its score offsets (ape) beside zeros for the kv half
         # (`Model.sanitize`): a logged row is one product plus one row
-        self.kv_gate = TransposedLinear(args.hidden_size, 2 * width)
+        self.kv_gate = Linear(args.hidden_size, 2 * width)
         self.ape = mx.zeros((ratio, 2 * width))
         self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
 
@@ -62,5 +62,5 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
         self.q_b = TransposedLinear(args.q_lora_rank, self.n_heads * self.head_dim)
-        self.proj = TransposedLinear(args.hidden_size, self.n_heads)
+        self.proj = Linear(args.hidden_size, self.n_heads)
         self.compressor = Compressor(args, 4, self.head_dim)

@@ -10,7 +10,7 @@ from ds4_mlx.models.args import ModelArgs
 from ds4_mlx.models.compiling import compiled
 from ds4_mlx.models.kernels import (backend, clamped_swiglu, hashed_router, route_hashed, route_top_k,
                                     routed_experts, router)
-from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, TransposedLinear, gguf_expert_rows,
+from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, gguf_expert_rows,
                                   plus_product, swiglu_product)
 
 
@@ -34,7 +34,7 @@ class MoE(nn.Module):
         E, H, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
         self.args = args
         self.hashed = layer_id < args.num_hash_layers
-        self.gate = TransposedLinear(H, E)
+        self.gate = Linear(H, E)
         if self.hashed:
             self.tid2eid = mx.zeros((args.vocab_size, args.num_experts_per_tok), mx.int32)
         else:
@@ -66,13 +66,13 @@ class MoE(nn.Module):
         """-> (experts [T, k], their weights [T, k] float32): two kernels on CUDA for a few tokens, unless the
         router was quantized (then its own product, and the plain routing after it)."""
         args, gate = self.args, self.gate
-        if not isinstance(gate, TransposedLinear):
+        if not isinstance(gate, Linear):
             logits = gate(x.astype(mx.float32))
             if self.hashed:
                 chosen = self.tid2eid[ids]
                 return chosen, route_hashed(logits, chosen, args.routed_scaling_factor)
             return route_top_k(logits, self.bias, args.num_experts_per_tok, args.routed_scaling_factor)
-        weight = gate.weight.T  # [E, H] as the file holds it: row-contiguous, no copy
+        weight = gate.weight  # [E, H], as the file holds it
         if self.hashed:
             return hashed_router(x, weight, self.tid2eid, ids, args.routed_scaling_factor)
         return router(x, weight, self.bias, args.num_experts_per_tok, args.routed_scaling_factor)
