@@ -57,5 +57,4 @@ class HyperHead(nn.Module):
 def project(connection, streams):
     """The mixing weights of `connection` (a `HyperConnection` or `HyperHead`) for streams [T, hc, H]: their
     RMS-normed flattening times its `fn`, [T, rows of fn]."""
-    T, hc, H = streams.shape
-    return hc_project(streams.reshape(T, hc * H), connection.fn, connection.norm_eps)
+    return hc_project(streams, connection.fn, connection.norm_eps)

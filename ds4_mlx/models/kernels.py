@@ -1370,9 +1370,10 @@ def completed_rows(fresh, ring, sources, rows, norm_weight, rope, ratio, overlap
 # 24 warps busy for ~23 us on the H200; here one block an output (it recomputes the norm: 64 KB of L2).
 
 
-def hc_project_reference(flat, fn, eps):
-    """flat [T, n] float32, fn [m, n] float32 -> rms_norm(flat) @ fn.T, [T, m] float32."""
-    return mx.fast.rms_norm(flat, None, eps) @ fn.T
+def hc_project_reference(streams, fn, eps):
+    """streams [T, ...] float32 (a token's values flattened: n of them), fn [m, n] float32 -> rms_norm of
+    each token's values @ fn.T, [T, m] float32."""
+    return mx.fast.rms_norm(streams.reshape(streams.shape[0], -1), None, eps) @ fn.T
 
 
 # A block's dot products with a row of `fn` and sums of squares added up, by warps and then the warps'
@@ -1414,20 +1415,21 @@ def _hc_project_kernel(eps):
                                header=f"#define EPS {float(eps)!r}f\n" + _NORMED_DOT)
 
 
-def hc_project(flat, fn, eps):
-    """`hc_project_reference`, one kernel on CUDA for up to HC_PROJECT_MAX_TOKENS tokens."""
+def hc_project(streams, fn, eps):
+    """`hc_project_reference`, one kernel on CUDA for up to HC_PROJECT_MAX_TOKENS tokens (reading streams
+    flat, so that no reshape, a node of each step's graph, comes before it)."""
     kind = HC_PROJECT.backend()
-    if kind is None or flat.shape[0] > HC_PROJECT_MAX_TOKENS:
-        return hc_project_reference(flat, fn, eps)
-    return HC_PROJECT.launches[kind](flat, fn, eps)
+    if kind is None or streams.shape[0] > HC_PROJECT_MAX_TOKENS:
+        return hc_project_reference(streams, fn, eps)
+    return HC_PROJECT.launches[kind](streams, fn, eps)
 
 
-def _hc_project_cuda(flat, fn, eps):
-    T, n = flat.shape
+def _hc_project_cuda(streams, fn, eps):
+    T, n = streams.shape[0], streams.size // streams.shape[0]
     m = fn.shape[0]
     f32 = mx.float32
     return _hc_project_kernel(eps)(
-        inputs=[flat.astype(f32), fn.astype(f32)], template=[("N", n), ("M", m), ("GROUP", _PROJECT_GROUP)],
+        inputs=[streams.astype(f32), fn.astype(f32)], template=[("N", n), ("M", m), ("GROUP", _PROJECT_GROUP)],
         grid=(T * m * _PROJECT_GROUP, 1, 1), threadgroup=(_PROJECT_GROUP, 1, 1),
         output_shapes=[(T, m)], output_dtypes=[f32])[0]
 
@@ -1569,8 +1571,7 @@ def hc_post_project(out, streams, post, comb, fn, eps):
     `hc_post` and `hc_project`."""
     if streams.shape[0] > HC_PROJECT_MAX_TOKENS or HC_POST_PROJECT.backend() is None:
         mixed = hc_post(out, streams, post, comb)
-        T, hc, H = mixed.shape
-        return mixed, hc_project(mixed.reshape(T, hc * H), fn, eps)
+        return mixed, hc_project(mixed, fn, eps)
     return HC_POST_PROJECT.launches["cuda"](out, streams, post, comb, fn, eps)
 
 
@@ -2463,15 +2464,16 @@ def _gguf_rows_warps(codec, inp, itemsize, row_bytes):
 
 
 def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None, weights=None):
-    """x [X, in] (X divides P), w uint8 [E, out, row bytes], indices [P] -> [P, out] in x's dtype: pair p's
-    row of x (row p // (P / X)) through expert indices[p]; with `up` (w's shape) and `limit`, the clamped
-    SwiGLU of that (the gate) and the same through `up`; with `weights` (float32 [P]), pair p's row times
-    weights[p]."""
+    """x [..., in] (X rows, X dividing P), w uint8 [E, out, row bytes], indices [...] (P pairs, in order) ->
+    [..., out] (indices' shape) in x's dtype: pair p's row of x (row p // (P / X)) through expert indices[p];
+    with `up` (w's shape) and `limit`, the clamped SwiGLU of that (the gate) and the same through `up`; with
+    `weights` (float32, P of them), pair p's row times weights[p]. Kernels read every array flat: no
+    reshape, a node of each step's graph, is needed for any of them."""
     from ds4_mlx.models import gguf_blocks
 
     if _gguf_rows_tensor_cores(x, codec, w.shape[-1], up is not None):
         return _gguf_rows_mma_cuda(x, w, indices, codec, up, limit, weights)
-    (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
+    rows, inp, out, pairs = x.size // x.shape[-1], x.shape[-1], w.shape[1], indices.size
     warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
     inputs = [x, w, indices, lattice, ksigns] + ([] if up is None else [up])
@@ -2483,19 +2485,21 @@ def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None, weights=None):
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])), ("WARPS", warps),
                   *_dtype_keys(inputs)],
         grid=(pairs * -(-out // outs_a_block) * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(pairs, out)], output_dtypes=[x.dtype])[0]
+        output_shapes=[(*indices.shape, out)], output_dtypes=[x.dtype])[0]
 
 
 def gguf_rows_reference(x, w, indices, codec, weights=None):
     """`_gguf_rows_cuda`'s definition: each pair's expert dequantized (`gguf_blocks.dequantize`), then its
-    product with its row of x, in float32 (times its weight, float32 [P], where given), rounded to x's
-    dtype."""
+    product with its row of x, in float32 (times its weight, where given), rounded to x's dtype; [...,
+    out] in indices' shape."""
     from ds4_mlx.models import gguf_blocks
 
-    matrices = gguf_blocks.dequantize(w[indices], codec)  # [P, out, in]
-    rows = mx.repeat(x.astype(mx.float32), indices.size // x.shape[0], axis=0)
+    pairs, x = indices.reshape(-1), x.reshape(-1, x.shape[-1])
+    matrices = gguf_blocks.dequantize(w[pairs], codec)  # [P, out, in]
+    rows = mx.repeat(x.astype(mx.float32), pairs.size // x.shape[0], axis=0)
     y = (rows[:, None, :] @ matrices.swapaxes(-1, -2))[:, 0, :]
-    return (y if weights is None else y * weights.astype(mx.float32)[:, None]).astype(x.dtype)
+    y = y if weights is None else y * weights.reshape(-1, 1).astype(mx.float32)
+    return y.reshape(*indices.shape, -1).astype(x.dtype)
 
 
 def _gguf_rows_sample(codec):
@@ -2555,7 +2559,7 @@ def _gguf_rows_mma_fits(codec, inp, itemsize, row_bytes):
 def _gguf_rows_tensor_cores(x, codec, row_bytes, glu):
     """Whether the tensor-core body takes x (bfloat16 or float16, fits, its self-check passed): a function of
     the shapes and dtype, never of the pairs."""
-    return (x.dtype in (mx.bfloat16, mx.float16) and _gguf_rows_mma_fits(codec, x.shape[1], x.itemsize, row_bytes)
+    return (x.dtype in (mx.bfloat16, mx.float16) and _gguf_rows_mma_fits(codec, x.shape[-1], x.itemsize, row_bytes)
             and (GGUF_ROWS_GLU_MMA if glu else GGUF_ROWS_MMA).backend() == "cuda")
 
 
@@ -2563,7 +2567,7 @@ def _gguf_rows_mma_cuda(x, w, indices, codec, up=None, limit=None, weights=None)
     """`_gguf_rows_cuda` through the tensor-core body (x bfloat16 or float16)."""
     from ds4_mlx.models import gguf_blocks
 
-    (rows, inp), out, pairs = x.shape, w.shape[1], indices.size
+    rows, inp, out, pairs = x.size // x.shape[-1], x.shape[-1], w.shape[1], indices.size
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
     inputs = [x, w, indices, lattice, ksigns] + ([] if up is None else [up])
     inputs += [] if weights is None else [weights.astype(mx.float32)]
@@ -2573,7 +2577,7 @@ def _gguf_rows_mma_cuda(x, w, indices, codec, up=None, limit=None, weights=None)
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
                   ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])),
                   ("STRIDE", _gguf_rows_stride(w.shape[-1])), *_dtype_keys(inputs)],
-        grid=(pairs * tiles * 128, 1, 1), threadgroup=(128, 1, 1), output_shapes=[(pairs, out)],
+        grid=(pairs * tiles * 128, 1, 1), threadgroup=(128, 1, 1), output_shapes=[(*indices.shape, out)],
         output_dtypes=[x.dtype])[0]
 
 
@@ -2603,8 +2607,9 @@ GGUF_ROWS_GLU_MMA.launches["cuda"] = lambda x, gate, up, indices, codec, limit: 
 
 
 def _gguf_rows_apply(kernel, x, w, indices, codec):
-    return not (kernel is None or indices.size > GGUF_ROWS_MAX_PAIRS or indices.size % x.shape[0] or x.shape[1] % 256
-                or _gguf_rows_warps(codec, x.shape[1], x.itemsize, w.shape[-1]) is None or kernel.backend() is None)
+    inp = x.shape[-1]
+    return not (kernel is None or indices.size > GGUF_ROWS_MAX_PAIRS or indices.size % (x.size // inp) or inp % 256
+                or _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1]) is None or kernel.backend() is None)
 
 
 def gguf_rows(x, w, indices, codec, weights=None):

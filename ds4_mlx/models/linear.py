@@ -156,7 +156,7 @@ def plus_product(layer, x, addend):
     """addend + layer(x), where addend is x's rows of the output [..., out] or of several terms to sum first
     [..., terms, out]; one launch for a few rows of an 8-bit layer, rounded as the plain sums are."""
     rows = _few_rows_of(x, layer) if addend.dtype == x.dtype else None
-    y = None if rows is None else kernels.few_rows(rows, *_one_map(layer), addend=reshaped(addend, rows.shape[0], -1))
+    y = None if rows is None else kernels.few_rows(rows, *_one_map(layer), addend=addend)  # read flat
     if y is not None:
         return y.reshape(x.shape[:-1] + addend.shape[-1:])
     return (addend.sum(axis=-2) if addend.ndim > x.ndim else addend) + layer(x)
@@ -319,7 +319,7 @@ def gguf_gather_product(x, w, indices, codec, sorted_indices):
                                                sorted_indices=sorted_indices)
     if x.shape[-2] == 1:
         lead = tuple(indices.shape)
-        y = kernels.gguf_rows(_pair_rows(x, lead), w, reshaped(indices, -1), codec)
+        y = kernels.gguf_rows(_pair_rows(x, lead), w, indices, codec)
         if y is not None:
             return reshaped(y, *lead, 1, -1)
     return x @ gguf_dequantized(w[indices], codec, x.dtype).swapaxes(-1, -2)
@@ -334,11 +334,8 @@ def gguf_expert_rows(experts, x, chosen, limit, weights=None):
     if (not all(isinstance(m, GGUFSwitchLinear) for m in (gate, up, down)) or gate.gguf_type != up.gguf_type
             or (gguf_blocks.path() == "kquant" and x.dtype != mx.float32)):
         return None
-    pairs = reshaped(chosen, -1)
-    h = kernels.gguf_rows_glu(x, gate.weight, up.weight, pairs, gate.gguf_type, limit)
-    y = None if h is None else kernels.gguf_rows(h, down.weight, pairs, down.gguf_type,
-                                                 None if weights is None else reshaped(weights, -1))
-    return None if y is None else reshaped(y, *chosen.shape, -1)
+    h = kernels.gguf_rows_glu(x, gate.weight, up.weight, chosen, gate.gguf_type, limit)
+    return None if h is None else kernels.gguf_rows(h, down.weight, chosen, down.gguf_type, weights)
 
 
 class GGUFSwitchLinear(nn.Module):
