@@ -1005,7 +1005,8 @@ def test_gguf_expert_rows_match_the_plain_experts():
 
 
 def test_gguf_rows_definition_matches_gguf():
-    """The kernel's definition, on any device, against the `gguf` package (the CUDA test's oracle too)."""
+    """The kernel's definition, on any device, against the `gguf` package (the CUDA test's oracle too), and in
+    the shape of its indices."""
     import numpy as np
     import gguf.quants
     from gguf import GGMLQuantizationType as T
@@ -1018,6 +1019,10 @@ def test_gguf_rows_definition_matches_gguf():
         got = np.array(kernels.gguf_rows_reference(x, w, indices, codec))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
         assert kernels.gguf_rows(x, w, indices, codec) is None  # no kernel on the CPU: the caller's own path
+        # a token's experts as the router gives them ([T, k]): the same rows in that shape
+        by_token = kernels.gguf_rows_reference(x, w, indices.reshape(x.shape[0], -1), codec)
+        assert by_token.shape == (x.shape[0], indices.size // x.shape[0], w.shape[1])
+        assert (np.array(by_token).reshape(got.shape) == got).all()
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no Metal or CUDA device")

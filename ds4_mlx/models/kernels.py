@@ -2586,13 +2586,8 @@ def _gguf_rows_mma_samples(glu):
     matrix for the GLU form): a row of 512 (two blocks), 8 output rows (half a tile)."""
     samples = []
     for codec in _GGUF_CODECS:
-        x, w, indices, _ = _gguf_rows_sample(codec)
-        for dtype in (mx.bfloat16, mx.float16):
-            if glu:
-                samples.append(_gguf_rows_glu_sample(codec))
-                samples[-1] = (x.astype(dtype), *samples[-1][1:])
-            else:
-                samples.append((x.astype(dtype), w, indices, codec, _gguf_rows_weighted_sample(codec)[-1]))
+        x, *rest = _gguf_rows_glu_sample(codec) if glu else _gguf_rows_weighted_sample(codec)
+        samples += [(x.astype(dtype), *rest) for dtype in (mx.bfloat16, mx.float16)]
     return samples
 
 
