@@ -2463,28 +2463,32 @@ def _gguf_rows_warps(codec, inp, itemsize, row_bytes):
                 None)
 
 
-def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None, weights=None):
+def _gguf_rows_cuda(x, w, indices, codec, up=None, limit=None, weights=None, tensor_cores=None):
     """x [..., in] (X rows, X dividing P), w uint8 [E, out, row bytes], indices [...] (P pairs, in order) ->
     [..., out] (indices' shape) in x's dtype: pair p's row of x (row p // (P / X)) through expert indices[p];
     with `up` (w's shape) and `limit`, the clamped SwiGLU of that (the gate) and the same through `up`; with
     `weights` (float32, P of them), pair p's row times weights[p]. Kernels read every array flat: no
-    reshape, a node of each step's graph, is needed for any of them."""
+    reshape, a node of each step's graph, is needed for any of them. `tensor_cores`: which body
+    (`_gguf_rows_tensor_cores` where None)."""
     from ds4_mlx.models import gguf_blocks
 
-    if _gguf_rows_tensor_cores(x, codec, w.shape[-1], up is not None):
-        return _gguf_rows_mma_cuda(x, w, indices, codec, up, limit, weights)
     rows, inp, out, pairs = x.size // x.shape[-1], x.shape[-1], w.shape[1], indices.size
-    warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
     lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
     inputs = [x, w, indices, lattice, ksigns] + ([] if up is None else [up])
     inputs += [] if weights is None else [weights.astype(mx.float32)]
-    outs_a_block = warps * (2 if up is None else 1)
-    return _gguf_rows_kernel(limit, weights is not None)(
+    if tensor_cores is None:
+        tensor_cores = _gguf_rows_tensor_cores(x, codec, w.shape[-1], up is not None)
+    if tensor_cores:  # 4 warps a block, 16 A rows: 16 outputs, or 8 of the gate and up matrices
+        threads, outs_a_block, body = 128, 16 if up is None else 8, ("STRIDE", _gguf_rows_stride(w.shape[-1]))
+    else:  # a warp's two rows: two outputs, or one of the gate and up matrices
+        warps = _gguf_rows_warps(codec, inp, x.itemsize, w.shape[-1])
+        threads, outs_a_block, body = warps * 32, warps * (2 if up is None else 1), ("WARPS", warps)
+    return _gguf_rows_kernel(limit, weights is not None, tensor_cores)(
         inputs=inputs,
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
-                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])), ("WARPS", warps),
+                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])), body,
                   *_dtype_keys(inputs)],
-        grid=(pairs * -(-out // outs_a_block) * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
+        grid=(pairs * -(-out // outs_a_block) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(*indices.shape, out)], output_dtypes=[x.dtype])[0]
 
 
@@ -2563,24 +2567,6 @@ def _gguf_rows_tensor_cores(x, codec, row_bytes, glu):
             and (GGUF_ROWS_GLU_MMA if glu else GGUF_ROWS_MMA).backend() == "cuda")
 
 
-def _gguf_rows_mma_cuda(x, w, indices, codec, up=None, limit=None, weights=None):
-    """`_gguf_rows_cuda` through the tensor-core body (x bfloat16 or float16)."""
-    from ds4_mlx.models import gguf_blocks
-
-    rows, inp, out, pairs = x.size // x.shape[-1], x.shape[-1], w.shape[1], indices.size
-    lattice, ksigns = gguf_blocks.iq2xxs_kernel_tables(packed=True)
-    inputs = [x, w, indices, lattice, ksigns] + ([] if up is None else [up])
-    inputs += [] if weights is None else [weights.astype(mx.float32)]
-    tiles = -(-out // (16 if up is None else 8))
-    return _gguf_rows_kernel(limit, weights is not None, tensor_cores=True)(
-        inputs=inputs,
-        template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("OUT", out), ("PAIRS", pairs), ("XROWS", rows),
-                  ("BLOCK", gguf_blocks.row_bytes(codec, 256)), ("WORD", _word(w.shape[-1])),
-                  ("STRIDE", _gguf_rows_stride(w.shape[-1])), *_dtype_keys(inputs)],
-        grid=(pairs * tiles * 128, 1, 1), threadgroup=(128, 1, 1), output_shapes=[(*indices.shape, out)],
-        output_dtypes=[x.dtype])[0]
-
-
 def _gguf_rows_mma_samples(glu):
     """`_gguf_rows_sample`'s inputs in bfloat16 and float16 for each codec (weighted, or through a second
     matrix for the GLU form): a row of 512 (two blocks), 8 output rows (half a tile)."""
@@ -2593,12 +2579,12 @@ def _gguf_rows_mma_samples(glu):
 
 # x and the result 16-bit: the definition's float32 rounded to them may differ from the kernel's in the last bit
 GGUF_ROWS_MMA = Kernel("gguf_rows_tensor_cores", gguf_rows_reference, partial(_gguf_rows_mma_samples, False), 1e-2)
-GGUF_ROWS_MMA.launches["cuda"] = lambda x, w, indices, codec, weights=None: _gguf_rows_mma_cuda(
-    x, w, indices, codec, weights=weights)
+GGUF_ROWS_MMA.launches["cuda"] = lambda x, w, indices, codec, weights=None: _gguf_rows_cuda(
+    x, w, indices, codec, weights=weights, tensor_cores=True)
 GGUF_ROWS_GLU_MMA = Kernel("gguf_rows_glu_tensor_cores", gguf_rows_glu_reference,
                            partial(_gguf_rows_mma_samples, True), 1e-2)
-GGUF_ROWS_GLU_MMA.launches["cuda"] = lambda x, gate, up, indices, codec, limit: _gguf_rows_mma_cuda(
-    x, gate, indices, codec, up, limit)
+GGUF_ROWS_GLU_MMA.launches["cuda"] = lambda x, gate, up, indices, codec, limit: _gguf_rows_cuda(
+    x, gate, indices, codec, up, limit, tensor_cores=True)
 
 
 def _gguf_rows_apply(kernel, x, w, indices, codec):
