@@ -352,7 +352,7 @@ class GGUFSwitchLinear(nn.Module):
         return gguf_gather_product(x, self.weight, indices, self.gguf_type, sorted_indices)
 
     def one(self, x, i):
-        return x @ gguf_dequantized(self.weight[i], self.gguf_type, x.dtype).T
+        return x @ gguf_dequantized(_row(self.weight, i), self.gguf_type, x.dtype).T
 
     def gathers(self, dtype):
         """Whether a big sorted batch should go through `__call__` (mlx-kquant's gather) rather than one
