@@ -1039,6 +1039,11 @@ def test_gguf_dequantize_kernel_matches_gguf(codec):
     assert got.dtype == mx.float32
     want = gguf.quants.dequantize(np.array(w), T[codec.upper()])
     assert np.abs(np.array(got) - want).max() <= 1e-6 * np.abs(want).max()  # a fused multiply-add at most
+    for dtype in (mx.bfloat16, mx.float16):  # written in the product's dtype, each value rounded once
+        got = on_cuda(kernels.gguf_dequantize, w, codec, dtype)
+        assert got.dtype == dtype
+        rounded = np.array(mx.array(want).astype(dtype).astype(mx.float32))
+        assert np.abs(np.array(got.astype(mx.float32)) - rounded).max() <= 2.0 ** -8 * np.abs(want).max()
 
 
 def _few_rows_case(rows, groups, out, inp, dtype, seed=None):

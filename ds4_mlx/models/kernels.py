@@ -2619,15 +2619,15 @@ _GGUF_DEQUANTIZE_CUDA = """
     if (u >= (size_t)ROWS * (IN / 256) * UNITS) return;
     const size_t block = u / UNITS;
     const uint8_t* blk = w + block * BLOCK;
-    float* out = y + block * 256;
+    auto* out = y + block * 256;
     float v[8];
     int at[4];
     if (CODEC == 0) {
         q2k_unit(blk, u % 64, v, at);
-        for (int i = 0; i < 4; ++i) out[at[i]] = v[i];
+        for (int i = 0; i < 4; ++i) store(out + at[i], v[i]);
     } else {
         iq2xxs_unit(blk, u % 32, lattice, ksigns, v);
-        for (int k = 0; k < 8; ++k) out[(u % 32) * 8 + k] = v[k];
+        for (int k = 0; k < 8; ++k) store(out + (u % 32) * 8 + k, v[k]);
     }
 """
 
@@ -2635,10 +2635,10 @@ _GGUF_DEQUANTIZE_CUDA = """
 @lru_cache(maxsize=None)
 def _gguf_dequantize_kernel():
     return mx.fast.cuda_kernel(name="ds4_gguf_dequantize", input_names=["w", "lattice", "ksigns"],
-                               output_names=["y"], source=_GGUF_DEQUANTIZE_CUDA, header=_GGUF_UNITS)
+                               output_names=["y"], source=_GGUF_DEQUANTIZE_CUDA, header=_LOADS + _GGUF_UNITS)
 
 
-def _gguf_dequantize_cuda(w, codec):
+def _gguf_dequantize_cuda(w, codec, dtype):
     from ds4_mlx.models import gguf_blocks
 
     block = gguf_blocks.row_bytes(codec, 256)
@@ -2648,34 +2648,38 @@ def _gguf_dequantize_cuda(w, codec):
     return _gguf_dequantize_kernel()(
         inputs=[w, lattice, ksigns],
         template=[("CODEC", _GGUF_CODECS[codec]), ("IN", inp), ("ROWS", rows), ("BLOCK", block),
-                  ("GROUP", _EXPERT_GROUP)],
+                  ("GROUP", _EXPERT_GROUP), ("OUT_TYPE", dtype)],
         grid=(-(-units // _EXPERT_GROUP) * _EXPERT_GROUP, 1, 1), threadgroup=(_EXPERT_GROUP, 1, 1),
-        output_shapes=[(*w.shape[:-1], inp)], output_dtypes=[mx.float32])[0]
+        output_shapes=[(*w.shape[:-1], inp)], output_dtypes=[dtype])[0]
 
 
 def _gguf_dequantize_sample(codec):
     from ds4_mlx.models import gguf_blocks
 
-    return gguf_blocks.random_blocks(codec, (2, 8, gguf_blocks.row_bytes(codec, 512)), seed=6), codec
+    w = gguf_blocks.random_blocks(codec, (2, 8, gguf_blocks.row_bytes(codec, 512)), seed=6)
+    return [(w, codec, dtype) for dtype in (mx.float32, mx.bfloat16, mx.float16)]
 
 
-def _gguf_dequantize_definition(w, codec):
+def _gguf_dequantize_definition(w, codec, dtype):
     from ds4_mlx.models import gguf_blocks
 
-    return gguf_blocks.dequantize(w, codec)
+    return gguf_blocks.dequantize(w, codec).astype(dtype)
 
 
+# a value a float32 rounding away from the definition's may round to the neighbouring 16-bit value
 GGUF_DEQUANTIZE = {codec: Kernel(f"gguf_dequantize_{codec}", _gguf_dequantize_definition,
-                                 partial(_gguf_dequantize_sample, codec), 1e-6) for codec in _GGUF_CODECS}
+                                 partial(_gguf_dequantize_sample, codec), 2.0 ** -8) for codec in _GGUF_CODECS}
 for _kernel in GGUF_DEQUANTIZE.values():
     _kernel.launches["cuda"] = _gguf_dequantize_cuda
 
 
-def gguf_dequantize(w, codec):
-    """`gguf_blocks.dequantize` (float32) in one kernel on CUDA; None where it does not apply."""
+def gguf_dequantize(w, codec, dtype=mx.float32):
+    """`gguf_blocks.dequantize` as `dtype` values, each rounded once from float32, in one kernel on CUDA
+    (float32 values and a cast would write and read several times the bytes); None where it does not
+    apply."""
     kernel = GGUF_DEQUANTIZE.get(codec)
     kind = None if kernel is None else kernel.backend()
-    return None if kind is None else kernel.launches[kind](w, codec)
+    return None if kind is None else kernel.launches[kind](w, codec, dtype)
 
 
 # ---------------------------------------------------------------------------------------------

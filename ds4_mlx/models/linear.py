@@ -293,7 +293,7 @@ def gguf_dequantized(w, codec, dtype):
     if gguf_blocks.path() == "kquant":
         scales = gguf_blocks.placeholder_scales()
         return gguf_blocks.kquant().dequantize(w, scales, codec, mx.float32).astype(dtype)
-    values = kernels.gguf_dequantize(w, codec)  # one launch on CUDA
+    values = kernels.gguf_dequantize(w, codec, dtype)  # one launch on CUDA
     return (gguf_blocks.dequantize(w, codec) if values is None else values).astype(dtype)
 
 
