@@ -104,6 +104,47 @@ def test_kquant_path(q2_native, monkeypatch):
     assert y.dtype == mx.bfloat16 and np.abs(np.array(y.astype(mx.float32))[:, 0] - want).max() <= 0.05 * np.abs(want).max()
 
 
+def test_expert_loop_matches_transformers(q2_native, monkeypatch):
+    """A prompt's routed experts one product per expert (CUDA's choice) give transformers' logits too; the
+    test above takes spans of experts dequantized at once (the stack is one span at these widths)."""
+    _, out, ids, ref = q2_native
+    monkeypatch.setenv("DS4_MLX_KQUANT", "0")
+    monkeypatch.setenv("DS4_MLX_EXPERT_PATH", "loop")
+    got = _run(_load(out, monkeypatch), ids, [40])
+    assert np.abs(got - ref).max() <= ATOL, np.abs(got - ref).max()
+
+
+@pytest.mark.parametrize("span", [1, 3, 8])
+def test_expert_spans_match_the_gguf_values(monkeypatch, span):
+    """Sorted rows through IQ2_XXS / Q2_K experts in spans of `span` experts dequantized at once, against the
+    `gguf` package's values; the tokens choose 3 of the 8 experts, so some spans have no rows."""
+    from ds4_mlx.models import moe
+    from ds4_mlx.models.args import ModelArgs
+
+    H = I = 256
+    args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=8, num_experts_per_tok=2,
+                     num_hash_layers=0, swiglu_limit=3.0)
+    layer = moe.MoE(args, 0)
+    rng = np.random.default_rng(5)
+    values = {}
+    for name, qtype, out, inp in (("gate", T.IQ2_XXS, I, H), ("up", T.IQ2_XXS, I, H), ("down", T.Q2_K, H, I)):
+        raw, values[name] = random_blocks(qtype, (8, out, inp), rng, std=inp**-0.5)
+        layer.experts[name] = GGUFSwitchLinear(8, inp, out, gguf_blocks.CODECS[qtype])
+        layer.experts[name].weight = mx.array(raw)
+    x = rng.standard_normal((40, H)).astype(np.float32)
+    chosen = rng.choice([1, 2, 6], (40, 2))
+    monkeypatch.setenv("DS4_MLX_KQUANT", "0")
+    monkeypatch.setenv("DS4_MLX_EXPERT_PATH", "gather")
+    monkeypatch.setattr(moe, "SPAN_BYTES", span * I * H * 4)
+    got = np.array(layer._experts(mx.array(x), mx.array(chosen, mx.int32)))
+    gate = np.einsum("th,tkih->tki", x, values["gate"][chosen])
+    up = np.einsum("th,tkih->tki", x, values["up"][chosen])
+    gate = np.minimum(gate, 3.0)
+    h = gate / (1 + np.exp(-gate)) * np.clip(up, -3.0, 3.0)
+    want = np.einsum("tki,tkhi->tkh", h, values["down"][chosen])
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.IQ2_XXS, T.Q4_K], ids=lambda t: t.name)
 def test_dequantize_matches_gguf(qtype):
     """The plain definition gives the `gguf` package's values bit for bit, on any leading shape."""

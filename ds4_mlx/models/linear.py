@@ -227,6 +227,15 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
                                group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
+def gather_product(x, w, indices, sorted_indices=False):
+    """x [..., M, in] times the maps w[indices] [..., out, in] transposed (`mx.gather_mm`), in w's dtype."""
+    wide = w
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:  # MLX's CPU gather_mm is float32 only
+        x, wide = x.astype(mx.float32), w.astype(mx.float32)
+    y = mx.gather_mm(x, wide.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+    return y.astype(w.dtype)
+
+
 class SwitchLinear(nn.Module):
     """A stack of linear maps [n, out, in]; each token row picks its own (the routed experts)."""
 
@@ -235,11 +244,7 @@ class SwitchLinear(nn.Module):
         self.weight = mx.zeros((n, output_dims, input_dims))
 
     def __call__(self, x, indices, sorted_indices=False):
-        w = self.weight
-        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:  # MLX's CPU gather_mm is float32 only
-            x, w = x.astype(mx.float32), w.astype(mx.float32)
-        y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
-        return y.astype(self.weight.dtype)
+        return gather_product(x, self.weight, indices, sorted_indices)
 
     def one(self, x, i):
         """x [n, in] through map i alone."""
@@ -354,7 +359,13 @@ class GGUFSwitchLinear(nn.Module):
     def one(self, x, i):
         return x @ gguf_dequantized(_row(self.weight, i), self.gguf_type, x.dtype).T
 
+    def span(self, x, indices, first, last):
+        """x [P, 1, in] through the maps `indices` [P] (sorted, counted from `first`) of the span first..last
+        of the stack: the span dequantized at once, then one sorted gather product."""
+        return gather_product(x, gguf_dequantized(self.weight[first:last], self.gguf_type, x.dtype), indices,
+                              sorted_indices=True)
+
     def gathers(self, dtype):
-        """Whether a big sorted batch should go through `__call__` (mlx-kquant's gather) rather than one
-        dequantize-then-product per expert (`MoE._expert_loop`)."""
+        """Whether a big sorted batch should go through `__call__` (mlx-kquant's gather) rather than spans
+        of experts dequantized at once (`MoE._expert_spans`)."""
         return gguf_blocks.path() == "kquant" and dtype != mx.float32

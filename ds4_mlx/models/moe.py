@@ -14,9 +14,14 @@ from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, 
                                   plus_product, swiglu_product)
 
 
-# routed-expert products for big batches: "gather" (sorted gather_qmm) or "loop" (one product per
-# expert); chosen per backend from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
+# routed-expert products for big batches: "gather" (sorted gather_qmm; GGUF experts off mlx-kquant: spans of
+# experts dequantized at once, then sorted gather_mm) or "loop" (one product per expert); chosen per backend
+# from measurements (docs/PERFORMANCE.md), DS4_MLX_EXPERT_PATH overrides
 EXPERT_PATHS = {"cuda": "loop"}
+
+# the most bytes one matrix's span of experts takes dequantized on the gather path of GGUF experts (a span's
+# three matrices are alive at once)
+SPAN_BYTES = 1 << 28
 
 
 def expert_path():
@@ -96,11 +101,12 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         order = mx.argsort(flat)
         xs, idx = x[order // k], flat[order]
-        gathers = getattr(self.experts["gate"], "gathers", lambda dtype: True)(xs.dtype)
-        if expert_path() == "loop" or not gathers:
+        if expert_path() == "loop":
             y = self._expert_loop(xs, idx)
-        else:
+        elif getattr(self.experts["gate"], "gathers", lambda dtype: True)(xs.dtype):
             y = self._glu(xs[:, None, :], idx, True)[:, 0, :]
+        else:
+            y = self._expert_spans(xs, idx)
         return y[mx.argsort(order)].reshape(T, k, -1)
 
     def _glu(self, xs, idx, sorted_):
@@ -108,11 +114,15 @@ class MoE(nn.Module):
         h = clamped_swiglu(e["gate"](xs, idx, sorted_), e["up"](xs, idx, sorted_), limit)
         return e["down"](h, idx, sorted_)
 
+    def _rows_per_expert(self, idx):
+        """The sorted rows' count for each expert, read on the host (a sync)."""
+        return mx.zeros((self.args.n_routed_experts,), mx.int32).at[idx].add(1).tolist()
+
     def _expert_loop(self, xs, idx):
-        """One product per expert over its contiguous rows (a sync to read the row counts): on CUDA this
-        beats `gather_qmm`, which does not batch the rows of an expert."""
+        """One product per expert over its contiguous rows: on CUDA this beat `gather_qmm` when measured, which
+        did not batch the rows of an expert."""
         e, limit = self.experts, self.args.swiglu_limit
-        counts = mx.zeros((self.args.n_routed_experts,), mx.int32).at[idx].add(1).tolist()
+        counts = self._rows_per_expert(idx)
         # half-precision products get a kernel built per row count: round the rows up to a few sizes
         # (the extra rows are the next expert's, or zeros at the end, and their outputs are dropped)
         step = 16 if xs.dtype in (mx.bfloat16, mx.float16) else 1
@@ -125,4 +135,22 @@ class MoE(nn.Module):
                 y = e["down"].one(clamped_swiglu(e["gate"].one(rows, i), e["up"].one(rows, i), limit), i)
                 outs.append(y[:n] if step > 1 else y)
                 start += n
+        return mx.concatenate(outs)
+
+    def _expert_spans(self, xs, idx):
+        """GGUF experts a span at a time: each matrix's span of experts dequantized in one launch and the
+        span's rows through it in one sorted gather product (a product per expert makes a chunk's graph
+        thousands of nodes a layer)."""
+        e, limit = self.experts, self.args.swiglu_limit
+        counts = self._rows_per_expert(idx)
+        width = max(1, SPAN_BYTES // (e["gate"].weight.shape[1] * xs.shape[-1] * xs.dtype.size))
+        outs, start = [], 0
+        for first in range(0, len(counts), width):
+            last = min(first + width, len(counts))
+            rows = sum(counts[first:last])
+            if rows:
+                x, at = xs[start : start + rows, None, :], idx[start : start + rows] - first
+                h = clamped_swiglu(e["gate"].span(x, at, first, last), e["up"].span(x, at, first, last), limit)
+                outs.append(e["down"].span(h, at, first, last)[:, 0, :])
+                start += rows
         return mx.concatenate(outs)
