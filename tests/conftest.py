@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 
 mx.set_default_device(mx.cpu)
-# MLX compiles the CPU kernels of compiled functions with the g++ it finds on PATH: tests/bin/g++ makes the
-# library a process writes into the cache the test processes share appear whole
+# MLX compiles the CPU kernels of compiled functions with the g++ it finds on PATH: tests/bin/g++ makes each
+# library appear whole in the cache the test processes share, and compiles the kernels' preamble once
 os.environ["PATH"] = f"{Path(__file__).parent / 'bin'}{os.pathsep}{os.environ['PATH']}"
 # MLX's CPU allocator keeps few freed buffers for reuse by default: the tests at the real cache geometry
 # free far larger temporaries every step, and each new one is a fresh mapping whose pages fault in one by

@@ -119,8 +119,8 @@ class MoE(nn.Module):
         return mx.zeros((self.args.n_routed_experts,), mx.int32).at[idx].add(1).tolist()
 
     def _expert_loop(self, xs, idx):
-        """One product per expert over its contiguous rows: on CUDA this beat `gather_qmm` when measured, which
-        did not batch the rows of an expert."""
+        """One product per expert over its contiguous rows (CUDA's choice: when it was measured, `gather_qmm`
+        did not batch an expert's rows)."""
         e, limit = self.experts, self.args.swiglu_limit
         counts = self._rows_per_expert(idx)
         # half-precision products get a kernel built per row count: round the rows up to a few sizes
