@@ -135,7 +135,7 @@ def test_expert_spans_match_the_gguf_values(monkeypatch, span):
     chosen = rng.choice([1, 2, 6], (40, 2))
     monkeypatch.setenv("DS4_MLX_KQUANT", "0")
     monkeypatch.setenv("DS4_MLX_EXPERT_PATH", "gather")
-    monkeypatch.setattr(moe, "SPAN_BYTES", span * I * H * 4)
+    monkeypatch.setenv("DS4_MLX_SPAN_BYTES", str(span * I * H * 4))
     got = np.array(layer._experts(mx.array(x), mx.array(chosen, mx.int32)))
     gate = np.einsum("th,tkih->tki", x, values["gate"][chosen])
     up = np.einsum("th,tkih->tki", x, values["up"][chosen])

@@ -20,12 +20,17 @@ from ds4_mlx.models.linear import (Linear, QuantizedSwitchLinear, SwitchLinear, 
 EXPERT_PATHS = {"cuda": "loop"}
 
 # the most bytes one matrix's span of experts takes dequantized on the gather path of GGUF experts (a span's
-# three matrices are alive at once)
+# three matrices are alive at once; a stack within it is one span, which needs no sync); DS4_MLX_SPAN_BYTES
+# overrides
 SPAN_BYTES = 1 << 28
 
 
 def expert_path():
     return os.environ.get("DS4_MLX_EXPERT_PATH") or EXPERT_PATHS.get(backend(), "gather")
+
+
+def span_bytes():
+    return int(os.environ.get("DS4_MLX_SPAN_BYTES") or SPAN_BYTES)
 
 
 # token-expert pairs below which a MoE call is decode-sized: one compiled graph, the fused expert
@@ -140,17 +145,25 @@ class MoE(nn.Module):
     def _expert_spans(self, xs, idx):
         """GGUF experts a span at a time: each matrix's span of experts dequantized in one launch and the
         span's rows through it in one sorted gather product (a product per expert makes a chunk's graph
-        thousands of nodes a layer)."""
-        e, limit = self.experts, self.args.swiglu_limit
+        thousands of nodes a layer). A stack that is one span needs no row counts, so no sync."""
+        n = self.args.n_routed_experts
+        width = max(1, span_bytes() // (self.experts["gate"].weight.shape[1] * xs.shape[-1] * xs.dtype.size))
+        if width >= n:
+            return self._span(xs[:, None, :], idx, 0, n)[:, 0, :]
         counts = self._rows_per_expert(idx)
-        width = max(1, SPAN_BYTES // (e["gate"].weight.shape[1] * xs.shape[-1] * xs.dtype.size))
         outs, start = [], 0
-        for first in range(0, len(counts), width):
-            last = min(first + width, len(counts))
+        for first in range(0, n, width):
+            last = min(first + width, n)
             rows = sum(counts[first:last])
             if rows:
-                x, at = xs[start : start + rows, None, :], idx[start : start + rows] - first
-                h = clamped_swiglu(e["gate"].span(x, at, first, last), e["up"].span(x, at, first, last), limit)
-                outs.append(e["down"].span(h, at, first, last)[:, 0, :])
+                outs.append(self._span(xs[start : start + rows, None, :], idx[start : start + rows] - first, first,
+                                       last)[:, 0, :])
                 start += rows
         return mx.concatenate(outs)
+
+    def _span(self, x, at, first, last):
+        """Rows x [P, 1, in] through the experts `at` [P] (sorted, counted from `first`) of the span first..last."""
+        e = self.experts
+        h = clamped_swiglu(e["gate"].span(x, at, first, last), e["up"].span(x, at, first, last),
+                           self.args.swiglu_limit)
+        return e["down"].span(h, at, first, last)
