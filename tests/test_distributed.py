@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from ds4_mlx.models.gguf_names import held_name
 from ds4_mlx.session import Session
 from ds4_mlx.tools import pipeline_check as check
 from ds4_mlx.tools.drafters import random_dspark, random_mtp
-from ds4_mlx.tools.testing import gguf_metadata, tiny_args, tiny_pro_args, write_gguf
+from ds4_mlx.tools.testing import free_ports, gguf_metadata, tiny_args, tiny_pro_args, write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -35,44 +34,28 @@ pytestmark = pytest.mark.skipif(not LAUNCH.exists() or not mx.distributed.is_ava
                                 reason="needs mlx.launch and MLX's distributed layer")
 
 
-def free_port(span):
-    """A port with the `span` after it free too (mlx.launch takes one a rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span < 65536 and all(_free(port + i) for i in range(1, span)):
-            return port
-    raise RuntimeError("no free ports")
-
-
-def _free(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def launch_command(ranks, *command):
     return [str(LAUNCH), "-n", str(ranks), "--hosts", "127.0.0.1", "--backend", "ring",
-            "--starting-port", str(free_port(ranks)), "--env", f"PYTHONPATH={REPO}",
+            "--starting-port", str(free_ports(ranks)), "--env", f"PYTHONPATH={REPO}",
             "--env", f"DS4_MLX_HOME={os.environ.get('DS4_MLX_HOME', '')}",
             "--env", f"DS4_MLX_RANK_TIMEOUT={os.environ.get('DS4_MLX_RANK_TIMEOUT', '600')}", "--", sys.executable, *command]
 
 
 def launched(ranks, *command, timeout=120):
-    """mlx.launch's run of `command` on `ranks` ranks; all of them stopped if it takes too long (mlx.launch
-    does not pass a signal on to the ranks it started)."""
-    process = subprocess.Popen(launch_command(ranks, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+    """mlx.launch's run of `command` on `ranks` ranks, on other ports where a rank could not bind its own (a
+    port found free may be taken before); all of them stopped if it takes too long (mlx.launch does not pass
+    a signal on to the ranks it started)."""
+    for _ in range(3):
+        process = subprocess.Popen(launch_command(ranks, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, start_new_session=True)
+        try:
+            out, err = process.communicate(timeout=timeout)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+        if "Couldn't bind socket" not in out + err:
+            break
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
@@ -226,7 +209,7 @@ def test_generate_prints_what_one_process_prints(demo, capsys, tmp_path):
 def start_ranks(ranks, folder, *command):
     """The processes mlx.launch would start (the ring's host file, MLX_RANK), each with its own pipes: under
     mlx.launch a rank's exit makes it stop the others at once, and drop what they print after that."""
-    port = free_port(ranks)
+    port = free_ports(ranks)
     hostfile = folder / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(ranks)]))
     return [subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -426,7 +409,7 @@ def test_the_server_on_two_ranks_answers_as_one_process_restarts_from_disk_and_s
                                                            temperature=0)) for m in asks]
 
     def serving():
-        port = free_port(1)
+        port = free_ports(1)
         ranks = start_ranks(2, tmp_path, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", "8192",
                             "--sessions", "2", "--model-id", DEMO_MODEL_ID, "--kv-disk-dir", str(disk))
         wait_healthy(f"http://127.0.0.1:{port}", ranks[0])

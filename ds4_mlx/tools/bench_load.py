@@ -199,17 +199,13 @@ def _quantile(sorted_values: list[float], q: float):
 # ---------------------------------------------------------------- `ds4-mlx bench load`
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(sessions: int, ctx: int, batch: int):
     """`ds4-mlx serve` on the demo model in a child process; (url, process) once it answers."""
     import requests
 
-    port = _free_port()
+    from ds4_mlx.tools.testing import free_ports
+
+    port = free_ports()
     process = subprocess.Popen([sys.executable, "-m", "ds4_mlx.cli", "serve", "--port", str(port), "--ctx", str(ctx),
                                 "--sessions", str(sessions), "--batch", str(batch)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -423,16 +423,35 @@ def request_lines(caplog) -> list[dict]:
             for r, o in ((r, r.outcome) for r in records)]
 
 
+def free_ports(span=1):
+    """The first of `span` consecutive ports of 127.0.0.1 that are all free now (for a server, or the ranks of
+    `mlx.launch`, which take one each from the first on)."""
+    import socket
+
+    def free(port):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + span <= 65536 and all(free(first + i) for i in range(1, span)):
+            return first
+    raise RuntimeError(f"no {span} consecutive free ports")
+
+
 def serve_process(*args, command=("-m", "ds4_mlx.cli", "serve"), **popen):
     """Start `ds4-mlx serve ARGS` (or another `command`) on a free port; return (process, url) once /health
     says ok. `popen` goes to subprocess.Popen (by default the output is collected on stdout)."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports()
     popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
     process = subprocess.Popen([sys.executable, *command, *args, "--port", str(port)], **popen)
     url = f"http://127.0.0.1:{port}"
