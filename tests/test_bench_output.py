@@ -108,7 +108,7 @@ QUICK = {
     "parity": ["--tokens", "16", "--decode", "2", "--modes", "exact"],
     "batch": ["--streams", "1", "--context", "32", "--decode", "1"],
     "speculative": ["--context", "32", "--decode", "4", "--repeats", "1"],
-    "graph": ["--context", "32", "--shapes", "decode,decode:2,verify:3"],
+    "graph": ["--context", "32", "--shapes", "decode,decode:2,verify:3,experts:128"],
 }
 
 

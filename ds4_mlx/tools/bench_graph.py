@@ -1,5 +1,6 @@
-"""`ds4-mlx bench graph`: the nodes of one decoded token's graph (or of a pooled step of B streams, or of
-a verify of K drafted rows) as MLX's CUDA build runs it, counted on any machine. A decoded token is bound by the host's time, which grows with every node (a kernel's
+"""`ds4-mlx bench graph`: the nodes of one decoded token's graph (or of a pooled step of B streams, of a
+verify of K drafted rows, or of a prompt chunk's routed experts) as MLX's CUDA build runs it, counted on
+any machine. A decoded token is bound by the host's time, which grows with every node (a kernel's
 encoding, or a view's bookkeeping), so this count is what the kernel work cuts; a GPU is needed only to
 time it (`bench kernels`).
 
@@ -120,10 +121,27 @@ def _step_graph(model, sessions, rows):
     return model.forward(ids, pool.views(caches), last_only=True)
 
 
+def _experts_graph(tokens):
+    """The lazy graph of a prompt chunk's routed experts (`MoE._experts`) at Flash's widths and expert count,
+    GGUF blocks as the q2 file holds them, each token's experts drawn at random. Nothing is evaluated but
+    the rows' counts a path may read."""
+    from ds4_mlx.models.args import ModelArgs
+    from ds4_mlx.models.linear import GGUFSwitchLinear
+    from ds4_mlx.models.moe import MoE
+
+    args = ModelArgs()
+    H, I, E = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
+    layer = MoE(args, args.num_hash_layers)  # a top-k layer; its arrays stay unevaluated zeros
+    for name, codec, inputs, outputs in (("gate", "iq2_xxs", H, I), ("up", "iq2_xxs", H, I), ("down", "q2_k", I, H)):
+        layer.experts[name] = GGUFSwitchLinear(E, inputs, outputs, codec)
+    picks = np.argsort(np.random.default_rng(0).random((tokens, E)), axis=1)[:, : args.num_experts_per_tok]
+    return layer._experts(mx.zeros((tokens, H), mx.bfloat16), mx.array(picks.astype(np.int32)))
+
+
 def bench_graph(a):
     """Nodes of each step's graph (a decoded token, a pooled step of B streams, a verify of K rows) on the
     CUDA path, by kind, for a model of every layer kind at widths that hold the q2 layout's blocks
-    (`--like q2`, native experts)."""
+    (`--like q2`, native experts); and of a prompt chunk's routed experts at Flash's widths."""
     from ds4_mlx.models.args import ModelArgs
     from ds4_mlx.session import Session
     from ds4_mlx.tools.bench_kernels import forks
@@ -145,20 +163,23 @@ def bench_graph(a):
     for spec in a.shapes.split(","):
         kind, _, n = spec.partition(":")
         n = int(n or 1)
-        if kind not in ("decode", "verify"):
-            raise ValueError(f"unknown shape {spec!r}: use decode, decode:B or verify:K")
+        if kind not in ("decode", "verify", "experts"):
+            raise ValueError(f"unknown shape {spec!r}: use decode, decode:B, verify:K or experts:T")
         streams, rows = (n, 1) if kind == "decode" else (1, n)
-        sessions = forks(first, streams) if streams > 1 else [first]
+        layers = 1 if kind == "experts" else args.num_hidden_layers
         with cuda_path():
-            counts = count_nodes(list(_step_graph(model, sessions, rows)))
+            if kind == "experts":
+                counts = count_nodes([_experts_graph(n)])
+            else:
+                counts = count_nodes(list(_step_graph(model, forks(first, streams) if streams > 1 else [first],
+                                                      rows)))
         views = sum(v for k, v in counts.items() if k in VIEWS)
         kernels = sum(counts.values()) - views
         results.append({"shape": spec, "streams": streams, "rows": rows, "nodes": sum(counts.values()),
-                        "kernels": kernels, "views": views,
-                        "per_layer": round(sum(counts.values()) / args.num_hidden_layers, 1),
+                        "kernels": kernels, "views": views, "per_layer": round(sum(counts.values()) / layers, 1),
                         "most": ", ".join(f"{k} {n}" for k, n in counts.most_common(6))})
-        print(f"{spec}: {sum(counts.values())} nodes ({kernels} kernels, {views} views), "
-              f"{args.num_hidden_layers} layers", flush=True)
+        print(f"{spec}: {sum(counts.values())} nodes ({kernels} kernels, {views} views), {layers} layer(s)",
+              flush=True)
         for kind, n in counts.most_common():
             print(f"    {n:5d}  {kind}", flush=True)
     kinds = Counter(args.layer_type(i) for i in range(args.num_hidden_layers))
@@ -172,7 +193,9 @@ def options(q):
                    "its ratios 4 and 16)")
     q.add_argument("--shapes", default="decode,decode:8,verify:6",
                    help="comma-separated: decode (one token), decode:B (B streams from a pool in one step), "
-                   "verify:K (K drafted rows on one session, logits at every row)")
+                   "verify:K (K drafted rows on one session, logits at every row), experts:T (one layer's "
+                   "routed experts for a prompt chunk of T tokens, Flash's widths and 256 GGUF experts, on the "
+                   "path DS4_MLX_EXPERT_PATH and DS4_MLX_SPAN_BYTES choose)")
     q.add_argument("--quant-sim", action="store_true", help="ds4's roundings of the cached rows (FP8 kv rows, FP4 "
                    "index rows), as loading a file gives by default")
     q.add_argument("--full", action="store_true", help="the real model's layers, their kinds (window, ratio 4, "
