@@ -25,7 +25,7 @@ from ds4_mlx.models.gguf_names import held_name
 from ds4_mlx.session import Session
 from ds4_mlx.tools import pipeline_check as check
 from ds4_mlx.tools.drafters import random_dspark, random_mtp
-from ds4_mlx.tools.testing import free_ports, gguf_metadata, tiny_args, tiny_pro_args, write_gguf
+from ds4_mlx.tools.testing import free_ports, gguf_metadata, run_launch, tiny_args, tiny_pro_args, write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -42,21 +42,8 @@ def launch_command(ranks, *command):
 
 
 def launched(ranks, *command, timeout=120):
-    """mlx.launch's run of `command` on `ranks` ranks, on other ports where a rank could not bind its own (a
-    port found free may be taken before); all of them stopped if it takes too long (mlx.launch does not pass
-    a signal on to the ranks it started)."""
-    for _ in range(3):
-        process = subprocess.Popen(launch_command(ranks, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, start_new_session=True)
-        try:
-            out, err = process.communicate(timeout=timeout)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.communicate()
-        if "Couldn't bind socket" not in out + err:
-            break
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    """mlx.launch's run of `command` on `ranks` ranks (`run_launch`)."""
+    return run_launch(lambda: launch_command(ranks, *command), timeout)
 
 
 def launch(ranks, *command, timeout=120):

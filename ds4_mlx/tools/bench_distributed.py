@@ -8,7 +8,6 @@ cross between ranks per token, and what they take over Thunderbolt 5 and 10 GbE.
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,7 +92,7 @@ def bench_distributed(a):
     from ds4_mlx.demo import demo_model_path
     from ds4_mlx.loader import load
     from ds4_mlx.session import Session
-    from ds4_mlx.tools.testing import free_ports
+    from ds4_mlx.tools.testing import free_ports, run_launch
 
     launcher = Path(sys.executable).parent / "mlx.launch"
     if not launcher.exists():
@@ -105,14 +104,10 @@ def bench_distributed(a):
     one = measure(Session(model, rewind_slack=0), ids, a.decode)
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "ranks.npz"
-        for _ in range(3):  # a port found free may be taken before a rank binds it: then other ports
-            command = [str(launcher), "-n", str(a.ranks), "--hosts", "127.0.0.1", "--backend", "ring",
-                       "--starting-port", str(free_ports(a.ranks)), "--", sys.executable, "-m",
-                       "ds4_mlx.tools.bench_distributed", path, str(out), "--prompt", str(a.prompt),
-                       "--decode", str(a.decode)]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=a.timeout)
-            if out.exists() or "Couldn't bind socket" not in done.stdout + done.stderr:
-                break
+        done = run_launch(lambda: [str(launcher), "-n", str(a.ranks), "--hosts", "127.0.0.1", "--backend", "ring",
+                                   "--starting-port", str(free_ports(a.ranks)), "--", sys.executable, "-m",
+                                   "ds4_mlx.tools.bench_distributed", path, str(out), "--prompt", str(a.prompt),
+                                   "--decode", str(a.decode)], a.timeout)
         if not out.exists():
             raise RuntimeError(f"the {a.ranks} processes gave no figures: {(done.stdout + done.stderr).strip()[-2000:]}")
         many = np.load(out)

@@ -445,6 +445,29 @@ def free_ports(span=1):
     raise RuntimeError(f"no {span} consecutive free ports")
 
 
+def run_launch(command_for, timeout):
+    """The run of `command_for()`, an mlx.launch command line whose ports it picks, as a CompletedProcess
+    with its output; again with a new command where a rank could not bind its port (one found free may be
+    taken before). Stopped with every rank it started past `timeout` seconds (mlx.launch passes no signal
+    on to them)."""
+    import os
+    import signal
+    import subprocess
+
+    for _ in range(3):
+        process = subprocess.Popen(command_for(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+        try:
+            out, err = process.communicate(timeout=timeout)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+        if "Couldn't bind socket" not in out + err:
+            break
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
 def serve_process(*args, command=("-m", "ds4_mlx.cli", "serve"), **popen):
     """Start `ds4-mlx serve ARGS` (or another `command`) on a free port; return (process, url) once /health
     says ok. `popen` goes to subprocess.Popen (by default the output is collected on stdout)."""
